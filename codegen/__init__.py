@@ -1,0 +1,1 @@
+"""ops.yaml + ATen schemas (via torchgen) -> generated/ (dispatch shims and emitters)."""

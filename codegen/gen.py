@@ -1,0 +1,124 @@
+"""Render generated/ from ops.yaml and the ATen schemas."""
+
+from __future__ import annotations
+
+import os
+
+import jinja2
+
+from codegen import registry, schema
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEMPLATES = os.path.join(ROOT, "codegen", "templates")
+
+
+def _ident(name: str) -> str:
+    op, ov = name.split(".")
+    return op if ov == "default" else f"{op}_{ov}"
+
+
+def _aten(name: str) -> str:
+    op, ov = name.split(".")
+    return f"aten.{op}.{ov}"
+
+
+def _params(args, extra_default: bool = False) -> str:
+    """A Python parameter list mirroring the schema (keyword-only after ``*``)."""
+    pos = [a for a in args if not a.kwarg_only]
+    kw = [a for a in args if a.kwarg_only]
+
+    def p(a):
+        return a.py if a.default is None else f"{a.py}={a.default}"
+
+    parts = [p(a) for a in pos]
+    if kw:
+        parts += ["*"] + [p(a) for a in kw]
+    return ", ".join(parts)
+
+
+def _kinds(e: registry.Entry, args) -> list[str]:
+    return ["STATIC" if a.py in e.static else a.kind for a in args]
+
+
+class _Spec:
+    """What the templates need for one OpSpec (functional, in-place or scatter)."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def build(entries):
+    schemas, groups = schema.load()
+    lowerings, specs, shims, factories = [], [], [], []
+    for e in entries:
+        s = e.schema
+        fargs = [a for a in s.args if not a.is_out]
+        fn = _ident(e.name)
+        names = [a.name for a in fargs] + (["seed"] if e.random else [])
+        kinds = _kinds(e, fargs) + (["GENERATOR"] if e.random else [])
+        pys = [a.py for a in fargs] + (["seed"] if e.random else [])
+        body = e.lower if e.lower is not None else f"L.{e.helper}(out, {', '.join(pys)})"
+        lowerings.append(dict(fn=fn, params=", ".join(["out"] + pys), body=body))
+        call_args = ", ".join([a.py for a in fargs] + (["None"] if e.random else []))
+        call_args = f"({call_args},)" if call_args else "()"
+        common = dict(
+            names=tuple(names),
+            kinds=", ".join(kinds),
+            kwarg_only=tuple([a.kwarg_only for a in fargs] + ([True] if e.random else [])),
+            returns=s.returns,
+            promote=repr(e.promote),
+            promote_args=repr(e.promote_args or None),
+            emit=f"E.{fn}",
+        )
+        var = f"S_{fn}"
+        scatter_var = "None"
+        if e.scatter is not None:
+            rest = [a.py for a in fargs[1:]]
+            lowerings.append(dict(fn=fn + "__scatter", params=", ".join(["out", "self", "src"] + rest + ["idx"]),
+                                  body=e.scatter))  # fmt: skip
+            scatter_var = f"S_{fn}__scatter"
+            specs.append(_Spec(var=scatter_var, name=e.name + ".scatter", overload="None", emit=f"E.{fn}__scatter",
+                               names=tuple(["self", "src"] + [a.name for a in fargs[1:]] + ["idx"]),
+                               kinds=", ".join(["TENSOR", "TENSOR"] + ["STATIC"] * len(fargs)),
+                               kwarg_only=tuple([False] * (len(fargs) + 2)), returns="ONE", promote="None",
+                               promote_args="None", view=False, scatter="None", meta="_scatter_meta"))  # fmt: skip
+        specs.append(_Spec(var=var, name=e.name, overload=_aten(e.name), view=s.view, scatter=scatter_var,
+                           meta="None", **common))  # fmt: skip
+        entry_shim = "call_inplace" if s.inplace else "call"
+        if e.dispatch == "shim":
+            shims.append(dict(fn=fn, aten=_aten(e.name), params=_params(fargs),
+                              body=f"{entry_shim}({var}, {call_args})"))  # fmt: skip
+            if s.factory:
+                factories.append((e.name.removesuffix(".default"), fn))
+        if not e.variants or s.inplace or e.dispatch != "shim":
+            continue
+        inplace, out = groups.get(e.name, (None, None))
+        if inplace is not None:
+            ifn = _ident(inplace)
+            # In-place foreach ops return nothing: their avals come from the functional op.
+            meta = _aten(e.name) if schemas[inplace].returns == "NONE" else "None"
+            specs.append(_Spec(var=f"S_{ifn}", name=inplace, overload=_aten(inplace), view=False, scatter="None",
+                               meta=meta, **common))  # fmt: skip
+            shims.append(dict(fn=ifn, aten=_aten(inplace), params=_params(fargs),
+                              body=f"call_inplace(S_{ifn}, {call_args})"))  # fmt: skip
+        if out is not None:
+            os_ = schemas[out]
+            if [a.name for a in os_.args if not a.is_out] == [a.name for a in fargs]:
+                outs = [a.py for a in os_.args if a.is_out]
+                ofn = _ident(out)
+                shims.append(dict(fn=ofn, aten=_aten(out), params=_params(os_.args),
+                                  body=f"call_out({var}, {call_args}, ({', '.join(outs)},))"))  # fmt: skip
+    return dict(lowerings=lowerings, specs=specs, shims=shims, factories=factories, n_entries=len(entries))
+
+
+def render(ops_yaml: str) -> dict[str, str]:
+    """``{relative path: text}`` of every generated file."""
+    schemas, _ = schema.load()
+    entries = registry.load(ops_yaml, schemas)
+    ctx = build(entries)
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), keep_trailing_newline=True,
+                             trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)  # fmt: skip
+    out = {}
+    for name in ("__init__.py", "lowerings.py", "dispatch.py"):
+        out[name] = env.get_template(name + ".j2").render(**ctx)
+    return out

@@ -1,0 +1,50 @@
+"""xlatorch: PyTorch/XLA in Python. ``import xlatorch`` registers the ``xla`` device.
+
+Ordinary PyTorch code on ``xlatorch.device()`` (or ``xm.xla_device()``) records ops
+lazily; ``xlatorch.sync()`` compiles the pending graph with XLA through JAX (once per
+graph structure) and runs it.
+"""
+
+from __future__ import annotations
+
+import jax
+
+jax.config.update("jax_enable_x64", True)  # int64 / float64 are exact, as in PyTorch
+
+import torch  # noqa: E402
+
+# First, before any module builds a torch.device("xla"): until the rename, "xla" parses
+# as the built-in XLA device type, which has no device guard here.
+if torch._C._get_privateuse1_backend_name() != "xla":
+    torch.utils.rename_privateuse1_backend("xla")
+
+from xlatorch._generated import dispatch as _table  # noqa: E402
+from xlatorch.runtime import device as _device  # noqa: E402
+from xlatorch.runtime.dispatch import SHIMS as _SHIMS  # noqa: E402
+
+_SHIMS.update(_table.SHIMS)
+_device.install(_table.SPECS)
+_device.register(_table.FACTORIES)
+
+__version__ = "0.1.0"
+
+
+def device(index: int | None = None) -> torch.device:
+    """The ``xla`` device of this process (``xla:0``), or device ``index``."""
+    from xlatorch.core.xla_model import xla_device
+
+    return xla_device(index)
+
+
+def sync(wait: bool = False) -> None:
+    """Compile (once) and run everything pending on the device; the step boundary.
+
+    Args:
+      wait: block until the computation finishes (otherwise it runs asynchronously).
+    """
+    from xlatorch.core.xla_model import mark_step
+
+    mark_step(wait=wait)
+
+
+__all__ = ["device", "sync"]

@@ -1,0 +1,7 @@
+"""Hand-written lowering helpers that ops.yaml entries name with ``helper:``.
+
+One module per op family. A helper takes ``out`` (the output aval(s)) and the
+ATen schema's arguments in order, and returns JAX values.
+"""
+
+from xlatorch.lowering import nn, reduce, shape  # noqa: F401

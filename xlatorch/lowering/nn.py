@@ -1,0 +1,221 @@
+"""Neural-network lowerings: convolution, pooling, normalisation, losses, activations.
+
+Backward ops whose math is the vector-Jacobian product of a forward written here
+use ``jax.vjp`` of that forward, so the two can never disagree.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def _conv_dn(nd):
+    sp = "DHW"[-nd:] if nd <= 3 else None
+    return lax.conv_dimension_numbers((1,) * (nd + 2), (1,) * (nd + 2), (f"NC{sp}", f"OI{sp}", f"NC{sp}"))
+
+
+def _conv(x, w, stride, padding, dilation, groups):
+    nd = x.ndim - 2
+    pads = [(p, p) for p in padding] if len(padding) == nd else [(padding[0], padding[0])] * nd
+    return lax.conv_general_dilated(
+        x, w, window_strides=stride, padding=pads, rhs_dilation=dilation,
+        dimension_numbers=_conv_dn(nd), feature_group_count=groups,
+        preferred_element_type=None,
+    )  # fmt: skip
+
+
+def _expand(v, nd):
+    return tuple(v) * nd if len(v) == 1 else tuple(v)
+
+
+def convolution(out, input, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+    if transposed:
+        raise NotImplementedError("transposed convolution is not lowered yet")
+    batched = input.ndim == weight.ndim
+    x = input if batched else input[None]
+    nd = x.ndim - 2
+    y = _conv(x, weight.astype(x.dtype), _expand(stride, nd), _expand(padding, nd), _expand(dilation, nd), groups)
+    if bias is not None:
+        y = y + bias.astype(y.dtype).reshape((1, -1) + (1,) * nd)
+    return y if batched else y[0]
+
+
+def convolution_backward(out, grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed,
+                         output_padding, groups, output_mask):  # fmt: skip
+    if transposed:
+        raise NotImplementedError("transposed convolution backward is not lowered yet")
+    nd = input.ndim - 2
+    st, pd, dl = _expand(stride, nd), _expand(padding, nd), _expand(dilation, nd)
+    _, vjp = jax.vjp(lambda x, w: _conv(x, w, st, pd, dl, groups), input, weight)
+    gi, gw = vjp(grad_output)
+    gb = jnp.sum(grad_output, axis=(0,) + tuple(range(2, grad_output.ndim))) if bias_sizes is not None else None
+    return gi, gw, gb
+
+
+def _pool_geometry(x, kernel_size, stride, padding, dilation, ceil_mode):
+    nd = len(kernel_size) if len(kernel_size) > 1 else 2
+    k = _expand(kernel_size, nd)
+    s = _expand(stride, nd) if stride else k
+    p = _expand(padding, nd)
+    d = _expand(dilation, nd)
+    spatial = x.shape[-nd:]
+    pads = []
+    for n, kk, ss, pp, dd in zip(spatial, k, s, p, d):
+        eff = dd * (kk - 1) + 1
+        num = n + 2 * pp - eff
+        o = (-(-num // ss) if ceil_mode else num // ss) + 1
+        if ceil_mode and (o - 1) * ss >= n + pp:
+            o -= 1
+        hi = max((o - 1) * ss + eff - n - pp, pp)
+        pads.append((pp, hi))
+    return nd, k, s, d, pads
+
+
+def max_pool2d_with_indices(out, self, kernel_size, stride, padding, dilation, ceil_mode):
+    nd, k, s, d, pads = _pool_geometry(self, kernel_size, stride, padding, dilation, ceil_mode)
+    lead = self.ndim - nd
+    h, w = self.shape[-2:]
+    idx = jnp.broadcast_to(jnp.arange(h * w, dtype=jnp.int64).reshape(h, w), self.shape)
+    neg = jnp.array(-jnp.inf, self.dtype)
+
+    def pick(a, b):
+        (av, ai), (bv, bi) = a, b
+        take_b = (bv > av) | ((bv == av) & (bi < ai)) | jnp.isnan(bv)
+        return jnp.where(take_b, bv, av), jnp.where(take_b, bi, ai)
+
+    vals, inds = lax.reduce_window(
+        (self, idx), (neg, jnp.array(-1, jnp.int64)), pick,
+        window_dimensions=(1,) * lead + k, window_strides=(1,) * lead + s,
+        padding=((0, 0),) * lead + tuple(pads), window_dilation=(1,) * lead + d,
+    )  # fmt: skip
+    return vals, inds
+
+
+def max_pool2d_with_indices_backward(out, grad_output, self, kernel_size, stride, padding, dilation, ceil_mode,
+                                     indices):  # fmt: skip
+    h, w = self.shape[-2:]
+    lead = self.shape[:-2]
+    g = grad_output.reshape((-1, grad_output.shape[-2] * grad_output.shape[-1]))
+    ix = indices.reshape(g.shape)
+    rows = jnp.arange(g.shape[0])[:, None]
+    res = jnp.zeros((g.shape[0], h * w), grad_output.dtype).at[rows, ix].add(g)
+    return res.reshape(lead + (h, w))
+
+
+def log_softmax_backward(out, grad_output, output, dim, input_dtype):
+    return grad_output - jnp.exp(output) * jnp.sum(grad_output, axis=dim, keepdims=True)
+
+
+def softmax_backward(out, grad_output, output, dim, input_dtype):
+    return output * (grad_output - jnp.sum(grad_output * output, axis=dim, keepdims=True))
+
+
+def _nll_parts(self, target, weight, ignore_index):
+    batched = self.ndim == 2
+    x = self if batched else self[None]
+    t = target if batched else target[None]
+    valid = t != ignore_index
+    tc = jnp.where(valid, t, 0)
+    w = weight[tc] if weight is not None else jnp.ones(tc.shape, x.dtype)
+    w = jnp.where(valid, w, 0).astype(x.dtype)
+    return batched, x, tc, w
+
+
+def nll_loss_forward(out, self, target, weight, reduction, ignore_index):
+    batched, x, tc, w = _nll_parts(self, target, weight, ignore_index)
+    picked = -jnp.take_along_axis(x, tc[:, None], axis=1)[:, 0] * w
+    total = jnp.sum(w)
+    if reduction == 0:
+        loss = picked if batched else picked[0]
+    elif reduction == 1:
+        loss = jnp.sum(picked) / total
+    else:
+        loss = jnp.sum(picked)
+    return loss, total
+
+
+def nll_loss_backward(out, grad_output, self, target, weight, reduction, ignore_index, total_weight):
+    batched, x, tc, w = _nll_parts(self, target, weight, ignore_index)
+    g = grad_output if reduction == 0 else jnp.broadcast_to(grad_output, w.shape)
+    if reduction == 0 and not batched:
+        g = g.reshape((1,))
+    scale = -w * g
+    if reduction == 1:
+        scale = scale / total_weight
+    grad = jnp.zeros(x.shape, x.dtype).at[jnp.arange(x.shape[0]), tc].set(scale.astype(x.dtype))
+    return grad if batched else grad[0]
+
+
+def _layer_norm(x, normalized_shape, weight, bias, eps):
+    axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
+    mean = jnp.mean(x, axis=axes, keepdims=True)
+    var = jnp.mean(jnp.square(x - mean), axis=axes, keepdims=True)
+    rstd = lax.rsqrt(var + eps)
+    y = (x - mean) * rstd
+    if weight is not None:
+        y = y * weight
+    if bias is not None:
+        y = y + bias
+    return y, mean, rstd
+
+
+def native_layer_norm(out, input, normalized_shape, weight, bias, eps):
+    x = input.astype(jnp.float32) if input.dtype in (jnp.bfloat16, jnp.float16) else input
+    y, mean, rstd = _layer_norm(x, normalized_shape, weight, bias, eps)
+    return y, mean, rstd
+
+
+def native_layer_norm_backward(out, grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask):
+    _, vjp = jax.vjp(lambda x, w, b: _ln_full(x, normalized_shape, w, b, mean, rstd), input, weight, bias)
+    gi, gw, gb = vjp(grad_out.astype(input.dtype))
+    return gi, gw, gb
+
+
+def _ln_full(x, normalized_shape, w, b, mean, rstd):
+    # Recompute mean/rstd from x so the vjp includes their dependence on x; the saved
+    # statistics only fix the epsilon: var + eps == 1 / rstd**2.
+    axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
+    m = jnp.mean(x, axis=axes, keepdims=True)
+    var = jnp.mean(jnp.square(x - m), axis=axes, keepdims=True)
+    eps = lax.stop_gradient(1.0 / jnp.square(rstd) - var)
+    y = (x - m) * lax.rsqrt(var + eps)
+    if w is not None:
+        y = y * w
+    if b is not None:
+        y = y + b
+    return y
+
+
+def gelu(out, self, approximate):
+    return jax.nn.gelu(self, approximate=(approximate == "tanh"))
+
+
+def gelu_backward(out, grad_output, self, approximate):
+    _, vjp = jax.vjp(lambda x: jax.nn.gelu(x, approximate=(approximate == "tanh")), self)
+    return vjp(grad_output.astype(self.dtype))[0]
+
+
+def embedding_dense_backward(out, grad_output, indices, num_weights, padding_idx, scale_grad_by_freq):
+    d = grad_output.shape[-1]
+    ix = indices.reshape(-1)
+    g = grad_output.reshape(-1, d)
+    if padding_idx >= 0:
+        g = jnp.where((ix == padding_idx)[:, None], 0, g)
+    if scale_grad_by_freq:
+        counts = jnp.zeros((num_weights,), g.dtype).at[ix].add(1)
+        g = g / counts[ix][:, None]
+    return jnp.zeros((num_weights, d), grad_output.dtype).at[ix].add(g)
+
+
+def native_dropout(out, input, p, train, seed):
+    if train is False:
+        return input, jnp.ones(input.shape, jnp.bool_)
+    keep = jax.random.bernoulli(jax.random.key(seed), 1.0 - p, input.shape)
+    scale = jnp.where(p < 1, 1.0 / (1.0 - p), 0.0).astype(input.dtype)
+    return jnp.where(keep, input * scale, 0).astype(input.dtype), keep
+
+
+def native_dropout_backward(out, grad_output, mask, scale):
+    return grad_output * mask.astype(grad_output.dtype) * scale

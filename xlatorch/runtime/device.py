@@ -1,0 +1,158 @@
+"""The ``xla`` device: PrivateUse1 renamed, its Python hooks, factories and copies.
+
+Importing this module registers the device with PyTorch (no C++): a device module
+(``torch.xla``), a PrivateUse1 hook and device guard (autograd's engine needs one),
+PrivateUse1 kernels for every factory op in ops.yaml, and the hand-written
+runtime ops (copies between devices, aliases, ``item()``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from xlatorch.runtime import rng
+from xlatorch.runtime.dispatch import RUNTIME_OPS, SHIMS, call, convert_value, node
+from xlatorch.runtime.tensor import XlaTensor, value_of, wrap, write
+from xlatorch.runtime.transfer import to_cpu, to_device
+
+aten = torch.ops.aten
+
+
+class _DeviceModule:
+    """``torch.xla``: what PyTorch asks a backend module for."""
+
+    @staticmethod
+    def is_available() -> bool:
+        return True
+
+    @staticmethod
+    def is_initialized() -> bool:
+        return True
+
+    @staticmethod
+    def current_device() -> int:
+        return 0
+
+    @staticmethod
+    def device_count() -> int:
+        return 1
+
+    @staticmethod
+    def _is_in_bad_fork() -> bool:
+        return False
+
+    @staticmethod
+    def manual_seed_all(seed: int) -> None:
+        rng.set_seed(seed)
+
+    manual_seed = manual_seed_all
+
+    @staticmethod
+    def get_rng_state(device="xla"):
+        return torch.tensor([rng.get_seed()], dtype=torch.uint64)
+
+    @staticmethod
+    def set_rng_state(state, device="xla"):
+        rng.set_seed(int(state[0]))
+
+
+class _Hook(torch._C._acc.PrivateUse1Hooks):
+    def is_available(self) -> bool:
+        return True
+
+    def has_primary_context(self, dev_id) -> bool:
+        return True
+
+    def is_built(self) -> bool:
+        return True
+
+
+class _Guard(torch._C._acc.DeviceGuard):
+    def type_(self):
+        return torch._C._autograd.DeviceType.PrivateUse1
+
+
+_registered = False
+_KEEP: list = []
+_lib = None
+
+
+def register(factories: dict) -> None:
+    """Register the device once; ``factories`` maps schema names to lowered factory shims."""
+    global _registered, _lib
+    if _registered:
+        return
+    _registered = True
+    torch._register_device_module("xla", _DeviceModule())
+    # PyTorch keeps raw pointers to these: they must live as long as the process.
+    _KEEP.extend([_Hook(), _Guard()])
+    torch._C._acc.register_python_privateuseone_hook(_KEEP[0])
+    torch._C._acc.register_python_privateuseone_device_guard(_KEEP[1])
+    _lib = torch.library.Library("aten", "IMPL")
+    for name, shim in factories.items():
+        _lib.impl(name, shim, "PrivateUse1")
+
+
+def _xla_target(device) -> bool:
+    return device is None or torch.device(device).type == "xla"
+
+
+def _to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False,
+             memory_format=None):  # fmt: skip
+    if not _xla_target(device):
+        cpu = to_cpu(self)
+        return cpu.to(device=device, dtype=dtype or cpu.dtype)
+    if type(self) is not XlaTensor:
+        return wrap(to_device(self.to(dtype=dtype or self.dtype)))
+    return wrap(convert_value(value_of(self), dtype or self.dtype))
+
+
+def _fit(v, dst: XlaTensor):
+    """``v`` cast and broadcast to ``dst``'s dtype and shape, as ``copy_`` does."""
+    if v.aval[1] != dst.dtype:
+        v = convert_value(v, dst.dtype)
+    if v.aval[0] != tuple(dst.shape):
+        v = node(SPECS["expand"], (v, tuple(dst.shape), False)).outs[0]
+    return v
+
+
+def _copy_(self, src, non_blocking=False):
+    if type(self) is not XlaTensor:  # device -> host
+        self.copy_(to_cpu(src))
+        return self
+    if type(src) is XlaTensor:
+        v = value_of(src)
+    else:
+        v = to_device(src)
+    write(self, _fit(v, self))
+    return self
+
+
+def _alias(self):
+    return wrap(value_of(self), self._st, self._vw)
+
+
+def _item(self):
+    return to_cpu(self).item()
+
+
+SPECS: dict = {}
+
+
+def install(specs: dict) -> None:
+    """Hook the hand-written runtime ops into dispatch (called once the table is loaded)."""
+    SPECS.update(specs)
+    RUNTIME_OPS.update(
+        {
+            aten._to_copy.default: _to_copy,
+            aten.copy_.default: _copy_,
+            aten.detach.default: _alias,
+            aten.alias.default: _alias,
+            aten.lift_fresh.default: lambda self: self,
+            aten._local_scalar_dense.default: _item,
+        }
+    )
+    SHIMS.pop(aten._to_copy.default, None)
+
+
+__all__ = ["register", "install", "call"]

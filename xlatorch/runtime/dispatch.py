@@ -1,0 +1,259 @@
+"""From an ATen call to an IR node: argument conversion, shape/dtype inference, variants.
+
+The generated table (``generated/dispatch.py``) maps each lowered ``OpOverload`` to a
+shim whose Python signature mirrors the ATen schema; the shim calls ``call`` (or
+``call_inplace`` / ``call_out``) with the arguments in schema order. Output avals and
+the computation dtype come from PyTorch itself (meta kernels, ``elementwise_dtypes``)
+once per signature, then from ``OpSpec.cache``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
+
+from xlatorch.debug.metrics import COUNTERS
+from xlatorch.runtime.dtypes import PY_SCALAR_DTYPE
+from xlatorch.runtime.ir import Data, Node, Out, Scalar, hash_arg
+from xlatorch.runtime.rng import next_key
+from xlatorch.runtime.tensor import XlaTensor, value_of, wrap, write
+
+__all__ = ["OpSpec", "Info", "dispatch", "call", "call_inplace", "call_out", "SHIMS", "RUNTIME_OPS"]
+
+# Argument kinds, from the schema's types (codegen decides; see codegen/schema.py).
+# GENERATOR is a synthetic trailing argument of random ops: a fresh seed per call.
+TENSOR, OPT_TENSOR, TENSOR_LIST, SCALAR, SCALAR_LIST, STATIC, GENERATOR = range(7)
+# Return kinds.
+ONE, TUPLE, LIST = range(3)
+
+PROMOTION = {k.name.lower(): k for k in ELEMENTWISE_TYPE_PROMOTION_KIND}
+
+SHIMS: dict = {}  # OpOverload -> shim, filled by generated/dispatch.py
+RUNTIME_OPS: dict = {}  # OpOverload -> hand-written handler (copies, transfers, aliases)
+
+
+class Info:
+    """What a node's signature determines: output avals and computation dtype."""
+
+    __slots__ = ("avals", "cdtype")
+
+    def __init__(self, avals, cdtype):
+        self.avals = avals
+        self.cdtype = cdtype
+
+
+class OpSpec:
+    """One lowered ATen overload: everything the runtime needs, from ops.yaml + schema."""
+
+    __slots__ = (
+        "name", "overload", "emit", "arg_names", "kinds", "kwarg_only", "returns",
+        "promote", "promote_idx", "view", "scatter", "cache", "meta_overload",
+    )  # fmt: skip
+
+    def __init__(self, name, overload, emit, arg_names, kinds, kwarg_only, returns,
+                 promote=None, promote_args=None, view=False, scatter=None, meta_overload=None):  # fmt: skip
+        self.name = name
+        self.overload = overload
+        self.emit = emit
+        self.arg_names = arg_names
+        self.kinds = kinds
+        self.kwarg_only = kwarg_only
+        self.returns = returns
+        self.promote = PROMOTION[promote] if promote else None
+        names = promote_args or [n for n, k in zip(arg_names, kinds) if k in (TENSOR, OPT_TENSOR, SCALAR)]
+        self.promote_idx = tuple(arg_names.index(n) for n in names)
+        self.view = view
+        self.scatter = scatter
+        self.cache: dict = {}
+        # The overload whose meta kernel gives this spec's avals (an in-place variant
+        # uses its own, so PyTorch's in-place casting rules and errors apply).
+        self.meta_overload = meta_overload or overload
+
+    def __repr__(self):
+        return f"OpSpec({self.name})"
+
+
+def dispatch(func, args, kwargs):
+    """``__torch_dispatch__`` body: lowered shim, runtime handler, or CPU fallback."""
+    shim = SHIMS.get(func)
+    if shim is not None:
+        return shim(*args, **kwargs)
+    handler = RUNTIME_OPS.get(func)
+    if handler is not None:
+        return handler(*args, **kwargs)
+    from xlatorch.fallback.cpu import run_on_cpu
+
+    return run_on_cpu(func, args, kwargs)
+
+
+def _not_xla(spec, t) -> RuntimeError:
+    return RuntimeError(
+        f"Input tensor is not an XLA tensor: {t.type()} (aten::{spec.name} got a tensor on "
+        f"'{t.device}' together with tensors on 'xla:0'; move it with .to('xla'), or the module "
+        f"with module.to(xm.xla_device()))"
+    )
+
+
+def _tensor_value(spec, t):
+    if type(t) is XlaTensor:
+        return value_of(t)
+    if isinstance(t, torch.Tensor):
+        if t.dim() == 0 and t.device.type == "cpu":
+            return Scalar(t.item(), t.dtype, tensor=True)
+        raise _not_xla(spec, t)
+    if t is None:
+        return None
+    return Scalar(t, PY_SCALAR_DTYPE[type(t)])  # a wrapped Python number
+
+
+def _convert(spec, args):
+    out = []
+    for a, kind in zip(args, spec.kinds):
+        if kind is TENSOR or kind is OPT_TENSOR:
+            out.append(_tensor_value(spec, a))
+        elif kind is SCALAR:
+            out.append(a if a is None else Scalar(a, PY_SCALAR_DTYPE[type(a)]))
+        elif kind is TENSOR_LIST:
+            out.append(tuple(_tensor_value(spec, x) for x in a))
+        elif kind is SCALAR_LIST:
+            out.append(tuple(Scalar(x, PY_SCALAR_DTYPE[type(x)]) for x in a))
+        elif kind is GENERATOR:
+            out.append(next_key())
+        else:
+            out.append(tuple(a) if type(a) is list else a)
+    return tuple(out)
+
+
+_LEAF_TYPES = (Data, Scalar, Out)
+
+
+def _sig(a):
+    if isinstance(a, _LEAF_TYPES):
+        return a.sig
+    if type(a) is tuple:
+        return tuple(_sig(x) for x in a)
+    return a
+
+
+def node(spec: OpSpec, vals: tuple) -> Node:
+    """The IR node applying ``spec`` to converted arguments ``vals``."""
+    sig = tuple(_sig(a) for a in vals)
+    info = spec.cache.get(sig)
+    if info is None:
+        info = spec.cache[sig] = _infer(spec, vals)
+    return Node(spec, vals, info, hash((spec.name, hash_arg(vals))))
+
+
+def _to_meta(a):
+    if type(a) is Scalar:
+        return torch.empty((), dtype=a.aval[1], device="meta") if a.tensor else a.value
+    if isinstance(a, _LEAF_TYPES):
+        return torch.empty(a.aval[0], dtype=a.aval[1], device="meta")
+    if type(a) is tuple:
+        return [_to_meta(x) for x in a]
+    return a
+
+
+def _infer(spec: OpSpec, vals: tuple) -> Info:
+    meta = [_to_meta(a) for a in vals]
+    args, kwargs = [], {}
+    for n, m, ko, k in zip(spec.arg_names, meta, spec.kwarg_only, spec.kinds):
+        if k is GENERATOR:
+            continue
+        if ko:
+            kwargs[n] = m
+        else:
+            args.append(m)
+    if kwargs.get("device") is not None:
+        kwargs["device"] = "meta"
+    res = spec.meta_overload(*args, **kwargs)
+    res = [res] if isinstance(res, torch.Tensor) else list(res)
+    avals = tuple((tuple(r.shape), r.dtype) for r in res)
+    cdtype = None
+    if spec.promote is not None:
+        pargs = [meta[i] for i in spec.promote_idx if meta[i] is not None]
+        cdtype, _ = elementwise_dtypes(*pargs, type_promotion_kind=spec.promote)
+    return Info(avals, cdtype)
+
+
+def _outputs(spec, n: Node):
+    if spec.returns is ONE:
+        return wrap(n.outs[0])
+    res = [wrap(o) for o in n.outs]
+    return res if spec.returns is LIST else tuple(res)
+
+
+def call(spec: OpSpec, args: tuple):
+    """A functional op: one new node, new tensors for its outputs (views alias their base)."""
+    n = node(spec, _convert(spec, args))
+    if spec.view:
+        base = args[0]
+        rest = n.args[1:]
+        outs = [_view_of(base, (spec, rest, i), o) for i, o in enumerate(n.outs)]
+        if spec.returns is ONE:
+            return outs[0]
+        return outs if spec.returns is LIST else tuple(outs)
+    return _outputs(spec, n)
+
+
+def _view_of(base: XlaTensor, step, value) -> XlaTensor:
+    chain = (base._vw or ()) + (step,)
+    return wrap(value, base._st, chain)
+
+
+def call_inplace(spec: OpSpec, args: tuple):
+    """An in-place op: the lowering's result (cast to ``self``'s dtype) becomes ``self``'s value."""
+    self = args[0]
+    if spec.kinds[0] is TENSOR_LIST:  # _foreach_*_: one result per tensor of the list
+        n = node(spec, _convert(spec, args))
+        for t, v in zip(self, n.outs):
+            write(t, v if v.aval[1] == t.dtype else convert_value(v, t.dtype))
+        return None
+    if type(self) is not XlaTensor:
+        raise _not_xla(spec, self)
+    n = node(spec, _convert(spec, args))
+    write(self, n.outs[0])
+    return self
+
+
+def call_out(spec: OpSpec, args: tuple, outs: tuple):
+    """An ``out=`` op: compute functionally, then write each result into its ``out`` tensor."""
+    n = node(spec, _convert(spec, args))
+    for t, v in zip(outs, n.outs):
+        if type(t) is not XlaTensor:
+            raise _not_xla(spec, t)
+        if t.dtype != v.aval[1]:
+            v = convert_value(v, t.dtype)
+        if tuple(t.shape) != v.aval[0]:
+            t.data = wrap(v)  # out= resizes, as in PyTorch
+        else:
+            write(t, v)
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def apply_view(step, base):
+    """Replay one view step on a base value."""
+    spec, rest, idx = step
+    return node(spec, (base,) + rest).outs[idx]
+
+
+def apply_scatter(step, base, src):
+    """The new base after writing ``src`` through one view step."""
+    spec, rest, idx = step
+    if spec.scatter is None:
+        raise NotImplementedError(
+            f"xlatorch: in-place update of a view made by aten::{spec.name} is not supported yet; "
+            f"apply the op to a .clone() instead"
+        )
+    return node(spec.scatter, (base, src) + rest + (idx,)).outs[0]
+
+
+def convert_value(v, dtype: torch.dtype):
+    """A value cast to ``dtype`` (the ``_to_copy`` lowering)."""
+    from xlatorch.runtime.device import SPECS
+
+    return node(SPECS["_to_copy"], (v, dtype, None, None, None, False, None)).outs[0]
+
+
+def count(name: str) -> None:
+    COUNTERS[name] += 1

@@ -1,0 +1,52 @@
+"""Applying one node's lowering while a graph is traced by JAX.
+
+The generic part of every lowering lives here, once: promoting arguments are cast
+to the computation dtype PyTorch would use, and results are cast to (and checked
+against) the avals PyTorch's meta kernels gave when the node was created.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from xlatorch.runtime.dtypes import to_jax
+
+__all__ = ["emit_node"]
+
+
+def _aval_struct(aval):
+    return jax.ShapeDtypeStruct(aval[0], to_jax(aval[1]))
+
+
+def emit_node(spec, args, info):
+    """The JAX values of a node's outputs, given its arguments' JAX values."""
+    if info.cdtype is not None:
+        cd = to_jax(info.cdtype)
+        args = list(args)
+        for i in spec.promote_idx:
+            a = args[i]
+            if a is not None and hasattr(a, "dtype") and a.dtype != cd:
+                args[i] = a.astype(cd)
+    avals = info.avals
+    out = [_aval_struct(a) for a in avals]
+    res = spec.emit(out[0] if len(out) == 1 and spec.returns == 0 else tuple(out), *args)
+    if not isinstance(res, (tuple, list)):
+        res = (res,)
+    if len(res) != len(avals):
+        raise AssertionError(f"lowering of aten::{spec.name} returned {len(res)} values, expected {len(avals)}")
+    fixed = []
+    for r, s in zip(res, out):
+        r = jnp.asarray(r)
+        if r.dtype != s.dtype:
+            r = r.astype(s.dtype)
+        if r.shape != s.shape:
+            # Lowerings may return a scalar or a lower-rank value that broadcasts.
+            if r.size == 1 or r.ndim < len(s.shape):
+                r = jnp.broadcast_to(r.reshape(()) if r.size == 1 else r, s.shape)
+            else:
+                raise AssertionError(
+                    f"lowering of aten::{spec.name} produced shape {r.shape}, PyTorch expects {s.shape}"
+                )
+        fixed.append(r)
+    return fixed

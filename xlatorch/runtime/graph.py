@@ -1,0 +1,240 @@
+"""Graph cutting: collect pending values, key the graph, compile on a miss, execute.
+
+At a sync every live storage with a pending value becomes an output of one
+computation. The graph's key is its structure (node hashes plus how nodes share
+operands) and its leaves' avals; device data and host scalars are parameters, so
+a fixed-shape step hits the cache from its second occurrence on. Executables are
+called asynchronously: nothing here waits for results.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+
+from xlatorch.debug import metrics
+from xlatorch.debug.metrics import COUNTERS
+from xlatorch.runtime.dtypes import to_jax
+from xlatorch.runtime.ir import Data, Out, Scalar
+from xlatorch.runtime.tensor import PENDING
+
+__all__ = ["sync", "CACHE"]
+
+CACHE: dict = {}  # graph key -> Executable
+
+
+class Executable:
+    __slots__ = ("compiled", "scalar_dtypes")
+
+    def __init__(self, compiled, scalar_dtypes):
+        self.compiled = compiled
+        self.scalar_dtypes = scalar_dtypes
+
+
+class _Ref:
+    """A reference to an earlier value in a lowering plan: ``(kind, index, output)``."""
+
+    __slots__ = ("kind", "i", "j")
+
+    def __init__(self, kind, i, j=0):
+        self.kind, self.i, self.j = kind, i, j
+
+
+def _collect(roots):
+    """Post-order nodes, leaves in first-use order, and the sharing-aware encoding."""
+    order: dict[int, int] = {}  # id(node) -> position
+    nodes = []
+    leaf_pos: dict[int, int] = {}
+    leaves = []
+    enc = []
+
+    def ref(v):
+        if type(v) is Out:
+            return order[id(v.node)] * 4096 + v.idx
+        i = leaf_pos.get(id(v))
+        if i is None:
+            i = leaf_pos[id(v)] = len(leaves)
+            leaves.append(v)
+        return -1 - i
+
+    for root in roots:
+        if id(root.node) in order:
+            continue
+        stack = [(root.node, False)]
+        while stack:
+            n, expanded = stack.pop()
+            if id(n) in order:
+                continue
+            if expanded:
+                ops = _operands(n.args)
+                enc.append((n.hash, tuple(ref(v) for v in ops)))
+                order[id(n)] = len(nodes)
+                nodes.append(n)
+                continue
+            stack.append((n, True))
+            for v in reversed(_operands(n.args)):
+                if type(v) is Out and id(v.node) not in order:
+                    stack.append((v.node, False))
+    root_refs = tuple(ref(r) for r in roots)
+    return nodes, leaves, enc, root_refs
+
+
+def _operands(args):
+    out = []
+    for a in args:
+        t = type(a)
+        if t is Out or t is Data or t is Scalar:
+            out.append(a)
+        elif t is tuple:
+            out.extend(x for x in a if type(x) in (Out, Data, Scalar))
+    return out
+
+
+def _plan(nodes, leaves):
+    """A lowering plan that references values by position, not the IR itself.
+
+    Executables must not keep the step's IR (and its device buffers) alive.
+    """
+    order = {id(n): i for i, n in enumerate(nodes)}
+    lpos = {id(v): i for i, v in enumerate(leaves)}
+
+    def tmpl(a):
+        t = type(a)
+        if t is Out:
+            return _Ref("n", order[id(a.node)], a.idx)
+        if t is Data or t is Scalar:
+            return _Ref("l", lpos[id(a)])
+        if t is tuple:
+            return tuple(tmpl(x) for x in a)
+        return a
+
+    return [(n.spec, tuple(tmpl(a) for a in n.args), n.info) for n in nodes]
+
+
+def _lower_fn(plan, leaf_kinds, root_refs):
+    """The JAX function computing the roots from (device data..., packed scalars...)."""
+    from xlatorch.runtime.emit import emit_node
+
+    def fn(data, packed):
+        leaf_vals = []
+        for kind in leaf_kinds:
+            if kind[0] == "d":
+                leaf_vals.append(data[kind[1]])
+            else:
+                v = packed[kind[0]][kind[1]]
+                leaf_vals.append(_weak(v) if kind[2] else v)
+        vals = []
+
+        def get(a):
+            if type(a) is _Ref:
+                return leaf_vals[a.i] if a.kind == "l" else vals[a.i][a.j]
+            if type(a) is tuple:
+                return tuple(get(x) for x in a)
+            return a
+
+        for spec, args, info in plan:
+            vals.append(emit_node(spec, tuple(get(a) for a in args), info))
+        return tuple(leaf_vals[-1 - r] if r < 0 else vals[r // 4096][r % 4096] for r in root_refs)
+
+    return fn
+
+
+def _weak(v):
+    from jax._src.lax.lax import _convert_element_type
+
+    return _convert_element_type(v, weak_type=True)
+
+
+def sync(reason: str = "mark_step") -> None:
+    """Materialise every live pending tensor with one (cached) XLA execution."""
+    storages = [st for st in PENDING.values() if type(st.value) is Out]
+    if not storages:
+        PENDING.clear()
+        return
+    t0 = time.perf_counter_ns()
+    roots = [st.value for st in storages]
+    nodes, leaves, enc, root_refs = _collect(roots)
+    data = [v for v in leaves if type(v) is Data]
+    donate = tuple(i for i, v in enumerate(data) if v.holders == 0)
+    key = (tuple(enc), root_refs, tuple(v.sig for v in leaves), donate)
+    exe = CACHE.get(key)
+    packed, leaf_kinds = _pack(leaves)
+    if exe is None:
+        COUNTERS["UncachedCompile"] += 1
+        with metrics.timed("CompileTime"):
+            exe = _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate)
+        CACHE[key] = exe
+    else:
+        COUNTERS["CachedCompile"] += 1
+    metrics.add_sample("TensorsGraphSize", len(nodes))
+    with metrics.timed("ExecuteTime"):
+        outs = exe.compiled([d.array for d in data], packed)
+    for st, arr in zip(storages, outs):
+        st.set(Data(arr, st.value.aval))
+    PENDING.clear()
+    global _last_sync
+    now = time.perf_counter_ns()
+    if _last_sync:
+        # Host time of the step outside the sync itself: op tracing plus the user's Python.
+        metrics.add_sample("LazyTracing", t0 - _last_sync)
+    _last_sync = now
+
+
+_last_sync = 0
+
+
+def _pack(leaves):
+    """Host scalars grouped by dtype into one array each: one transfer per dtype, not per scalar."""
+    groups: dict = {}  # dtype -> (group index, values)
+    kinds = []
+    nd = 0
+    for v in leaves:
+        if type(v) is Data:
+            kinds.append(("d", nd))
+            nd += 1
+        else:
+            gi, vals = groups.setdefault(v.aval[1], (len(groups), []))
+            # Python numbers are weakly typed, as in PyTorch: 2.5 * float32 stays float32.
+            kinds.append((gi, len(vals), not v.tensor))
+            vals.append(v.value)
+    packed = [np.asarray(vals, dtype=to_jax(dt)) for dt, (_, vals) in groups.items()]
+    return packed, kinds
+
+
+def _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate):
+    plan = _plan(nodes, leaves)
+    fn = _lower_fn(plan, leaf_kinds, root_refs)
+    data_avals = [jax.ShapeDtypeStruct(d.aval[0], to_jax(d.aval[1])) for d in data]
+    packed_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in packed]
+
+    def flat(data_args, packed_args):
+        return fn(data_args, packed_args)
+
+    # Donation is per data parameter: buffers no live tensor holds any more.
+    donate_mask = set(donate)
+    jitted = jax.jit(lambda donated, kept, packed_args: flat(_merge(donated, kept, donate_mask), packed_args),
+                     donate_argnums=(0,))  # fmt: skip
+    split_d = [a for i, a in enumerate(data_avals) if i in donate_mask]
+    split_k = [a for i, a in enumerate(data_avals) if i not in donate_mask]
+    compiled = jitted.lower(split_d, split_k, packed_avals).compile()
+
+    def call(arrays, packed_vals):
+        d = [a for i, a in enumerate(arrays) if i in donate_mask]
+        k = [a for i, a in enumerate(arrays) if i not in donate_mask]
+        return compiled(d, k, packed_vals)
+
+    return Executable(call, tuple(packed))
+
+
+def _merge(donated, kept, mask):
+    out, di, ki = [], 0, 0
+    for i in range(len(donated) + len(kept)):
+        if i in mask:
+            out.append(donated[di])
+            di += 1
+        else:
+            out.append(kept[ki])
+            ki += 1
+    return out

@@ -1,0 +1,94 @@
+"""The lazy IR: leaves (device data, host scalars) and nodes with their outputs.
+
+An aval is ``(shape: tuple[int, ...], dtype: torch.dtype)``. Every value carries a
+structural hash computed once, when it is created, from its op, its static
+arguments and its operands' hashes; leaves hash by aval only, so the same program
+over new data (or new scalar values) hashes the same and reuses its executable.
+"""
+
+from __future__ import annotations
+
+__all__ = ["Data", "Scalar", "Node", "Out", "Value", "hash_arg"]
+
+
+class Data:
+    """A leaf holding device data (a ``jax.Array``).
+
+    ``holders`` counts the storages whose current value is this leaf: when it drops
+    to zero, a step that reads it may donate its buffer.
+    """
+
+    __slots__ = ("array", "aval", "sig", "hash", "holders")
+
+    def __init__(self, array, aval):
+        self.array = array
+        self.aval = self.sig = aval
+        self.hash = hash(aval)
+        self.holders = 0
+
+
+class Scalar:
+    """A leaf holding a host scalar that enters the graph as a 0-d parameter.
+
+    Scalars are parameters, never constants: a learning rate that changes every
+    step must not change the graph's hash.
+    """
+
+    __slots__ = ("value", "aval", "tensor", "sig", "hash")
+
+    def __init__(self, value, dtype, tensor=False):
+        self.value = value
+        self.aval = ((), dtype)
+        self.tensor = tensor  # a 0-d CPU tensor (promotes as a tensor, not as a number)
+        self.sig = ("t" if tensor else "s", dtype)
+        self.hash = hash(self.sig)
+
+
+class Node:
+    """One op application: ``spec`` (the op), ``args`` in schema order with tensors
+    replaced by values, and ``info`` (output avals and computation dtype)."""
+
+    __slots__ = ("spec", "args", "info", "hash", "outs")
+
+    def __init__(self, spec, args, info, h):
+        self.spec = spec
+        self.args = args
+        self.info = info
+        self.hash = h
+        self.outs = tuple(Out(self, i, aval) for i, aval in enumerate(info.avals))
+
+
+class Out:
+    """Output ``idx`` of ``node``: a pending value."""
+
+    __slots__ = ("node", "idx", "aval", "sig", "hash")
+
+    def __init__(self, node, idx, aval):
+        self.node = node
+        self.idx = idx
+        self.aval = self.sig = aval
+        self.hash = hash((node.hash, idx))
+
+
+Value = Data | Scalar | Out
+_VALUE_TYPES = (Data, Scalar, Out)
+
+
+def hash_arg(a) -> object:
+    """What an argument contributes to its node's hash: a value's hash, else itself."""
+    if isinstance(a, _VALUE_TYPES):
+        return a.hash
+    if type(a) is tuple:
+        return tuple(hash_arg(x) for x in a)
+    return a
+
+
+def operands(args) -> list:
+    """The values among a node's arguments, in order (tensor lists flattened)."""
+    out = []
+    for a in args:
+        if isinstance(a, _VALUE_TYPES):
+            out.append(a)
+        elif type(a) is tuple:
+            out.extend(x for x in a if isinstance(x, _VALUE_TYPES))
+    return out

@@ -1,0 +1,165 @@
+"""``XlaTensor``: the device tensor, and the storage cells that make aliasing work.
+
+A tensor reads its value through ``value_of`` and changes it through ``write``.
+Tensors that alias (``detach``, ``.data``, views) share one ``Storage``; a view also
+carries the chain of view ops that derives it from the storage's value, replayed
+lazily when the storage changes and inverted (scatter) when the view is written.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import torch
+
+from xlatorch.debug.metrics import COUNTERS
+from xlatorch.runtime.ir import Data, Out
+
+__all__ = ["XlaTensor", "Storage", "wrap", "value_of", "write", "PENDING"]
+
+DEVICE = torch.device("xla", 0)
+
+# Storages whose value is pending, in the order they first became pending in this
+# step. The order is the program's order, so the same step builds the same graph.
+PENDING: weakref.WeakValueDictionary[int, Storage] = weakref.WeakValueDictionary()
+_ids = itertools.count()
+
+
+class Storage:
+    """The mutable cell shared by a tensor and all its aliases and views."""
+
+    __slots__ = ("value", "gen", "sid", "__weakref__")
+
+    def __init__(self, value):
+        self.gen = 0
+        self.sid = next(_ids)
+        self.value = None
+        self.set(value)
+
+    def set(self, value) -> None:
+        old = self.value
+        if type(old) is Data:
+            old.holders -= 1
+        self.value = value
+        self.gen += 1
+        if type(value) is Data:
+            value.holders += 1
+        elif self.sid not in PENDING:
+            PENDING[self.sid] = self
+
+    def __del__(self):
+        if type(self.value) is Data:
+            self.value.holders -= 1
+
+
+class XlaTensor(torch.Tensor):
+    """A tensor on the ``xla`` device: lazy, with PyTorch's shape, dtype and autograd."""
+
+    _st: Storage
+    _vw: tuple | None  # view steps from the storage's value, or None
+    _vc: tuple | None  # (storage gen, value) cache of a view's value
+
+    @staticmethod
+    def __new__(cls, *args, **kwargs):
+        raise TypeError("XlaTensor is created by ops on the xla device, not directly")
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from xlatorch.runtime.dispatch import dispatch
+
+        return dispatch(func, args, kwargs or {})
+
+    def __repr__(self, *, tensor_contents=None):
+        # PyTorch prints subclasses as "XlaTensor(...)"; device tensors print as "tensor(...)".
+        text = torch._tensor_str._str(self, tensor_contents=tensor_contents)
+        pad = len("XlaTensor(") - len("tensor(")
+        first, *rest = text.split("\n")
+        return "\n".join(["tensor(" + first[len("XlaTensor(") :]] + [line[pad:] for line in rest])
+
+    @property
+    def is_xla(self) -> bool:  # type: ignore[override]
+        return True
+
+    def __reduce_ex__(self, proto):
+        # Saved as CPU data plus a marker; loads back onto the xla device.
+        from xlatorch.runtime.transfer import to_cpu
+
+        return (_rebuild_xla, (to_cpu(self), self.requires_grad))
+
+    @property
+    def data(self):  # type: ignore[override]
+        return self.detach()
+
+    @data.setter
+    def data(self, new):
+        if not isinstance(new, XlaTensor):
+            raise RuntimeError(
+                f"Attempted to set the data of an xla tensor to a tensor on {new.device}; move it to xla first"
+            )
+        torch._C.TensorBase.data.__set__(self, new)
+        self._st, self._vw, self._vc = new._st, new._vw, new._vc
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+
+def _rebuild_xla(cpu, requires_grad):
+    t = cpu.to(DEVICE)
+    if requires_grad:
+        t.requires_grad_()
+    return t
+
+
+_new = torch.Tensor._make_wrapper_subclass
+
+
+def wrap(value, st: Storage | None = None, view=None) -> XlaTensor:
+    """A new device tensor holding ``value`` (a fresh storage unless ``st`` is given)."""
+    shape, dtype = value.aval
+    t = _new(XlaTensor, shape, dtype=dtype, device=DEVICE)
+    COUNTERS["CreateXlaTensor"] += 1
+    if st is None:
+        t._st, t._vw, t._vc = Storage(value), None, None
+    else:
+        t._st, t._vw, t._vc = st, view, (st.gen, value)
+    return t
+
+
+def value_of(t: XlaTensor):
+    """The tensor's current value (device data or a pending IR value)."""
+    vw = t._vw
+    if vw is None:
+        return t._st.value
+    st = t._st
+    gen, v = t._vc
+    if gen != st.gen:
+        from xlatorch.runtime.dispatch import apply_view
+
+        v = st.value
+        for step in vw:
+            v = apply_view(step, v)
+        t._vc = (st.gen, v)
+    return v
+
+
+def write(t: XlaTensor, v) -> None:
+    """Make ``v`` the tensor's new value, updating its base and every alias."""
+    vw = t._vw
+    st = t._st
+    if vw is None:
+        st.set(v)
+        return
+    from xlatorch.runtime.dispatch import apply_view, apply_scatter
+
+    bases = [st.value]
+    for step in vw[:-1]:
+        bases.append(apply_view(step, bases[-1]))
+    new = v
+    for step, base in zip(reversed(vw), reversed(bases)):
+        new = apply_scatter(step, base, new)
+    st.set(new)
+    t._vc = (st.gen, v)
+
+
+def is_pending(v) -> bool:
+    return type(v) is Out

@@ -1,0 +1,79 @@
+"""Moving data between host (PyTorch CPU tensors) and the device (``jax.Array``)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import torch
+
+from xlatorch.debug import metrics
+from xlatorch.runtime.dtypes import to_jax
+from xlatorch.runtime.ir import Data, Out
+from xlatorch.runtime.tensor import XlaTensor, value_of
+
+__all__ = ["to_device", "to_cpu", "jax_device"]
+
+_device = None
+
+
+def jax_device():
+    """The JAX device backing ``xla:0`` (the first local device of the default backend)."""
+    global _device
+    if _device is None:
+        _device = jax.local_devices()[0]
+    return _device
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(to_jax(torch.bfloat16))
+    return t.numpy()
+
+
+def to_device(t: torch.Tensor) -> Data:
+    """Upload a CPU tensor; counted in ``TransferToDeviceTime``."""
+    to_jax(t.dtype)  # a clear error for unsupported dtypes
+    with metrics.timed("TransferToDeviceTime"):
+        arr = jax.device_put(_to_numpy(t.cpu()), jax_device())
+    return Data(arr, (tuple(t.shape), t.dtype))
+
+
+def _from_array(arr, dtype: torch.dtype) -> torch.Tensor:
+    a = np.array(arr, copy=True)  # never alias a device buffer that may be donated later
+    if dtype == torch.bfloat16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def to_cpu(t: XlaTensor) -> torch.Tensor:
+    """Download a device tensor (a graph cut if it is pending); a view is applied on CPU."""
+    vw = t._vw
+    if vw is not None:
+        cpu = _base_to_cpu(t._st)
+        for spec, rest, idx in vw:
+            res = spec.overload(cpu, *[getattr(a, "value", a) for a in rest])
+            cpu = res if idx == 0 and isinstance(res, torch.Tensor) else res[idx]
+        return cpu.clone()
+    return _base_to_cpu(t._st)
+
+
+def _base_to_cpu(st) -> torch.Tensor:
+    if type(st.value) is Out:
+        from xlatorch.runtime.graph import sync
+
+        sync("to_cpu")
+    v = st.value
+    with metrics.timed("TransferFromDeviceTime"):
+        return _from_array(v.array, v.aval[1])
+
+
+def materialized(t: XlaTensor):
+    """The tensor's device data, running its graph if needed."""
+    v = value_of(t)
+    if type(v) is not Data:
+        from xlatorch.runtime.graph import sync
+
+        sync("materialize")
+        v = value_of(t)
+    return v
