@@ -66,9 +66,12 @@ _SPECIAL_DEFAULTS = {
 }
 
 
-def _default(d: str | None) -> str | None:
+def _default(d: str | None, t: str = "") -> str | None:
     if d is None:
         return None
+    if "[" in t and d.lstrip("-").isdigit():  # int[2] padding=0 means (0, 0)
+        n = t[t.index("[") + 1 : t.index("]")]
+        return repr((int(d),) * (int(n) if n else 1))
     if d in _SPECIAL_DEFAULTS:
         return _SPECIAL_DEFAULTS[d]
     try:
@@ -87,7 +90,7 @@ def _schema(f) -> Schema:
     ] + [(a, True) for a in fn.arguments.out]:
         t = str(a.type)
         py = a.name + "_" if keyword.iskeyword(a.name) else a.name
-        args.append(Arg(a.name, py, t, _kind(t), ko, _default(a.default), a.name in outs))
+        args.append(Arg(a.name, py, t, _kind(t), ko, _default(a.default, t), a.name in outs))
     rets = fn.returns
     if len(rets) == 0:
         ret = "NONE"

@@ -2145,11 +2145,11 @@ def convolution_backward_out(grad_output, input, weight, bias_sizes, stride, pad
     return call_out(S_convolution_backward, (grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, output_mask,), (out0, out1, out2,))
 
 
-def max_pool2d_with_indices(self, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+def max_pool2d_with_indices(self, kernel_size, stride=(), padding=(0, 0), dilation=(1, 1), ceil_mode=False):
     return call(S_max_pool2d_with_indices, (self, kernel_size, stride, padding, dilation, ceil_mode,))
 
 
-def max_pool2d_with_indices_out(self, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False, *, out, indices):
+def max_pool2d_with_indices_out(self, kernel_size, stride=(), padding=(0, 0), dilation=(1, 1), ceil_mode=False, *, out, indices):
     return call_out(S_max_pool2d_with_indices, (self, kernel_size, stride, padding, dilation, ceil_mode,), (out, indices,))
 
 

@@ -168,7 +168,8 @@ def _infer(spec: OpSpec, vals: tuple) -> Info:
         kwargs["device"] = "meta"
     res = spec.meta_overload(*args, **kwargs)
     res = [res] if isinstance(res, torch.Tensor) else list(res)
-    avals = tuple((tuple(r.shape), r.dtype) for r in res)
+    # None: an output PyTorch leaves undefined (e.g. a gradient masked out by output_mask).
+    avals = tuple(None if r is None else (tuple(r.shape), r.dtype) for r in res)
     cdtype = None
     if spec.promote is not None:
         pargs = [meta[i] for i in spec.promote_idx if meta[i] is not None]
@@ -179,7 +180,7 @@ def _infer(spec: OpSpec, vals: tuple) -> Info:
 def _outputs(spec, n: Node):
     if spec.returns is ONE:
         return wrap(n.outs[0])
-    res = [wrap(o) for o in n.outs]
+    res = [None if o is None else wrap(o) for o in n.outs]
     return res if spec.returns is LIST else tuple(res)
 
 

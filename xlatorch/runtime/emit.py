@@ -16,7 +16,7 @@ __all__ = ["emit_node"]
 
 
 def _aval_struct(aval):
-    return jax.ShapeDtypeStruct(aval[0], to_jax(aval[1]))
+    return None if aval is None else jax.ShapeDtypeStruct(aval[0], to_jax(aval[1]))
 
 
 def emit_node(spec, args, info):
@@ -37,6 +37,9 @@ def emit_node(spec, args, info):
         raise AssertionError(f"lowering of aten::{spec.name} returned {len(res)} values, expected {len(avals)}")
     fixed = []
     for r, s in zip(res, out):
+        if s is None:  # an output PyTorch leaves undefined
+            fixed.append(None)
+            continue
         r = jnp.asarray(r)
         if r.dtype != s.dtype:
             r = r.astype(s.dtype)

@@ -55,7 +55,7 @@ class Node:
         self.args = args
         self.info = info
         self.hash = h
-        self.outs = tuple(Out(self, i, aval) for i, aval in enumerate(info.avals))
+        self.outs = tuple(None if aval is None else Out(self, i, aval) for i, aval in enumerate(info.avals))
 
 
 class Out:
