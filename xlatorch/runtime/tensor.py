@@ -9,6 +9,9 @@ lazily when the storage changes and inverted (scatter) when the view is written.
 from __future__ import annotations
 
 import itertools
+import sys
+import threading
+import traceback
 import weakref
 
 import torch
@@ -68,7 +71,16 @@ class XlaTensor(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         from xlatorch.runtime.dispatch import dispatch
 
-        return dispatch(func, args, kwargs or {})
+        try:
+            return dispatch(func, args, kwargs or {})
+        except Exception:
+            if threading.current_thread() is not threading.main_thread():
+                # On autograd's device thread an exception unwinds through torch's Python
+                # device guard, which aborts the process (torch 2.13): say why first.
+                sys.stderr.write(f"xlatorch: {func._schema.name} failed in a backward pass:\n")
+                traceback.print_exc()
+                sys.stderr.flush()
+            raise
 
     def __repr__(self, *, tensor_contents=None):
         # PyTorch prints subclasses as "XlaTensor(...)"; device tensors print as "tensor(...)".
@@ -76,6 +88,19 @@ class XlaTensor(torch.Tensor):
         pad = len("XlaTensor(") - len("tensor(")
         first, *rest = text.split("\n")
         return "\n".join(["tensor(" + first[len("XlaTensor(") :]] + [line[pad:] for line in rest])
+
+    def tolist(self):
+        """The values as nested Python lists (a graph cut if pending)."""
+        from xlatorch.runtime.transfer import to_cpu
+
+        return to_cpu(self).tolist()
+
+    def numpy(self, *, force: bool = False):
+        from xlatorch.runtime.transfer import to_cpu
+
+        if self.requires_grad and not force:
+            raise RuntimeError("Can't call numpy() on Tensor that requires grad. Use tensor.detach().numpy() instead.")
+        return to_cpu(self).numpy()
 
     @property
     def is_xla(self) -> bool:  # type: ignore[override]

@@ -1,0 +1,20 @@
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import xlatorch  # noqa: E402,F401
+import xlatorch.debug.metrics as met  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_metrics():
+    import xlatorch.core.xla_model as xm
+
+    xm.mark_step()
+    met.clear_all()
+    yield
+    torch.set_default_device(None)

@@ -1,0 +1,58 @@
+"""ops.yaml validation and the generated/ staleness check."""
+
+import subprocess
+import sys
+
+import pytest
+
+from codegen import registry, schema
+from codegen.gen import ROOT
+
+
+def _load(tmp_path, text):
+    p = tmp_path / "ops.yaml"
+    p.write_text(text)
+    return registry.load(str(p), schema.load()[0])
+
+
+@pytest.mark.parametrize(
+    "text, msg",
+    [
+        ("add.Nope: self + other\n", "entry 'add.Nope': no ATen overload"),
+        ("add.Tensor: self + othr\n", "entry 'add.Tensor': unknown name 'othr'"),
+        ("add.Tensor:\n  lower: self\n  colour: red\n", "entry 'add.Tensor': unknown field"),
+        ("mul.Tensor: self\nmul.Tensor: other\n", "entry 'mul.Tensor' appears twice"),
+        ("add.Tensor:\n  lower: self\n  promote: sideways\n", "promote must be one of"),
+        ("add.Tensor:\n  lower: self\n  static: [beta]\n", "static names unknown argument 'beta'"),
+        ("mul.Tensor:\n  lower: self\n  scatter: src\n", "'scatter' is only for view ops"),
+    ],
+)
+def test_bad_entries_are_rejected_by_name(tmp_path, text, msg):
+    with pytest.raises(registry.RegistryError, match=msg):
+        _load(tmp_path, text)
+
+
+def test_good_entry(tmp_path):
+    (e,) = _load(tmp_path, "add.Tensor:\n  lower: self + other * alpha\n  promote: default\n")
+    assert e.schema.name == "add.Tensor" and [a.kind for a in e.schema.args[:3]] == ["TENSOR", "TENSOR", "SCALAR"]
+
+
+def test_generated_is_fresh():
+    r = subprocess.run([sys.executable, "tools/gen_ops.py", "--check"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_check_fails_when_stale(tmp_path):
+    out = tmp_path / "gen"
+    out.mkdir()
+    r = subprocess.run([sys.executable, "tools/gen_ops.py", "--check", "--out", str(out)], cwd=ROOT,
+                       capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 1 and "stale" in r.stderr
+
+
+def test_cli_reports_bad_entry(tmp_path):
+    bad = tmp_path / "ops.yaml"
+    bad.write_text("add.Tensor: self + bogus\n")
+    r = subprocess.run([sys.executable, "tools/gen_ops.py", "--ops", str(bad), "--out", str(tmp_path)], cwd=ROOT,
+                       capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 2 and "add.Tensor" in r.stderr and "bogus" in r.stderr

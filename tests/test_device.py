@@ -1,0 +1,159 @@
+"""The guides' single-device snippets and the device API."""
+
+import copy
+
+import pytest
+import torch
+
+import xlatorch
+import xlatorch.core.xla_model as xm
+import xlatorch.debug.metrics as met
+import xlatorch.runtime as xr
+
+
+def test_create_and_print(capsys):
+    t = torch.randn(2, 2, device=xm.xla_device())
+    print(t.device)
+    print(t)
+    out = capsys.readouterr().out
+    assert out.startswith("xla:0\ntensor([[")
+    assert "device='xla:0'" in out
+    assert torch.allclose(torch.tensor(eval(out.split("tensor(")[1].split(", device")[0])), t.cpu(), atol=1e-4)
+
+
+def test_device_spellings():
+    for dev in [xm.xla_device(), xlatorch.device(), torch.device("xla"), "xla", "xla:0"]:
+        t = torch.zeros(3, device=dev)
+        assert t.device == torch.device("xla", 0)
+        assert t.is_xla and not torch.zeros(1).is_xla
+    cpu = torch.arange(6.0).reshape(2, 3)
+    x = cpu.to("xla")
+    assert x.is_xla and torch.equal(x.cpu(), cpu) and torch.equal(x.to("cpu"), cpu)
+    assert x.tolist() == cpu.tolist()
+    assert x.sum().item() == 15.0
+
+
+def test_set_default_device():
+    torch.set_default_device("xla")
+    t = torch.ones(2, 3)
+    assert t.device.type == "xla"
+    torch.set_default_device(None)
+    assert torch.ones(1).device.type == "cpu"
+
+
+def test_add_mm_linear_match_cpu():
+    a, b = torch.randn(2, 2), torch.randn(2, 2)
+    t0, t1 = a.to(xm.xla_device()), b.to(xm.xla_device())
+    torch.testing.assert_close((t0 + t1).cpu(), a + b)
+    torch.testing.assert_close(t0.mm(t1).cpu(), a.mm(b))
+    lin = torch.nn.Linear(10, 20)
+    x = torch.randn(10)
+    want = lin(x)
+    got = copy.deepcopy(lin).to(xm.xla_device())(x.to(xm.xla_device()))
+    assert got.device.type == "xla" and got.grad_fn is not None
+    torch.testing.assert_close(got.cpu(), want.detach())
+
+
+def test_cpu_module_on_xla_input_names_both_devices():
+    l_in = torch.randn(10, device=xm.xla_device())
+    linear = torch.nn.Linear(10, 20)
+    with pytest.raises(RuntimeError, match="Input tensor is not an XLA tensor: torch.FloatTensor") as e:
+        linear(l_in)
+    assert "'cpu'" in str(e.value) and "xla:0" in str(e.value)
+
+
+def test_device_queries():
+    assert xm.get_xla_supported_devices() == ["xla:0"]
+    assert xm.xla_device(0) == torch.device("xla", 0)
+    with pytest.raises(RuntimeError, match="xla:3 does not exist"):
+        xm.xla_device(3)
+    assert xm.xla_device_hw(xm.xla_device()) == "CPU"
+    assert xr.device_type() == "CPU"
+    assert (xr.world_size(), xr.global_ordinal(), xr.local_ordinal()) == (1, 0, 0)
+    assert xm.is_master_ordinal() and xm.is_master_ordinal(local=False)
+
+
+def test_lazy_until_sync():
+    x = torch.randn(4, 4, device="xla")
+    xm.mark_step()
+    met.clear_all()
+    y = (x @ x).relu() + 1
+    assert met.metric_data("ExecuteTime") is None  # nothing ran yet
+    xlatorch.sync()
+    assert met.metric_data("ExecuteTime")[0] == 1
+    assert met.counter_value("MarkStep") == 1
+    torch.testing.assert_close(y.cpu(), (x.cpu() @ x.cpu()).relu() + 1)
+
+
+def test_save_load_device_tensors(tmp_path):
+    t0 = torch.randn(2, 2, device=xm.xla_device())
+    t1 = torch.randn(2, 2, device=xm.xla_device())
+    torch.save((t0, t1), tmp_path / "tensors.pt")
+    l0, l1 = torch.load(tmp_path / "tensors.pt", weights_only=False)
+    assert l0.device.type == "xla" and torch.equal(l0.cpu(), t0.cpu()) and torch.equal(l1.cpu(), t1.cpu())
+    torch.save((t0.cpu(), t1.cpu()), tmp_path / "cpu.pt")
+    c0, c1 = torch.load(tmp_path / "cpu.pt")
+    assert c0.device.type == "cpu" and torch.equal(c0.to(xm.xla_device()).cpu(), t0.cpu())
+
+
+def test_xm_save_atomic_and_cpu(tmp_path):
+    model = torch.nn.Linear(3, 2).to(xm.xla_device())
+    xm.save(model.state_dict(), tmp_path / "m.pt")
+    sd = torch.load(tmp_path / "m.pt")
+    assert all(v.device.type == "cpu" for v in sd.values())
+    assert torch.equal(sd["weight"], model.weight.cpu())
+    assert [p.name for p in tmp_path.iterdir()] == ["m.pt"]
+
+
+def test_copy_copy_is_deep_and_view_is_alias():
+    t = torch.zeros(3, device="xla")
+    c = copy.copy(t)
+    v = t.view(3)
+    v.add_(1)
+    t.add_(1)
+    assert c.cpu().tolist() == [0.0, 0.0, 0.0]
+    assert t.cpu().tolist() == [2.0, 2.0, 2.0] and v.cpu().tolist() == [2.0, 2.0, 2.0]
+
+
+def test_detach_and_data_alias():
+    p = torch.ones(3, device="xla")
+    p.data.mul_(3)
+    p.detach().add_(1)
+    assert p.cpu().tolist() == [4.0, 4.0, 4.0]
+
+
+def test_slice_assignment_updates_base():
+    x = torch.zeros(3, 4, device="xla")
+    x[:, 1:3] = torch.ones(3, 2, device="xla")
+    x[0].add_(5)
+    want = torch.zeros(3, 4)
+    want[:, 1:3] = 1
+    want[0] += 5
+    assert torch.equal(x.cpu(), want)
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int8, torch.int16, torch.int32,
+     torch.int64, torch.uint8, torch.bool],
+)  # fmt: skip
+def test_dtypes_round_trip_and_compute(dtype):
+    cpu = (torch.arange(12) % 7).to(dtype).reshape(3, 4)
+    x = cpu.to("xla")
+    assert x.dtype == dtype
+    assert torch.equal(x.cpu(), cpu)
+    if dtype != torch.bool:
+        torch.testing.assert_close((x + x).cpu(), cpu + cpu)
+        torch.testing.assert_close(x.sum(1).cpu(), cpu.sum(1))
+
+
+def test_int64_and_float64_exact():
+    big = torch.tensor([2**62 + 1, -(2**61) - 3], dtype=torch.int64)
+    assert torch.equal((big.to("xla") + 1).cpu(), big + 1)
+    f = torch.tensor([1.0 + 2**-50], dtype=torch.float64)
+    assert torch.equal((f.to("xla") * 3).cpu(), f * 3)
+
+
+def test_unsupported_dtype_is_a_clear_error():
+    with pytest.raises(TypeError, match="unsupported dtype torch.uint16"):
+        torch.zeros(2, dtype=torch.uint16).to("xla")
