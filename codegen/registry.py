@@ -62,7 +62,8 @@ def _check_expr(where: str, expr: str, allowed: set) -> None:
               if isinstance(t, ast.Name)}  # fmt: skip
     for n in ast.walk(tree):
         if isinstance(n, ast.Name) and n.id not in allowed and n.id not in bound and not hasattr(builtins, n.id):
-            raise RegistryError(f"{where}: unknown name '{n.id}' (the schema's arguments are {sorted(allowed - GLOBALS)})")
+            args = sorted(allowed - GLOBALS)
+            raise RegistryError(f"{where}: unknown name '{n.id}' (the schema's arguments are {args})")
 
 
 def load(path: str, schemas: dict) -> list[Entry]:
@@ -73,7 +74,9 @@ def load(path: str, schemas: dict) -> list[Entry]:
     for name, body in raw.items():
         key = name if "." in name else name + ".default"
         if key not in schemas:
-            raise RegistryError(f"ops.yaml entry '{name}': no ATen overload of that name in torch's native_functions.yaml")
+            raise RegistryError(
+                f"ops.yaml entry '{name}': no ATen overload of that name in torch's native_functions.yaml"
+            )
         s = schemas[key]
         if isinstance(body, str):
             body = {"lower": body}

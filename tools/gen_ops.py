@@ -39,7 +39,8 @@ def main(argv=None) -> int:
     if a.check and stale:
         print(f"generated/ is stale ({', '.join(stale)}): run python tools/gen_ops.py", file=sys.stderr)
         return 1
-    print(f"{'checked' if a.check else 'wrote'} {len(files)} files in generated/" + (f" ({len(stale)} changed)" if stale and not a.check else ""))
+    changed = f" ({len(stale)} changed)" if stale and not a.check else ""
+    print(f"{'checked' if a.check else 'wrote'} {len(files)} files in generated/{changed}")
     return 0
 
 

@@ -157,7 +157,9 @@ def sync(reason: str = "mark_step") -> None:
     roots = [st.value for st in storages]
     nodes, leaves, enc, root_refs = _collect(roots)
     data = [v for v in leaves if type(v) is Data]
-    donate = tuple(i for i, v in enumerate(data) if v.holders == 0)
+    # Donate buffers no live tensor holds any more, when an output can reuse them.
+    out_avals = {r.aval for r in roots}
+    donate = tuple(i for i, v in enumerate(data) if v.holders == 0 and v.aval in out_avals)
     key = (tuple(enc), root_refs, tuple(v.sig for v in leaves), donate)
     exe = CACHE.get(key)
     packed, leaf_kinds = _pack(leaves)

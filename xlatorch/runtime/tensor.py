@@ -174,7 +174,7 @@ def write(t: XlaTensor, v) -> None:
     if vw is None:
         st.set(v)
         return
-    from xlatorch.runtime.dispatch import apply_view, apply_scatter
+    from xlatorch.runtime.dispatch import apply_scatter, apply_view
 
     bases = [st.value]
     for step in vw[:-1]:
