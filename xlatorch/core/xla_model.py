@@ -59,10 +59,9 @@ def mark_step(wait: bool = False, reset_scope: bool = True) -> None:
 
 def wait_device_ops(devices=None) -> None:
     """Block until every dispatched computation has finished."""
-    from xlatorch.runtime.tensor import PENDING  # noqa: F401
+    from xlatorch.runtime.graph import wait
 
-    (jax.device_put(0) + 0).block_until_ready()
-    jax.effects_barrier()
+    wait()
 
 
 def optimizer_step(optimizer, barrier: bool = False, optimizer_args: dict | None = None, groups=None,

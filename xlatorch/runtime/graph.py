@@ -176,6 +176,7 @@ def sync(reason: str = "mark_step") -> None:
     for st, arr in zip(storages, outs):
         st.set(Data(arr, st.value.aval))
     PENDING.clear()
+    _last[:] = outs
     global _last_sync
     now = time.perf_counter_ns()
     if _last_sync:
@@ -185,6 +186,12 @@ def sync(reason: str = "mark_step") -> None:
 
 
 _last_sync = 0
+_last: list = []  # the newest execution's outputs, for wait()
+
+
+def wait() -> None:
+    """Block until the newest execution (and so every earlier one) has finished."""
+    jax.block_until_ready(list(_last))
 
 
 def _pack(leaves):
