@@ -14,7 +14,7 @@ from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dty
 
 from xlatorch.debug.metrics import COUNTERS
 from xlatorch.runtime.dtypes import PY_SCALAR_DTYPE
-from xlatorch.runtime.ir import Data, Node, Out, Scalar, hash_arg
+from xlatorch.runtime.ir import VALUE_TYPES, Node, Scalar, hash_arg
 from xlatorch.runtime.rng import next_key
 from xlatorch.runtime.tensor import XlaTensor, value_of, wrap, write
 
@@ -124,11 +124,8 @@ def _convert(spec, args):
     return tuple(out)
 
 
-_LEAF_TYPES = (Data, Scalar, Out)
-
-
 def _sig(a):
-    if isinstance(a, _LEAF_TYPES):
+    if isinstance(a, VALUE_TYPES):
         return a.sig
     if type(a) is tuple:
         return tuple(_sig(x) for x in a)
@@ -147,7 +144,7 @@ def node(spec: OpSpec, vals: tuple) -> Node:
 def _to_meta(a):
     if type(a) is Scalar:
         return torch.empty((), dtype=a.aval[1], device="meta") if a.tensor else a.value
-    if isinstance(a, _LEAF_TYPES):
+    if isinstance(a, VALUE_TYPES):
         return torch.empty(a.aval[0], dtype=a.aval[1], device="meta")
     if type(a) is tuple:
         return [_to_meta(x) for x in a]

@@ -17,7 +17,7 @@ import numpy as np
 from xlatorch.debug import metrics
 from xlatorch.debug.metrics import COUNTERS
 from xlatorch.runtime.dtypes import to_jax
-from xlatorch.runtime.ir import Data, Out, Scalar
+from xlatorch.runtime.ir import Data, Out, Scalar, operands
 from xlatorch.runtime.tensor import PENDING
 
 __all__ = ["sync", "CACHE"]
@@ -62,34 +62,23 @@ def _collect(roots):
     for root in roots:
         if id(root.node) in order:
             continue
-        stack = [(root.node, False)]
+        stack = [(root.node, None)]
         while stack:
-            n, expanded = stack.pop()
+            n, ops = stack.pop()
             if id(n) in order:
                 continue
-            if expanded:
-                ops = _operands(n.args)
+            if ops is not None:  # second visit: operands are done
                 enc.append((n.hash, tuple(ref(v) for v in ops)))
                 order[id(n)] = len(nodes)
                 nodes.append(n)
                 continue
-            stack.append((n, True))
-            for v in reversed(_operands(n.args)):
+            ops = operands(n.args)
+            stack.append((n, ops))
+            for v in reversed(ops):
                 if type(v) is Out and id(v.node) not in order:
-                    stack.append((v.node, False))
+                    stack.append((v.node, None))
     root_refs = tuple(ref(r) for r in roots)
     return nodes, leaves, enc, root_refs
-
-
-def _operands(args):
-    out = []
-    for a in args:
-        t = type(a)
-        if t is Out or t is Data or t is Scalar:
-            out.append(a)
-        elif t is tuple:
-            out.extend(x for x in a if type(x) in (Out, Data, Scalar))
-    return out
 
 
 def _plan(nodes, leaves):
@@ -218,21 +207,14 @@ def _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate):
     data_avals = [jax.ShapeDtypeStruct(d.aval[0], to_jax(d.aval[1])) for d in data]
     packed_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in packed]
 
-    def flat(data_args, packed_args):
-        return fn(data_args, packed_args)
-
     # Donation is per data parameter: buffers no live tensor holds any more.
     donate_mask = set(donate)
-    jitted = jax.jit(lambda donated, kept, packed_args: flat(_merge(donated, kept, donate_mask), packed_args),
-                     donate_argnums=(0,))  # fmt: skip
-    split_d = [a for i, a in enumerate(data_avals) if i in donate_mask]
-    split_k = [a for i, a in enumerate(data_avals) if i not in donate_mask]
-    compiled = jitted.lower(split_d, split_k, packed_avals).compile()
+    kept = [i for i in range(len(data)) if i not in donate_mask]
+    jitted = jax.jit(lambda d, k, packed_args: fn(_merge(d, k, donate_mask), packed_args), donate_argnums=(0,))
+    compiled = jitted.lower([data_avals[i] for i in donate], [data_avals[i] for i in kept], packed_avals).compile()
 
     def call(arrays, packed_vals):
-        d = [a for i, a in enumerate(arrays) if i in donate_mask]
-        k = [a for i, a in enumerate(arrays) if i not in donate_mask]
-        return compiled(d, k, packed_vals)
+        return compiled([arrays[i] for i in donate], [arrays[i] for i in kept], packed_vals)
 
     return Executable(call, tuple(packed))
 

@@ -8,7 +8,7 @@ over new data (or new scalar values) hashes the same and reuses its executable.
 
 from __future__ import annotations
 
-__all__ = ["Data", "Scalar", "Node", "Out", "Value", "hash_arg"]
+__all__ = ["Data", "Scalar", "Node", "Out", "Value", "VALUE_TYPES", "hash_arg", "operands"]
 
 
 class Data:
@@ -71,12 +71,12 @@ class Out:
 
 
 Value = Data | Scalar | Out
-_VALUE_TYPES = (Data, Scalar, Out)
+VALUE_TYPES = (Data, Scalar, Out)
 
 
 def hash_arg(a) -> object:
     """What an argument contributes to its node's hash: a value's hash, else itself."""
-    if isinstance(a, _VALUE_TYPES):
+    if isinstance(a, VALUE_TYPES):
         return a.hash
     if type(a) is tuple:
         return tuple(hash_arg(x) for x in a)
@@ -87,8 +87,8 @@ def operands(args) -> list:
     """The values among a node's arguments, in order (tensor lists flattened)."""
     out = []
     for a in args:
-        if isinstance(a, _VALUE_TYPES):
+        if isinstance(a, VALUE_TYPES):
             out.append(a)
         elif type(a) is tuple:
-            out.extend(x for x in a if isinstance(x, _VALUE_TYPES))
+            out.extend(x for x in a if isinstance(x, VALUE_TYPES))
     return out

@@ -17,7 +17,7 @@ import weakref
 import torch
 
 from xlatorch.debug.metrics import COUNTERS
-from xlatorch.runtime.ir import Data, Out
+from xlatorch.runtime.ir import Data
 
 __all__ = ["XlaTensor", "Storage", "wrap", "value_of", "write", "PENDING"]
 
@@ -184,7 +184,3 @@ def write(t: XlaTensor, v) -> None:
         new = apply_scatter(step, base, new)
     st.set(new)
     t._vc = (st.gen, v)
-
-
-def is_pending(v) -> bool:
-    return type(v) is Out
