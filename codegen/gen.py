@@ -22,6 +22,14 @@ def _aten(name: str) -> str:
     return f"aten.{op}.{ov}"
 
 
+def overload(name: str):
+    """The ``torch.ops.aten`` OpOverload of an ``"op.overload"`` name."""
+    import torch
+
+    op, ov = name.split(".")
+    return getattr(getattr(torch.ops.aten, op), ov)
+
+
 def _params(args, extra_default: bool = False) -> str:
     """A Python parameter list mirroring the schema (keyword-only after ``*``)."""
     pos = [a for a in args if not a.kwarg_only]
@@ -49,9 +57,17 @@ class _Spec:
 
 def build(entries):
     schemas, groups = schema.load()
-    lowerings, specs, shims, factories = [], [], [], []
+    lowerings, specs, shims, factories, decomposed, fallbacks = [], [], [], [], [], []
     for e in entries:
         s = e.schema
+        if e.decompose:
+            decomposed.append(_aten(e.name))
+            continue
+        if e.fallback is not None:
+            fallbacks.append((_aten(e.name), e.fallback))
+            continue
+        if e.lower is None and e.helper is None:  # a runtime handler, or metadata only
+            continue
         fargs = [a for a in s.args if not a.is_out]
         fn = _ident(e.name)
         names = [a.name for a in fargs] + (["seed"] if e.random else [])
@@ -108,7 +124,8 @@ def build(entries):
                 ofn = _ident(out)
                 shims.append(dict(fn=ofn, aten=_aten(out), params=_params(os_.args),
                                   body=f"call_out({var}, {call_args}, ({', '.join(outs)},))"))  # fmt: skip
-    return dict(lowerings=lowerings, specs=specs, shims=shims, factories=factories, n_entries=len(entries))
+    return dict(lowerings=lowerings, specs=specs, shims=shims, factories=factories, decomposed=decomposed,
+                fallbacks=fallbacks, n_entries=len(entries))  # fmt: skip
 
 
 def render(ops_yaml: str) -> dict[str, str]:

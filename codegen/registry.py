@@ -10,7 +10,15 @@ import yaml
 
 from codegen.schema import Schema
 
-KEYS = {"lower", "helper", "promote", "promote_args", "static", "random", "scatter", "variants", "dispatch", "note"}
+KEYS = {
+    "lower", "helper", "decompose", "fallback", "promote", "promote_args", "static", "random", "scatter",
+    "variants", "dispatch", "test", "note",
+}  # fmt: skip
+# How an entry is executed: exactly one of these fields, except for dispatch runtime/metadata.
+RULES = ("lower", "helper", "decompose", "fallback")
+DISPATCH = {"shim", "runtime", "metadata"}
+TEST_KEYS = {"opinfo", "atol", "rtol", "grad_atol", "grad_rtol", "dtypes", "xfail"}
+TEST_TAGS = {"float32", "bfloat16", "int64", "bool", "grad", "all"}
 PROMOTIONS = {"default", "int_to_float", "always_bool", "complex_to_float", "bool_to_long", "no_opmath"}
 # Names a lowering expression may use besides its schema's argument names.
 GLOBALS = {"jnp", "lax", "jax", "np", "math", "L", "out", "torch_dtype"}
@@ -32,7 +40,20 @@ class Entry:
     random: bool = False
     scatter: str | None = None
     variants: bool = True
-    dispatch: str = "shim"  # "shim" or "runtime" (the runtime routes calls itself)
+    # "shim": generated dispatch; "runtime": a hand-written handler in xlatorch/runtime
+    # (copies, transfers, data-dependent shapes); "metadata": answered by the tensor's
+    # sizes/strides, never dispatched.
+    dispatch: str = "shim"
+    decompose: bool = False  # run PyTorch's decomposition (torch._decomp) into lowered ops
+    fallback: str | None = None  # a declared CPU fallback, with the reason
+    test: dict = field(default_factory=dict)  # OpInfo hints: opinfo names, tolerances, xfails
+
+    @property
+    def status(self) -> str:
+        """``lowered``, ``decomposed`` or ``fallback``: what the coverage report shows."""
+        if self.decompose:
+            return "decomposed"
+        return "fallback" if self.fallback is not None else "lowered"
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -66,6 +87,40 @@ def _check_expr(where: str, expr: str, allowed: set) -> None:
             raise RegistryError(f"{where}: unknown name '{n.id}' (the schema's arguments are {args})")
 
 
+def _check_rule(name: str, e: Entry) -> None:
+    if e.dispatch not in DISPATCH:
+        raise RegistryError(f"ops.yaml entry '{name}': dispatch must be one of {sorted(DISPATCH)}")
+    rules = [r for r in RULES if getattr(e, r) not in (None, False)]
+    if e.dispatch == "shim" and len(rules) != 1 or len(rules) > 1:
+        raise RegistryError(
+            f"ops.yaml entry '{name}': give exactly one of 'lower' (an expression), 'helper', "
+            f"'decompose: true' or 'fallback: <reason>' (got {rules or 'none'})"
+        )
+    if e.decompose:
+        from torch._decomp import decomposition_table
+
+        from codegen.gen import overload
+
+        if e.decompose is not True or overload(e.name) not in decomposition_table:
+            raise RegistryError(f"ops.yaml entry '{name}': 'decompose: true' needs a PyTorch decomposition, "
+                                f"and torch._decomp has none for aten::{e.name}")  # fmt: skip
+    if (e.lower or e.helper) and e.schema.returns not in ("ONE", "TUPLE", "LIST"):
+        raise RegistryError(f"ops.yaml entry '{name}': returns {e.schema.returns}, which a lowering cannot produce")
+
+
+def _check_test(name: str, t: dict) -> None:
+    unknown = set(t) - TEST_KEYS
+    if unknown:
+        raise RegistryError(f"ops.yaml entry '{name}': unknown test field(s) {sorted(unknown)}")
+    for tag, reason in (t.get("xfail") or {}).items():
+        if tag not in TEST_TAGS:
+            raise RegistryError(f"ops.yaml entry '{name}': xfail key '{tag}' is not one of {sorted(TEST_TAGS)}")
+        if not isinstance(reason, str) or not reason.strip():
+            raise RegistryError(f"ops.yaml entry '{name}': xfail '{tag}' needs a reason")
+    if isinstance(t.get("opinfo"), str):
+        t["opinfo"] = [t["opinfo"]]
+
+
 def load(path: str, schemas: dict) -> list[Entry]:
     """Parse ops.yaml; raise ``RegistryError`` naming the entry for any mistake."""
     with open(path) as f:
@@ -84,10 +139,8 @@ def load(path: str, schemas: dict) -> list[Entry]:
         if unknown:
             raise RegistryError(f"ops.yaml entry '{name}': unknown field(s) {sorted(unknown)}")
         e = Entry(name=key, schema=s, **{k: v for k, v in body.items() if k != "note"})
-        if (e.lower is None) == (e.helper is None):
-            raise RegistryError(f"ops.yaml entry '{name}': give exactly one of 'lower' (an expression) or 'helper'")
-        if s.returns not in ("ONE", "TUPLE", "LIST"):
-            raise RegistryError(f"ops.yaml entry '{name}': returns {s.returns}, which a lowering cannot produce")
+        _check_rule(name, e)
+        _check_test(name, e.test)
         argnames = {a.py for a in s.args if not a.is_out}
         for field_name in ("promote_args", "static"):
             for a in getattr(e, field_name):

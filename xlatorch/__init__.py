@@ -12,6 +12,7 @@ import jax
 jax.config.update("jax_enable_x64", True)  # int64 / float64 are exact, as in PyTorch
 
 import torch  # noqa: E402
+import torch._decomp  # noqa: E402
 
 # First, before any module builds a torch.device("xla"): until the rename, "xla" parses
 # as the built-in XLA device type, which has no device guard here.
@@ -20,9 +21,11 @@ if torch._C._get_privateuse1_backend_name() != "xla":
 
 from xlatorch._generated import dispatch as _table  # noqa: E402
 from xlatorch.runtime import device as _device  # noqa: E402
+from xlatorch.runtime.dispatch import DECOMPS as _DECOMPS  # noqa: E402
 from xlatorch.runtime.dispatch import SHIMS as _SHIMS  # noqa: E402
 
 _SHIMS.update(_table.SHIMS)
+_DECOMPS.update({op: torch._decomp.decomposition_table[op] for op in _table.DECOMPOSED})
 _device.install(_table.SPECS)
 _device.register(_table.FACTORIES)
 

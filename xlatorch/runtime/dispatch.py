@@ -18,7 +18,7 @@ from xlatorch.runtime.ir import VALUE_TYPES, Node, Scalar, hash_arg
 from xlatorch.runtime.rng import next_key
 from xlatorch.runtime.tensor import XlaTensor, value_of, wrap, write
 
-__all__ = ["OpSpec", "Info", "dispatch", "call", "call_inplace", "call_out", "SHIMS", "RUNTIME_OPS"]
+__all__ = ["OpSpec", "Info", "dispatch", "call", "call_inplace", "call_out", "SHIMS", "RUNTIME_OPS", "DECOMPS"]
 
 # Argument kinds, from the schema's types (codegen decides; see codegen/schema.py).
 # GENERATOR is a synthetic trailing argument of random ops: a fresh seed per call.
@@ -30,6 +30,7 @@ PROMOTION = {k.name.lower(): k for k in ELEMENTWISE_TYPE_PROMOTION_KIND}
 
 SHIMS: dict = {}  # OpOverload -> shim, filled by generated/dispatch.py
 RUNTIME_OPS: dict = {}  # OpOverload -> hand-written handler (copies, transfers, aliases)
+DECOMPS: dict = {}  # OpOverload -> PyTorch decomposition into ops that are lowered
 
 
 class Info:
@@ -74,11 +75,11 @@ class OpSpec:
 
 
 def dispatch(func, args, kwargs):
-    """``__torch_dispatch__`` body: lowered shim, runtime handler, or CPU fallback."""
+    """``__torch_dispatch__`` body: lowered shim, runtime handler, decomposition, or CPU fallback."""
     shim = SHIMS.get(func)
     if shim is not None:
         return shim(*args, **kwargs)
-    handler = RUNTIME_OPS.get(func)
+    handler = RUNTIME_OPS.get(func) or DECOMPS.get(func)
     if handler is not None:
         return handler(*args, **kwargs)
     from xlatorch.fallback.cpu import run_on_cpu
