@@ -1,0 +1,3 @@
+"""Linear algebra beyond matmul: norms, solves, factorisations, distances."""
+
+from __future__ import annotations

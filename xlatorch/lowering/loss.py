@@ -1,0 +1,3 @@
+"""Loss functions and their backwards."""
+
+from __future__ import annotations

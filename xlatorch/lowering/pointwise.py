@@ -1,0 +1,3 @@
+"""Pointwise math whose lowering is more than one expression."""
+
+from __future__ import annotations

@@ -1,0 +1,3 @@
+"""Resampling: padding modes, upsampling, grid sampling, col2im."""
+
+from __future__ import annotations
