@@ -4,9 +4,9 @@ import threading
 
 import pytest
 import torch
+from xlatorch._generated import dispatch as table
 
 import xlatorch.core.xla_model as xm
-from xlatorch._generated import dispatch as table
 from xlatorch.runtime import dispatch as D
 from xlatorch.runtime.failure import FailedValueError
 
@@ -51,7 +51,7 @@ def test_an_error_in_backward_is_raised_at_the_next_sync(monkeypatch):
     monkeypatch.setattr(D, "dispatch", flaky)
     (x * x).sum().backward()
     monkeypatch.undo()
-    with pytest.raises(FailedValueError, match=r"aten::mul failed in a backward pass: ValueError: backward kernel failed"):
+    with pytest.raises(FailedValueError, match=r"aten::mul failed in a backward pass: ValueError: backward kernel"):
         x.grad.cpu()
     y = x * 2
     torch.testing.assert_close(y.cpu(), x.detach().cpu() * 2)
