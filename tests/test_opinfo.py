@@ -29,8 +29,10 @@ from codegen import registry, schema
 from codegen.gen import ROOT
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int64": torch.int64, "bool": torch.bool}
-# Defaults: float32 allows XLA's own transcendental approximations; bfloat16 one ulp-ish.
-TOL = {"float32": (1e-5, 1e-5), "bfloat16": (1.6e-2, 1e-2), "int64": (0, 0), "bool": (0, 0)}
+# Default (atol, rtol) by result dtype: float32 allows XLA's own transcendental
+# approximations, bfloat16 about one ulp; integers and bools are exact.
+TOL = {torch.float32: (1e-5, 1e-5), torch.float64: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 1e-2),
+       torch.float16: (1e-3, 1e-3), torch.complex64: (1e-5, 1e-5), torch.complex128: (1e-5, 1e-5)}  # fmt: skip
 GRAD_TOL = (1e-4, 1e-4)
 CI_SAMPLES = 4
 
@@ -56,9 +58,10 @@ def _plan():
 
 def _cases():
     fwd, grad = [], []
-    for key, (op, _) in sorted(_plan().items()):
+    for key, (op, entries) in sorted(_plan().items()):
         supported = op.supported_dtypes("cpu")
-        fwd += [(key, tag) for tag, dt in DTYPES.items() if dt in supported]
+        only = set().union(*[e.test.get("dtypes") or DTYPES for e in entries])
+        fwd += [(key, tag) for tag, dt in DTYPES.items() if dt in supported and tag in only]
         if op.supports_autograd and torch.float32 in op.supported_backward_dtypes("cpu"):
             grad.append(key)
     return fwd, grad
@@ -75,13 +78,18 @@ def _hints(entries, tag: str):
     """(xfail reason or None, atol, rtol) for a test of ``entries`` under dtype/grad ``tag``."""
     reason = None
     grad = tag == "grad"
-    atol, rtol = GRAD_TOL if grad else TOL[tag]
+    atol, rtol = GRAD_TOL if grad else (0, 0)  # forward: raised to the result dtype's default
     for e in entries:
         x = e.test.get("xfail") or {}
         reason = reason or x.get(tag) or x.get("all")
-        atol = max(atol, e.test.get("grad_atol" if grad else "atol", 0))
-        rtol = max(rtol, e.test.get("grad_rtol" if grad else "rtol", 0))
+        atol = max(atol, _tol(e.test.get("grad_atol" if grad else "atol", 0), tag))
+        rtol = max(rtol, _tol(e.test.get("grad_rtol" if grad else "rtol", 0), tag))
     return reason, atol, rtol
+
+
+def _tol(t, tag: str) -> float:
+    """A tolerance hint: one number, or ``{dtype tag: number}``."""
+    return t.get(tag, 0) if isinstance(t, dict) else t
 
 
 def _to_xla(x):
@@ -96,6 +104,8 @@ class _Moved:
 
     def __init__(self, s):
         self.input, self.args, self.kwargs = tree_map(_to_xla, (s.input, s.args, s.kwargs))
+        if "device" in self.kwargs:  # factories: made on the device
+            self.kwargs = dict(self.kwargs, device="xla")
 
 
 def _samples(op, dtype, requires_grad, full):
@@ -111,8 +121,9 @@ def _call(op, s):
     return op(s.input, *s.args, **s.kwargs)
 
 
-def _is_random(entries) -> bool:
-    return any(e.random for e in entries)
+def _meta_compare(entries) -> bool:
+    """Random ops and uninitialised memory: compare shapes and dtypes, not values."""
+    return any(e.random or e.test.get("compare") == "meta" for e in entries)
 
 
 def _compare(got, want, atol, rtol, where):
@@ -122,7 +133,8 @@ def _compare(got, want, atol, rtol, where):
     for a, b in zip(g, w):
         if isinstance(b, torch.Tensor):
             assert isinstance(a, torch.Tensor) and a.device.type == "xla", f"{where}: output not an xla tensor: {a!r}"
-            torch.testing.assert_close(a.cpu(), b, atol=atol, rtol=rtol, equal_nan=True, msg=lambda m: f"{where}: {m}")
+            da, dr = TOL.get(b.dtype, (0, 0))
+            torch.testing.assert_close(a.cpu(), b, atol=max(atol, da), rtol=max(rtol, dr), equal_nan=True, msg=lambda m: f"{where}: {m}")
         else:
             assert a == b or (a != a and b != b), f"{where}: {a!r} != {b!r}"
 
@@ -173,7 +185,7 @@ def test_forward(key, tag, request):
     assert not errors, "\n".join(errors)
     for i, s, got, want in pending:
         where = f"{key} {tag} sample {i}: input {tuple(s.input.shape) if isinstance(s.input, torch.Tensor) else ''}"
-        if _is_random(entries):
+        if _meta_compare(entries):
             _meta_only(got, want, where)
         else:
             _compare(got, want, atol, rtol, where)
@@ -185,7 +197,7 @@ def test_grad(key, request):
     reason, atol, rtol = _hints(entries, "grad")
     if reason:
         request.applymarker(pytest.mark.xfail(reason=reason, strict=True))
-    if _is_random(entries):
+    if _meta_compare(entries):
         pytest.skip("random op: gradients depend on the sampled values")
     gen = torch.Generator().manual_seed(0)
     pending = []
