@@ -134,7 +134,8 @@ def _compare(got, want, atol, rtol, where):
         if isinstance(b, torch.Tensor):
             assert isinstance(a, torch.Tensor) and a.device.type == "xla", f"{where}: output not an xla tensor: {a!r}"
             da, dr = TOL.get(b.dtype, (0, 0))
-            torch.testing.assert_close(a.cpu(), b, atol=max(atol, da), rtol=max(rtol, dr), equal_nan=True, msg=lambda m: f"{where}: {m}")
+            torch.testing.assert_close(a.cpu(), b, atol=max(atol, da), rtol=max(rtol, dr), equal_nan=True,
+                                       msg=lambda m: f"{where}: {m}")  # fmt: skip
         else:
             assert a == b or (a != a and b != b), f"{where}: {a!r} != {b!r}"
 
