@@ -3,8 +3,8 @@
 For each OpInfo in ``op_db`` that exercises an ops.yaml entry (the entry's op name, or
 the names in its ``test: opinfo:`` list), the OpInfo's sample inputs run on the xla
 device and on CPU and the results are compared with ``torch.testing.assert_close``:
-forward for float32, bfloat16, int64 and bool where the OpInfo supports them, and
-float32 gradients for differentiable ops. All samples of one (OpInfo, dtype) are traced
+forward for float32, bfloat16, int64 and bool where the OpInfo supports them, the
+generated in-place variant for float32, and float32 gradients for differentiable ops. All samples of one (OpInfo, dtype) are traced
 into one graph, so each test compiles once. Tolerances and expected failures come from
 the entries' ``test:`` fields in ops.yaml, never from this file.
 
@@ -57,17 +57,19 @@ def _plan():
 
 
 def _cases():
-    fwd, grad = [], []
+    fwd, grad, inplace = [], [], []
     for key, (op, entries) in sorted(_plan().items()):
+        if op.inplace_variant is not None and torch.float32 in op.supported_dtypes("cpu"):
+            inplace.append(key)
         supported = op.supported_dtypes("cpu")
         only = set().union(*[e.test.get("dtypes") or DTYPES for e in entries])
         fwd += [(key, tag) for tag, dt in DTYPES.items() if dt in supported and tag in only]
         if op.supports_autograd and torch.float32 in op.supported_backward_dtypes("cpu"):
             grad.append(key)
-    return fwd, grad
+    return fwd, grad, inplace
 
 
-FWD_CASES, GRAD_CASES = _cases()
+FWD_CASES, GRAD_CASES, INPLACE_CASES = _cases()
 
 
 def _full(config) -> bool:
@@ -229,6 +231,34 @@ def test_grad(key, request):
             assert g is not None, f"{key} sample {i}: gradient {j} is None on xla"
             torch.testing.assert_close(g.cpu(), w, atol=atol, rtol=rtol, equal_nan=True,
                                        msg=lambda m, i=i, j=j: f"{key} sample {i} grad {j}: {m}")  # fmt: skip
+
+
+@pytest.mark.parametrize("key", INPLACE_CASES)
+def test_inplace(key, request):
+    """The generated in-place variant (``op_``) writes the forward's result into ``self``."""
+    op, entries = _plan()[key]
+    reason, atol, rtol = _hints(entries, "float32")
+    if reason:
+        request.applymarker(pytest.mark.xfail(reason=reason, strict=True))
+    pending = []
+    for i, s in enumerate(_samples(op, torch.float32, False, _full(request.config))):
+        if not isinstance(s.input, torch.Tensor):
+            continue
+        cpu = s.input.clone()
+        try:
+            want = op.inplace_variant(cpu, *s.args, **s.kwargs)
+        except Exception:
+            continue  # e.g. the result would not fit self's dtype or shape
+        xs = _Moved(s)
+        got = op.inplace_variant(xs.input, *xs.args, **xs.kwargs)
+        assert got is xs.input, f"{key} sample {i}: in-place op did not return self"
+        pending.append((i, got, want))
+    xm.mark_step()
+    for i, got, want in pending:
+        if _meta_compare(entries):
+            _meta_only(got, want, f"{key} in-place sample {i}")
+        else:
+            _compare(got, want, atol, rtol, f"{key} in-place sample {i}")
 
 
 @pytest.mark.parametrize("key", sorted(_plan()))
