@@ -4,8 +4,8 @@ For each OpInfo in ``op_db`` that exercises an ops.yaml entry (the entry's op na
 the names in its ``test: opinfo:`` list), the OpInfo's sample inputs run on the xla
 device and on CPU and the results are compared with ``torch.testing.assert_close``:
 forward for float32, bfloat16, int64 and bool where the OpInfo supports them, the
-generated in-place variant for float32, and float32 gradients for differentiable ops. All samples of one (OpInfo, dtype) are traced
-into one graph, so each test compiles once. Tolerances and expected failures come from
+generated in-place variant for float32, and float32 gradients for differentiable ops.
+All samples of one (OpInfo, dtype) are traced into one graph, so each test compiles once. Tolerances and expected failures come from
 the entries' ``test:`` fields in ops.yaml, never from this file.
 
 CI runs a few samples per test; ``--opinfo-full`` (or ``XLATORCH_OPINFO_FULL=1``) runs
@@ -94,6 +94,12 @@ def _tol(t, tag: str) -> float:
     return t.get(tag, 0) if isinstance(t, dict) else t
 
 
+def _setup(key, tag, request):
+    """(OpInfo, entries, atol, rtol), marking the test as an expected failure if ops.yaml says so."""
+    op, entries, atol, rtol = _setup(key, tag, request)
+    return op, entries, atol, rtol
+
+
 def _to_xla(x):
     if isinstance(x, torch.Tensor):
         t = x.detach().to("xla")
@@ -142,6 +148,13 @@ def _compare(got, want, atol, rtol, where):
             assert a == b or (a != a and b != b), f"{where}: {a!r} != {b!r}"
 
 
+def _check(entries, got, want, atol, rtol, where):
+    if _meta_compare(entries):
+        _meta_only(got, want, where)
+    else:
+        _compare(got, want, atol, rtol, where)
+
+
 def _meta_only(got, want, where):
     g, _ = tree_flatten(got)
     w, _ = tree_flatten(want)
@@ -168,10 +181,7 @@ def _fallbacks(key: str, full: bool) -> dict:
 
 @pytest.mark.parametrize("key, tag", FWD_CASES, ids=[f"{k}-{t}" for k, t in FWD_CASES])
 def test_forward(key, tag, request):
-    op, entries = _plan()[key]
-    reason, atol, rtol = _hints(entries, tag)
-    if reason:
-        request.applymarker(pytest.mark.xfail(reason=reason, strict=True))
+    op, entries, atol, rtol = _setup(key, tag, request)
     pending, errors = [], []
     for i, s in enumerate(_samples(op, DTYPES[tag], False, _full(request.config))):
         try:
@@ -188,18 +198,12 @@ def test_forward(key, tag, request):
     assert not errors, "\n".join(errors)
     for i, s, got, want in pending:
         where = f"{key} {tag} sample {i}: input {tuple(s.input.shape) if isinstance(s.input, torch.Tensor) else ''}"
-        if _meta_compare(entries):
-            _meta_only(got, want, where)
-        else:
-            _compare(got, want, atol, rtol, where)
+        _check(entries, got, want, atol, rtol, where)
 
 
 @pytest.mark.parametrize("key", GRAD_CASES)
 def test_grad(key, request):
-    op, entries = _plan()[key]
-    reason, atol, rtol = _hints(entries, "grad")
-    if reason:
-        request.applymarker(pytest.mark.xfail(reason=reason, strict=True))
+    op, entries, atol, rtol = _setup(key, "grad", request)
     if _meta_compare(entries):
         pytest.skip("random op: gradients depend on the sampled values")
     gen = torch.Generator().manual_seed(0)
@@ -236,10 +240,7 @@ def test_grad(key, request):
 @pytest.mark.parametrize("key", INPLACE_CASES)
 def test_inplace(key, request):
     """The generated in-place variant (``op_``) writes the forward's result into ``self``."""
-    op, entries = _plan()[key]
-    reason, atol, rtol = _hints(entries, "float32")
-    if reason:
-        request.applymarker(pytest.mark.xfail(reason=reason, strict=True))
+    op, entries, atol, rtol = _setup(key, "float32", request)
     pending = []
     for i, s in enumerate(_samples(op, torch.float32, False, _full(request.config))):
         if not isinstance(s.input, torch.Tensor):
@@ -255,10 +256,7 @@ def test_inplace(key, request):
         pending.append((i, got, want))
     xm.mark_step()
     for i, got, want in pending:
-        if _meta_compare(entries):
-            _meta_only(got, want, f"{key} in-place sample {i}")
-        else:
-            _compare(got, want, atol, rtol, f"{key} in-place sample {i}")
+        _check(entries, got, want, atol, rtol, f"{key} in-place sample {i}")
 
 
 @pytest.mark.parametrize("key", sorted(_plan()))
