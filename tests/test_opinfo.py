@@ -5,8 +5,9 @@ the names in its ``test: opinfo:`` list), the OpInfo's sample inputs run on the 
 device and on CPU and the results are compared with ``torch.testing.assert_close``:
 forward for float32, bfloat16, int64 and bool where the OpInfo supports them, the
 generated in-place variant for float32, and float32 gradients for differentiable ops.
-All samples of one (OpInfo, dtype) are traced into one graph, so each test compiles once. Tolerances and expected failures come from
-the entries' ``test:`` fields in ops.yaml, never from this file.
+All samples of one (OpInfo, dtype) are traced into one graph, so each test compiles
+once. Tolerances and expected failures come from the entries' ``test:`` fields in
+ops.yaml, never from this file.
 
 CI runs a few samples per test; ``--opinfo-full`` (or ``XLATORCH_OPINFO_FULL=1``) runs
 all of them. Select ops with ``-k``, e.g. ``pytest tests/test_opinfo.py -k "sort or topk"``.
