@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from xlatorch.runtime import rng
+from xlatorch.runtime import dynamic, rng
 from xlatorch.runtime.dispatch import RUNTIME_OPS, SHIMS, call, convert_value, node
 from xlatorch.runtime.tensor import XlaTensor, value_of, wrap, write
 from xlatorch.runtime.transfer import to_cpu, to_device
@@ -142,6 +142,7 @@ SPECS: dict = {}
 def install(specs: dict) -> None:
     """Hook the hand-written runtime ops into dispatch (called once the table is loaded)."""
     SPECS.update(specs)
+    SPECS.update({k.removesuffix(".default"): v for k, v in specs.items()})  # "expand" == "expand.default"
     RUNTIME_OPS.update(
         {
             aten._to_copy.default: _to_copy,
@@ -153,6 +154,7 @@ def install(specs: dict) -> None:
         }
     )
     SHIMS.pop(aten._to_copy.default, None)
+    dynamic.install()  # nonzero, masked_select, boolean-mask indexing, resize_
 
 
 __all__ = ["register", "install", "call"]
