@@ -260,7 +260,7 @@ def index_select(out, self, dim, index):
 
 
 def gather(out, self, dim, index, sparse_grad):
-    return jnp.take_along_axis(self, index, axis=dim)
+    return L.index.gather(out, self, dim, index)
 
 
 def embedding(out, weight, indices, padding_idx, scale_grad_by_freq, sparse):
@@ -281,6 +281,150 @@ def masked_fill_Scalar(out, self, mask, value):
 
 def masked_fill_Tensor(out, self, mask, value):
     return jnp.where(mask, value.astype(self.dtype), self)
+
+
+def scatter_src(out, self, dim, index, src):
+    return L.index.scatter(out, self, dim, index, src)
+
+
+def scatter_value(out, self, dim, index, value):
+    return L.index.scatter(out, self, dim, index, value)
+
+
+def scatter_reduce(out, self, dim, index, src, reduce):
+    return L.index.scatter(out, self, dim, index, src, reduce)
+
+
+def scatter_value_reduce(out, self, dim, index, value, reduce):
+    return L.index.scatter(out, self, dim, index, value, reduce)
+
+
+def scatter_add(out, self, dim, index, src):
+    return L.index.scatter_add(out, self, dim, index, src)
+
+
+def scatter_reduce_two(out, self, dim, index, src, reduce, include_self):
+    return L.index.scatter_reduce(out, self, dim, index, src, reduce, include_self)
+
+
+def index_put(out, self, indices, values, accumulate):
+    return L.index.index_put(out, self, indices, values, accumulate)
+
+
+def _index_put_impl_(out, self, indices, values, accumulate, unsafe):
+    return L.index.index_put(out, self, indices, values, accumulate)
+
+
+def index_add(out, self, dim, index, source, alpha):
+    return L.index.index_add(out, self, dim, index, source, alpha)
+
+
+def index_copy(out, self, dim, index, source):
+    return L.index.index_copy(out, self, dim, index, source)
+
+
+def index_fill_int_Scalar(out, self, dim, index, value):
+    return L.index.index_fill(out, self, dim, index, value)
+
+
+def index_fill_int_Tensor(out, self, dim, index, value):
+    return L.index.index_fill(out, self, dim, index, value)
+
+
+def masked_scatter(out, self, mask, source):
+    return L.index.masked_scatter(out, self, mask, source)
+
+
+def masked_scatter_backward(out, grad_output, mask, sizes):
+    return L.index.masked_scatter_backward(out, grad_output, mask, sizes)
+
+
+def take(out, self, index):
+    return L.index.take(out, self, index)
+
+
+def put(out, self, index, source, accumulate):
+    return L.index.put(out, self, index, source, accumulate)
+
+
+def as_strided(out, self, size, stride, storage_offset):
+    return L.index.as_strided(out, self, size, stride, storage_offset)
+
+
+def as_strided__scatter(out, self, src, size, stride, storage_offset, idx):
+    return L.index.as_strided_scatter(out, self, src, size, stride, storage_offset)
+
+
+def as_strided_scatter(out, self, src, size, stride, storage_offset):
+    return L.index.as_strided_scatter(out, self, src, size, stride, storage_offset)
+
+
+def diagonal_scatter(out, self, src, offset, dim1, dim2):
+    return L.index.diagonal_scatter(out, self, src, offset, dim1, dim2)
+
+
+def nonzero(out, self):
+    return L.index.nonzero(out, self)
+
+
+def nonzero_static(out, self, size, fill_value):
+    return L.index.nonzero_static(out, self, size, fill_value)
+
+
+def masked_select(out, self, mask):
+    return L.index.masked_select(out, self, mask)
+
+
+def sort(out, self, dim, descending):
+    return L.sort.sort(out, self, dim, descending)
+
+
+def sort_stable(out, self, stable, dim, descending):
+    return L.sort.sort_stable(out, self, stable, dim, descending)
+
+
+def topk(out, self, k, dim, largest, sorted):
+    return L.sort.topk(out, self, k, dim, largest, sorted)
+
+
+def kthvalue(out, self, k, dim, keepdim):
+    return L.sort.kthvalue(out, self, k, dim, keepdim)
+
+
+def median(out, self):
+    return L.sort.median(out, self)
+
+
+def median_dim(out, self, dim, keepdim):
+    return L.sort.median_dim(out, self, dim, keepdim)
+
+
+def nanmedian(out, self):
+    return L.sort.nanmedian(out, self)
+
+
+def nanmedian_dim(out, self, dim, keepdim):
+    return L.sort.nanmedian_dim(out, self, dim, keepdim)
+
+
+def mode(out, self, dim, keepdim):
+    return L.sort.mode(out, self, dim, keepdim)
+
+
+def searchsorted_Tensor(out, sorted_sequence, self, out_int32, right, side, sorter):
+    return L.sort.searchsorted(out, sorted_sequence, self, out_int32, right, side, sorter)
+
+
+def searchsorted_Scalar(out, sorted_sequence, self, out_int32, right, side, sorter):
+    return L.sort.searchsorted(out, sorted_sequence, self, out_int32, right, side, sorter)
+
+
+def bucketize_Tensor(out, self, boundaries, out_int32, right):
+    return L.sort.bucketize(out, self, boundaries, out_int32, right)
+
+
+def bucketize_Scalar(out, self, boundaries, out_int32, right):
+    return L.sort.bucketize(out, self, boundaries, out_int32, right)
 
 
 def add_Tensor(out, self, other, alpha):
