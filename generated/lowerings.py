@@ -256,7 +256,7 @@ def index_Tensor(out, self, indices):
 
 
 def index_select(out, self, dim, index):
-    return jnp.take(self, index, axis=dim)
+    return L.index.index_select(out, self, dim, index)
 
 
 def gather(out, self, dim, index, sparse_grad):
@@ -733,6 +733,46 @@ def addmm(out, self, mat1, mat2, beta, alpha):
 
 def baddbmm(out, self, batch1, batch2, beta, alpha):
     return jnp.where(beta == 0, 0, beta * self) + alpha * jnp.matmul(batch1, batch2)
+
+
+def _fft_r2c(out, self, dim, normalization, onesided):
+    return L.fft.fft_r2c(out, self, dim, normalization, onesided)
+
+
+def _fft_c2c(out, self, dim, normalization, forward):
+    return L.fft.fft_c2c(out, self, dim, normalization, forward)
+
+
+def _fft_c2r(out, self, dim, normalization, last_dim_size):
+    return L.fft.fft_c2r(out, self, dim, normalization, last_dim_size)
+
+
+def _conj(out, self):
+    return jnp.conj(self)
+
+
+def _conj__scatter(out, self, src, idx):
+    return jnp.conj(src)
+
+
+def _conj_physical(out, self):
+    return jnp.conj(self)
+
+
+def view_as_real(out, self):
+    return jnp.stack([jnp.real(self), jnp.imag(self)], axis=-1)
+
+
+def view_as_real__scatter(out, self, src, idx):
+    return lax.complex(src[..., 0], src[..., 1])
+
+
+def view_as_complex(out, self):
+    return lax.complex(self[..., 0], self[..., 1])
+
+
+def view_as_complex__scatter(out, self, src, idx):
+    return jnp.stack([jnp.real(src), jnp.imag(src)], axis=-1)
 
 
 def convolution(out, input, weight, bias, stride, padding, dilation, transposed, output_padding, groups):

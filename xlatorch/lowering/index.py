@@ -236,5 +236,12 @@ def put(out, self, index, source, accumulate=False):
 
 def gather(out, self, dim, index):
     """aten.gather: ``index`` may be smaller than ``self`` in every dimension."""
+    if index.size == 0:
+        return jnp.zeros(out.shape, out.dtype)
     x, i = _flat0(self), _flat0(index)
     return x[_scatter_index(x, dim, i)].reshape(out.shape)
+
+
+def index_select(out, self, dim, index):
+    """aten.index_select (a 0-d input behaves as 1-d)."""
+    return jnp.take(_flat0(self), index.reshape(-1), axis=dim % max(self.ndim, 1)).reshape(out.shape)

@@ -26,7 +26,8 @@ SPECS: dict = {}
 
 def _host_count(mask: torch.Tensor) -> int:
     """The number of non-zeros of a device tensor: a graph cut and a one-value transfer."""
-    return int(torch.ne(mask, 0).sum().item())
+    # Called inside __torch_dispatch__: ATen overloads, not composite Tensor methods.
+    return int(aten._local_scalar_dense(aten.sum(aten.ne.Scalar(mask, 0))))
 
 
 def _sized_node(name: str, vals: tuple, aval) -> Node:
@@ -46,9 +47,9 @@ def masked_select(self, mask):
     """aten.masked_select on the device: one graph cut to read the count, then a sized gather node."""
     count("xla::masked_select")
     if type(mask) is not XlaTensor:
-        mask = mask.to(DEVICE)
+        mask = aten._to_copy(mask, device=DEVICE)
     shape = torch.broadcast_shapes(self.shape, mask.shape)
-    n = _host_count(mask.expand(shape))
+    n = _host_count(aten.expand(mask, shape))
     vals = (value_of(self), value_of(mask))
     return wrap(_sized_node("masked_select.default", vals, ((n,), self.dtype)).outs[0])
 
@@ -64,8 +65,9 @@ def _long_indices(indices) -> list:
         if not _is_mask(t):
             out.append(t)
             continue
-        nz = torch.nonzero(t if type(t) is XlaTensor or t.dim() == 0 else t.to(DEVICE))
-        out.extend(nz.to(DEVICE).unbind(1) if nz.dim() == 2 else [])
+        if type(t) is not XlaTensor:
+            t = aten._to_copy(t, device=DEVICE)
+        out.extend(aten.unbind.int(nonzero(t), 1))
     return out
 
 
