@@ -735,6 +735,82 @@ def baddbmm(out, self, batch1, batch2, beta, alpha):
     return jnp.where(beta == 0, 0, beta * self) + alpha * jnp.matmul(batch1, batch2)
 
 
+def addbmm(out, self, batch1, batch2, beta, alpha):
+    return L.linalg.addbmm(out, self, batch1, batch2, beta, alpha)
+
+
+def addmv(out, self, mat, vec, beta, alpha):
+    return L.linalg.addmv(out, self, mat, vec, beta, alpha)
+
+
+def addr(out, self, vec1, vec2, beta, alpha):
+    return L.linalg.addr(out, self, vec1, vec2, beta, alpha)
+
+
+def linalg_vector_norm(out, self, ord, dim, keepdim, dtype):
+    return L.linalg.vector_norm(out, self, ord, dim, keepdim, dtype)
+
+
+def _linalg_det(out, A):
+    return L.linalg.linalg_det(out, A)
+
+
+def _linalg_slogdet(out, A):
+    return L.linalg.linalg_slogdet(out, A)
+
+
+def linalg_lu_factor_ex(out, A, pivot, check_errors):
+    return L.linalg.lu_factor_ex(out, A, pivot, check_errors)
+
+
+def linalg_solve_triangular(out, self, B, upper, left, unitriangular):
+    return L.linalg.solve_triangular(out, self, B, upper, left, unitriangular)
+
+
+def triangular_solve(out, self, A, upper, transpose, unitriangular):
+    return L.linalg.triangular_solve(out, self, A, upper, transpose, unitriangular)
+
+
+def linalg_cholesky_ex(out, self, upper, check_errors):
+    return L.linalg.cholesky_ex(out, self, upper, check_errors)
+
+
+def cholesky_solve(out, self, input2, upper):
+    return L.linalg.cholesky_solve(out, self, input2, upper)
+
+
+def cholesky_inverse(out, self, upper):
+    return L.linalg.cholesky_inverse(out, self, upper)
+
+
+def linalg_qr(out, A, mode):
+    return L.linalg.linalg_qr(out, A, mode)
+
+
+def linalg_inv_ex(out, A, check_errors):
+    return L.linalg.inv_ex(out, A, check_errors)
+
+
+def _linalg_solve_ex(out, A, B, left, check_errors):
+    return L.linalg.solve_ex(out, A, B, left, check_errors)
+
+
+def _linalg_eigh(out, A, UPLO, compute_v):
+    return L.linalg.eigh(out, A, UPLO, compute_v)
+
+
+def _linalg_svd(out, A, full_matrices, compute_uv, driver):
+    return L.linalg.svd(out, A, full_matrices, compute_uv, driver)
+
+
+def linalg_cross(out, self, other, dim):
+    return L.linalg.linalg_cross(out, self, other, dim)
+
+
+def diag_embed(out, self, offset, dim1, dim2):
+    return L.linalg.diag_embed(out, self, offset, dim1, dim2)
+
+
 def _fft_r2c(out, self, dim, normalization, onesided):
     return L.fft.fft_r2c(out, self, dim, normalization, onesided)
 

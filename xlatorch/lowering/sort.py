@@ -128,6 +128,8 @@ def searchsorted(out, sorted_sequence, self, out_int32=False, right=False, side=
         seq = jnp.take_along_axis(seq, sorter, axis=-1)
     s = side if side is not None else ("right" if right else "left")
     vals = jnp.asarray(self)
+    if seq.shape[-1] == 0 or vals.size == 0:
+        return jnp.zeros(out.shape, out.dtype)
     if seq.ndim == 1:
         res = jnp.searchsorted(seq, vals.astype(seq.dtype) if vals.ndim == 0 else vals, side=s)
     else:
