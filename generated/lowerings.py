@@ -763,6 +763,10 @@ def linalg_lu_factor_ex(out, A, pivot, check_errors):
     return L.linalg.lu_factor_ex(out, A, pivot, check_errors)
 
 
+def linalg_lu_solve(out, LU, pivots, B, left, adjoint):
+    return L.linalg.lu_solve(out, LU, pivots, B, left, adjoint)
+
+
 def linalg_solve_triangular(out, self, B, upper, left, unitriangular):
     return L.linalg.solve_triangular(out, self, B, upper, left, unitriangular)
 

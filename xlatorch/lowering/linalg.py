@@ -183,3 +183,16 @@ def diag_embed(out, self, offset=0, dim1=-2, dim2=-1):
     r, c = (i, i + offset) if offset >= 0 else (i - offset, i)
     res = base.at[..., r, c].set(self)
     return jnp.moveaxis(res, (-2, -1), (dim1 % len(out.shape), dim2 % len(out.shape)))
+
+
+def lu_solve(out, LU, pivots, B, left=True, adjoint=False):
+    """aten.linalg_lu_solve: X with A X = B (A^H if ``adjoint``; X A = B if not ``left``)."""
+    shape = jnp.broadcast_shapes(LU.shape[:-2], B.shape[:-2])
+    lu = jnp.broadcast_to(LU, shape + LU.shape[-2:])
+    piv = jnp.broadcast_to(pivots, shape + pivots.shape[-1:]) - 1
+    b = jnp.broadcast_to(B, shape + B.shape[-2:])
+    if left:
+        return jsl.lu_solve((lu, piv), b, trans=2 if adjoint else 0)
+    # X A = B  <=>  A^H X^H = B^H
+    bh = jnp.conj(jnp.swapaxes(b, -1, -2))
+    return jnp.conj(jnp.swapaxes(jsl.lu_solve((lu, piv), bh, trans=0 if adjoint else 2), -1, -2))

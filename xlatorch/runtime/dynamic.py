@@ -124,6 +124,8 @@ def install() -> None:
             aten.nonzero.default: nonzero,
             aten.masked_select.default: masked_select,
             aten.resize_.default: resize_,
+            # Device factorizations report info 0 (no host check, so no graph cut).
+            aten._linalg_check_errors.default: lambda info, api_name, *, is_matrix: None,
         }
     )
     SHIMS[aten.index.Tensor] = functools.partial(_index, SHIMS[aten.index.Tensor])
