@@ -103,14 +103,13 @@ def resize_(self, size, *, memory_format=None):
     n_old, n_new = self.numel(), 1
     for s in size:
         n_new *= s
-    with torch.no_grad():
-        flat = self.detach().reshape(-1)
-        if n_new < n_old:
-            flat = flat[:n_new]
-        elif n_new > n_old:
-            flat = torch.cat([flat, flat.new_zeros(n_new - n_old)])
-        new = flat.reshape(size).clone()
-    self.data = new
+    # Called inside __torch_dispatch__: ATen overloads, not composite Tensor methods.
+    flat = aten.view.default(aten.clone.default(self), (n_old,))
+    if n_new < n_old:
+        flat = aten.slice.Tensor(flat, 0, 0, n_new)
+    elif n_new > n_old:
+        flat = aten.cat.default([flat, aten.new_zeros.default(flat, (n_new - n_old,))])
+    self.data = wrap(value_of(aten.view.default(aten.clone.default(flat), size)))
     return self
 
 
@@ -124,6 +123,8 @@ def install() -> None:
             aten.nonzero.default: nonzero,
             aten.masked_select.default: masked_select,
             aten.resize_.default: resize_,
+            # Asked by the ``data`` setter (resize_, out=): any two device tensors are compatible.
+            aten._has_compatible_shallow_copy_type.default: lambda self, from_: True,
             # Device factorizations report info 0 (no host check, so no graph cut).
             aten._linalg_check_errors.default: lambda info, api_name, *, is_matrix: None,
         }
