@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from xlatorch.runtime.dispatch import RUNTIME_OPS, SHIMS, Info, count, node
+from xlatorch.runtime.dispatch import RUNTIME_OPS, SHIMS, Info, count
 from xlatorch.runtime.ir import Node, hash_arg
 from xlatorch.runtime.tensor import DEVICE, XlaTensor, value_of, wrap
 
