@@ -227,6 +227,10 @@ def diagonal(out, self, offset, dim1, dim2):
     return jnp.diagonal(self, offset, dim1, dim2)
 
 
+def diagonal__scatter(out, self, src, offset, dim1, dim2, idx):
+    return L.index.diagonal_scatter(out, self, src, offset, dim1, dim2)
+
+
 def slice_scatter(out, self, src, dim, start, end, step):
     return L.shape.slice_scatter(out, self, src, dim, start, end, step)
 
@@ -256,11 +260,11 @@ def index_Tensor(out, self, indices):
 
 
 def index_select(out, self, dim, index):
-    return jnp.take(self.reshape(-1), index.reshape(-1)).reshape(out.shape) if self.ndim == 0 else jnp.take(self, index.reshape(-1), axis=dim)
+    return L.index.index_select(out, self, dim, index)
 
 
 def gather(out, self, dim, index, sparse_grad):
-    return jnp.take_along_axis(self, index, axis=dim)
+    return L.index.gather(out, self, dim, index)
 
 
 def embedding(out, weight, indices, padding_idx, scale_grad_by_freq, sparse):
@@ -281,6 +285,150 @@ def masked_fill_Scalar(out, self, mask, value):
 
 def masked_fill_Tensor(out, self, mask, value):
     return jnp.where(mask, value.astype(self.dtype), self)
+
+
+def scatter_src(out, self, dim, index, src):
+    return L.index.scatter(out, self, dim, index, src)
+
+
+def scatter_value(out, self, dim, index, value):
+    return L.index.scatter(out, self, dim, index, value)
+
+
+def scatter_reduce(out, self, dim, index, src, reduce):
+    return L.index.scatter(out, self, dim, index, src, reduce)
+
+
+def scatter_value_reduce(out, self, dim, index, value, reduce):
+    return L.index.scatter(out, self, dim, index, value, reduce)
+
+
+def scatter_add(out, self, dim, index, src):
+    return L.index.scatter_add(out, self, dim, index, src)
+
+
+def scatter_reduce_two(out, self, dim, index, src, reduce, include_self):
+    return L.index.scatter_reduce(out, self, dim, index, src, reduce, include_self)
+
+
+def index_put(out, self, indices, values, accumulate):
+    return L.index.index_put(out, self, indices, values, accumulate)
+
+
+def _index_put_impl_(out, self, indices, values, accumulate, unsafe):
+    return L.index.index_put(out, self, indices, values, accumulate)
+
+
+def index_add(out, self, dim, index, source, alpha):
+    return L.index.index_add(out, self, dim, index, source, alpha)
+
+
+def index_copy(out, self, dim, index, source):
+    return L.index.index_copy(out, self, dim, index, source)
+
+
+def index_fill_int_Scalar(out, self, dim, index, value):
+    return L.index.index_fill(out, self, dim, index, value)
+
+
+def index_fill_int_Tensor(out, self, dim, index, value):
+    return L.index.index_fill(out, self, dim, index, value)
+
+
+def masked_scatter(out, self, mask, source):
+    return L.index.masked_scatter(out, self, mask, source)
+
+
+def masked_scatter_backward(out, grad_output, mask, sizes):
+    return L.index.masked_scatter_backward(out, grad_output, mask, sizes)
+
+
+def take(out, self, index):
+    return L.index.take(out, self, index)
+
+
+def put(out, self, index, source, accumulate):
+    return L.index.put(out, self, index, source, accumulate)
+
+
+def as_strided(out, self, size, stride, storage_offset):
+    return L.index.as_strided(out, self, size, stride, storage_offset)
+
+
+def as_strided__scatter(out, self, src, size, stride, storage_offset, idx):
+    return L.index.as_strided_scatter(out, self, src, size, stride, storage_offset)
+
+
+def as_strided_scatter(out, self, src, size, stride, storage_offset):
+    return L.index.as_strided_scatter(out, self, src, size, stride, storage_offset)
+
+
+def diagonal_scatter(out, self, src, offset, dim1, dim2):
+    return L.index.diagonal_scatter(out, self, src, offset, dim1, dim2)
+
+
+def nonzero(out, self):
+    return L.index.nonzero(out, self)
+
+
+def nonzero_static(out, self, size, fill_value):
+    return L.index.nonzero_static(out, self, size, fill_value)
+
+
+def masked_select(out, self, mask):
+    return L.index.masked_select(out, self, mask)
+
+
+def sort(out, self, dim, descending):
+    return L.sort.sort(out, self, dim, descending)
+
+
+def sort_stable(out, self, stable, dim, descending):
+    return L.sort.sort_stable(out, self, stable, dim, descending)
+
+
+def topk(out, self, k, dim, largest, sorted):
+    return L.sort.topk(out, self, k, dim, largest, sorted)
+
+
+def kthvalue(out, self, k, dim, keepdim):
+    return L.sort.kthvalue(out, self, k, dim, keepdim)
+
+
+def median(out, self):
+    return L.sort.median(out, self)
+
+
+def median_dim(out, self, dim, keepdim):
+    return L.sort.median_dim(out, self, dim, keepdim)
+
+
+def nanmedian(out, self):
+    return L.sort.nanmedian(out, self)
+
+
+def nanmedian_dim(out, self, dim, keepdim):
+    return L.sort.nanmedian_dim(out, self, dim, keepdim)
+
+
+def mode(out, self, dim, keepdim):
+    return L.sort.mode(out, self, dim, keepdim)
+
+
+def searchsorted_Tensor(out, sorted_sequence, self, out_int32, right, side, sorter):
+    return L.sort.searchsorted(out, sorted_sequence, self, out_int32, right, side, sorter)
+
+
+def searchsorted_Scalar(out, sorted_sequence, self, out_int32, right, side, sorter):
+    return L.sort.searchsorted(out, sorted_sequence, self, out_int32, right, side, sorter)
+
+
+def bucketize_Tensor(out, self, boundaries, out_int32, right):
+    return L.sort.bucketize(out, self, boundaries, out_int32, right)
+
+
+def bucketize_Scalar(out, self, boundaries, out_int32, right):
+    return L.sort.bucketize(out, self, boundaries, out_int32, right)
 
 
 def add_Tensor(out, self, other, alpha):
@@ -589,6 +737,126 @@ def addmm(out, self, mat1, mat2, beta, alpha):
 
 def baddbmm(out, self, batch1, batch2, beta, alpha):
     return jnp.where(beta == 0, 0, beta.astype(out.dtype) * self) + alpha.astype(out.dtype) * jnp.matmul(batch1, batch2)
+
+
+def addbmm(out, self, batch1, batch2, beta, alpha):
+    return L.linalg.addbmm(out, self, batch1, batch2, beta, alpha)
+
+
+def addmv(out, self, mat, vec, beta, alpha):
+    return L.linalg.addmv(out, self, mat, vec, beta, alpha)
+
+
+def addr(out, self, vec1, vec2, beta, alpha):
+    return L.linalg.addr(out, self, vec1, vec2, beta, alpha)
+
+
+def linalg_vector_norm(out, self, ord, dim, keepdim, dtype):
+    return L.linalg.vector_norm(out, self, ord, dim, keepdim, dtype)
+
+
+def _linalg_det(out, A):
+    return L.linalg.linalg_det(out, A)
+
+
+def _linalg_slogdet(out, A):
+    return L.linalg.linalg_slogdet(out, A)
+
+
+def linalg_lu_factor_ex(out, A, pivot, check_errors):
+    return L.linalg.lu_factor_ex(out, A, pivot, check_errors)
+
+
+def linalg_lu_solve(out, LU, pivots, B, left, adjoint):
+    return L.linalg.lu_solve(out, LU, pivots, B, left, adjoint)
+
+
+def linalg_solve_triangular(out, self, B, upper, left, unitriangular):
+    return L.linalg.solve_triangular(out, self, B, upper, left, unitriangular)
+
+
+def triangular_solve(out, self, A, upper, transpose, unitriangular):
+    return L.linalg.triangular_solve(out, self, A, upper, transpose, unitriangular)
+
+
+def linalg_cholesky_ex(out, self, upper, check_errors):
+    return L.linalg.cholesky_ex(out, self, upper, check_errors)
+
+
+def cholesky_solve(out, self, input2, upper):
+    return L.linalg.cholesky_solve(out, self, input2, upper)
+
+
+def cholesky_inverse(out, self, upper):
+    return L.linalg.cholesky_inverse(out, self, upper)
+
+
+def linalg_qr(out, A, mode):
+    return L.linalg.linalg_qr(out, A, mode)
+
+
+def linalg_inv_ex(out, A, check_errors):
+    return L.linalg.inv_ex(out, A, check_errors)
+
+
+def _linalg_solve_ex(out, A, B, left, check_errors):
+    return L.linalg.solve_ex(out, A, B, left, check_errors)
+
+
+def _linalg_eigh(out, A, UPLO, compute_v):
+    return L.linalg.eigh(out, A, UPLO, compute_v)
+
+
+def _linalg_svd(out, A, full_matrices, compute_uv, driver):
+    return L.linalg.svd(out, A, full_matrices, compute_uv, driver)
+
+
+def linalg_cross(out, self, other, dim):
+    return L.linalg.linalg_cross(out, self, other, dim)
+
+
+def diag_embed(out, self, offset, dim1, dim2):
+    return L.linalg.diag_embed(out, self, offset, dim1, dim2)
+
+
+def _fft_r2c(out, self, dim, normalization, onesided):
+    return L.fft.fft_r2c(out, self, dim, normalization, onesided)
+
+
+def _fft_c2c(out, self, dim, normalization, forward):
+    return L.fft.fft_c2c(out, self, dim, normalization, forward)
+
+
+def _fft_c2r(out, self, dim, normalization, last_dim_size):
+    return L.fft.fft_c2r(out, self, dim, normalization, last_dim_size)
+
+
+def _conj(out, self):
+    return jnp.conj(self)
+
+
+def _conj__scatter(out, self, src, idx):
+    return jnp.conj(src)
+
+
+def _conj_physical(out, self):
+    return jnp.conj(self)
+
+
+def view_as_real(out, self):
+    return jnp.stack([jnp.real(self), jnp.imag(self)], axis=-1)
+
+
+def view_as_real__scatter(out, self, src, idx):
+    return lax.complex(src[..., 0], src[..., 1])
+
+
+def view_as_complex(out, self):
+    return lax.complex(self[..., 0], self[..., 1])
+
+
+def view_as_complex__scatter(out, self, src, idx):
+    return jnp.stack([jnp.real(src), jnp.imag(src)], axis=-1)
 
 
 def convolution(out, input, weight, bias, stride, padding, dilation, transposed, output_padding, groups):

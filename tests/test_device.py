@@ -157,3 +157,13 @@ def test_int64_and_float64_exact():
 def test_unsupported_dtype_is_a_clear_error():
     with pytest.raises(TypeError, match="unsupported dtype torch.uint16"):
         torch.zeros(2, dtype=torch.uint16).to("xla")
+
+
+def test_static_args_that_hash_alike_do_not_share_an_executable():
+    # hash(-1) == hash(-2) in CPython: the graph cache must compare static arguments themselves.
+    cpu = torch.randn(3, 4)
+    x = cpu.to("xla")
+    a = torch.softmax(x, -2).cpu()
+    b = torch.softmax(x, -1).cpu()
+    torch.testing.assert_close(a, torch.softmax(cpu, -2))
+    torch.testing.assert_close(b, torch.softmax(cpu, -1))

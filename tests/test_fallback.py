@@ -5,22 +5,31 @@ import torch
 import xlatorch.debug.metrics as met
 
 
-def test_nonzero_falls_back_with_counter():
+def test_unlisted_op_falls_back_with_counter():
     cpu = torch.tensor([[0.0, 1.5, 0.0], [2.0, 0.0, -1.0]])
     x = cpu.to("xla") * 2
-    got = torch.nonzero(x)
-    assert got.device.type == "xla" and got.dtype == torch.int64
-    assert torch.equal(got.cpu(), torch.nonzero(cpu * 2))
-    assert met.counter_value("aten::nonzero") == 1
-    assert met.executed_fallback_ops() == ["aten::nonzero"]
-    assert "Counter: aten::nonzero\n  Value: 1" in met.metrics_report()
+    got = torch.special.bessel_j0(x)
+    assert got.device.type == "xla" and got.dtype == torch.float32
+    torch.testing.assert_close(got.cpu(), torch.special.bessel_j0(cpu * 2))
+    assert met.counter_value("aten::special_bessel_j0") == 1
+    assert met.executed_fallback_ops() == ["aten::special_bessel_j0"]
+    assert "Counter: aten::special_bessel_j0\n  Value: 1" in met.metrics_report()
     # The result keeps working on the device.
-    assert torch.equal((got + 1).cpu(), torch.nonzero(cpu) + 1)
+    torch.testing.assert_close((got + 1).cpu(), torch.special.bessel_j0(cpu * 2) + 1)
+
+
+def test_declared_fallback_is_counted():
+    cpu = torch.tensor([3, 1, 3, 2, 1])
+    got = torch.unique(cpu.to("xla"))
+    assert torch.equal(got.cpu(), torch.unique(cpu))
+    assert met.counter_value("aten::_unique2") == 1
 
 
 def test_inplace_fallback_writes_back():
     cpu = torch.tensor([3.0, 1.0, 2.0])
     x = cpu.to("xla")
-    torch.ops.aten.cumsum_(x, 0)
-    assert torch.equal(x.cpu(), cpu.cumsum(0))
-    assert met.counter_value("aten::cumsum_") == 1
+    out = torch.empty(3, device="xla")
+    res = torch.special.bessel_j0(x, out=out)  # an out= fallback writes its result back to the device
+    assert res is out
+    torch.testing.assert_close(out.cpu(), torch.special.bessel_j0(cpu))
+    assert met.counter_value("aten::special_bessel_j0") == 1

@@ -66,7 +66,7 @@ def run_on_cpu(func, args, kwargs):
 
     def down(a):
         if type(a) is XlaTensor:
-            c = to_cpu(a)
+            c = to_cpu(a).clone()  # a resizable tensor of its own (to_cpu's may wrap a numpy buffer)
             xla_in.append((a, c))
             return c
         return a

@@ -1,3 +1,198 @@
-"""Linear algebra beyond matmul: norms, solves, factorisations, distances."""
+"""Linear algebra: fused matrix products, norms, factorizations and solves.
+
+Factorizations return PyTorch's conventions: LU pivots are 1-based int32 (LAPACK's
+getrf), ``info`` is 0 (errors are not checked on the device).
+"""
 
 from __future__ import annotations
+
+import jax.numpy as jnp
+import jax.scipy.linalg as jsl
+from jax import lax
+
+
+def _beta_self(beta, self):
+    # PyTorch ignores ``self`` (NaN included) when beta == 0.
+    return jnp.where(beta == 0, jnp.zeros((), self.dtype), beta * self)
+
+
+def addbmm(out, self, batch1, batch2, beta=1, alpha=1):
+    """aten.addbmm: beta * self + alpha * sum_b batch1[b] @ batch2[b]."""
+    return _beta_self(beta, self) + alpha * jnp.einsum("bij,bjk->ik", batch1, batch2)
+
+
+def addmv(out, self, mat, vec, beta=1, alpha=1):
+    """aten.addmv: beta * self + alpha * mat @ vec."""
+    return _beta_self(beta, self) + alpha * jnp.matmul(mat, vec)
+
+
+def addr(out, self, vec1, vec2, beta=1, alpha=1):
+    """aten.addr: beta * self + alpha * outer(vec1, vec2) (logical and/or for bool)."""
+    if out.dtype == jnp.bool_:
+        return (beta & self) | (alpha & jnp.outer(vec1, vec2))
+    return _beta_self(beta, self) + alpha * jnp.outer(vec1, vec2)
+
+
+def vector_norm(out, self, ord=2, dim=None, keepdim=False, dtype=None):
+    """aten.linalg_vector_norm (``ord`` static): inf/-inf/0/p norms, computed in ``out``'s dtype."""
+    x = jnp.abs(self.astype(out.dtype) if not jnp.iscomplexobj(self) else self).astype(out.dtype)
+    axes = None if dim is None or len(dim) == 0 else tuple(d % max(x.ndim, 1) for d in dim)
+    if x.ndim == 0:
+        axes = None
+    if ord == float("inf"):
+        return jnp.max(x, axis=axes, keepdims=keepdim)
+    if ord == float("-inf"):
+        return jnp.min(x, axis=axes, keepdims=keepdim)
+    if ord == 0:
+        return jnp.sum(x != 0, axis=axes, keepdims=keepdim).astype(out.dtype)
+    if ord == 1:
+        return jnp.sum(x, axis=axes, keepdims=keepdim)
+    if ord == 2:
+        return jnp.sqrt(jnp.sum(x * x, axis=axes, keepdims=keepdim))
+    return jnp.sum(x**ord, axis=axes, keepdims=keepdim) ** (1.0 / ord)
+
+
+def _lu(a):
+    lu, piv, _ = lax.linalg.lu(a)
+    return lu, (piv + 1).astype(jnp.int32)
+
+
+def _perm_sign(piv):
+    n = piv.shape[-1]
+    swaps = jnp.sum(piv != jnp.arange(1, n + 1, dtype=piv.dtype), axis=-1)
+    return jnp.where(swaps % 2 == 0, 1, -1)
+
+
+def linalg_det(out, A):
+    """aten._linalg_det: (det, LU, pivots)."""
+    lu, piv = _lu(A)
+    diag = jnp.diagonal(lu, axis1=-2, axis2=-1)
+    return jnp.prod(diag, axis=-1) * _perm_sign(piv).astype(lu.dtype), lu, piv
+
+
+def linalg_slogdet(out, A):
+    """aten._linalg_slogdet: (sign, logabsdet, LU, pivots)."""
+    lu, piv = _lu(A)
+    diag = jnp.diagonal(lu, axis1=-2, axis2=-1)
+    sign = _perm_sign(piv).astype(lu.dtype) * jnp.prod(diag / jnp.abs(diag), axis=-1)
+    logabs = jnp.sum(jnp.log(jnp.abs(diag)), axis=-1)
+    sign = jnp.where(logabs == -jnp.inf, 0, sign)
+    return sign, logabs, lu, piv
+
+
+def lu_factor_ex(out, A, pivot=True, check_errors=False):
+    """aten.linalg_lu_factor_ex: (LU, pivots, info) with partial pivoting."""
+    lu, piv = _lu(A)
+    return lu, piv, jnp.zeros(out[2].shape, jnp.int32)
+
+
+def solve_triangular(out, self, B, upper, left=True, unitriangular=False):
+    """aten.linalg_solve_triangular: X with self @ X = B (or X @ self = B)."""
+    shape = jnp.broadcast_shapes(self.shape[:-2], B.shape[:-2])
+    a = jnp.broadcast_to(self, shape + self.shape[-2:])
+    b = jnp.broadcast_to(B, shape + B.shape[-2:])
+    return lax.linalg.triangular_solve(a, b, left_side=left, lower=not upper, unit_diagonal=unitriangular)
+
+
+def triangular_solve(out, self, A, upper=True, transpose=False, unitriangular=False):
+    """aten.triangular_solve: (solution of op(A) X = self, A)."""
+    shape = jnp.broadcast_shapes(A.shape[:-2], self.shape[:-2])
+    a = jnp.broadcast_to(A, shape + A.shape[-2:])
+    b = jnp.broadcast_to(self, shape + self.shape[-2:])
+    x = lax.linalg.triangular_solve(a, b, left_side=True, lower=not upper, transpose_a=transpose,
+                                    unit_diagonal=unitriangular)  # fmt: skip
+    return x, a
+
+
+def cholesky_ex(out, self, upper=False, check_errors=False):
+    """aten.linalg_cholesky_ex: (L or U, info)."""
+    low = jnp.linalg.cholesky(self)
+    res = jnp.conj(jnp.swapaxes(low, -1, -2)) if upper else low
+    info = jnp.where(jnp.any(jnp.isnan(low), axis=(-2, -1)), 1, 0).astype(jnp.int32)
+    return res, info
+
+
+def cholesky_solve(out, self, input2, upper=False):
+    """aten.cholesky_solve: X with (L L^H) X = self."""
+    shape = jnp.broadcast_shapes(input2.shape[:-2], self.shape[:-2])
+    c = jnp.broadcast_to(input2, shape + input2.shape[-2:])
+    b = jnp.broadcast_to(self, shape + self.shape[-2:])
+    return jsl.cho_solve((c, not upper), b)
+
+
+def cholesky_inverse(out, self, upper=False):
+    """aten.cholesky_inverse: (L L^H)^-1."""
+    eye = jnp.broadcast_to(jnp.eye(self.shape[-1], dtype=self.dtype), self.shape)
+    return jsl.cho_solve((self, not upper), eye)
+
+
+def linalg_qr(out, A, mode="reduced"):
+    """aten.linalg_qr (reduced/complete/r; Householder, LAPACK's signs)."""
+    if mode == "r":
+        return jnp.zeros(out[0].shape, out[0].dtype), jnp.linalg.qr(A, mode="r")
+    return jnp.linalg.qr(A, mode=mode)
+
+
+def inv_ex(out, A, check_errors=False):
+    """aten.linalg_inv_ex: (inverse, info)."""
+    return jnp.linalg.inv(A), jnp.zeros(out[1].shape, jnp.int32)
+
+
+def solve_ex(out, A, B, left=True, check_errors=False):
+    """aten._linalg_solve_ex: (X, LU, pivots, info); B may be a (batched) vector."""
+    lu, piv = _lu(A)
+    vector = B.ndim == A.ndim - 1 or B.ndim == 1
+    b = B[..., None] if vector else B
+    if not left:
+        b = jnp.swapaxes(b, -1, -2)
+        at = jnp.swapaxes(A, -1, -2)
+        x = jnp.swapaxes(jnp.linalg.solve(at, b), -1, -2)
+    else:
+        shape = jnp.broadcast_shapes(A.shape[:-2], b.shape[:-2])
+        x = jnp.linalg.solve(jnp.broadcast_to(A, shape + A.shape[-2:]), jnp.broadcast_to(b, shape + b.shape[-2:]))
+    if vector:
+        x = x[..., 0]
+    return x, lu, piv, jnp.zeros(out[3].shape, jnp.int32)
+
+
+def eigh(out, A, UPLO="L", compute_v=True):
+    """aten._linalg_eigh: ascending eigenvalues and eigenvectors (sign convention may differ)."""
+    w, v = jnp.linalg.eigh(A, UPLO=UPLO, symmetrize_input=False)
+    return w, v if compute_v else jnp.zeros(out[1].shape, out[1].dtype)
+
+
+def svd(out, A, full_matrices=False, compute_uv=True, driver=None):
+    """aten._linalg_svd: (U, S, Vh) (singular-vector signs may differ from LAPACK's)."""
+    if not compute_uv:
+        s = jnp.linalg.svd(A, compute_uv=False)
+        return jnp.zeros(out[0].shape, out[0].dtype), s, jnp.zeros(out[2].shape, out[2].dtype)
+    return jnp.linalg.svd(A, full_matrices=full_matrices)
+
+
+def linalg_cross(out, self, other, dim=-1):
+    """aten.linalg_cross (inputs broadcast)."""
+    a, b = jnp.broadcast_arrays(self, other)
+    return jnp.cross(a, b, axis=dim % a.ndim)
+
+
+def diag_embed(out, self, offset=0, dim1=-2, dim2=-1):
+    """aten.diag_embed: the last dim of ``self`` on a diagonal of new dims ``dim1``/``dim2``."""
+    n = out.shape[dim1 % len(out.shape)]
+    base = jnp.zeros(self.shape[:-1] + (n, n), self.dtype)
+    i = jnp.arange(self.shape[-1])
+    r, c = (i, i + offset) if offset >= 0 else (i - offset, i)
+    res = base.at[..., r, c].set(self)
+    return jnp.moveaxis(res, (-2, -1), (dim1 % len(out.shape), dim2 % len(out.shape)))
+
+
+def lu_solve(out, LU, pivots, B, left=True, adjoint=False):
+    """aten.linalg_lu_solve: X with A X = B (A^H if ``adjoint``; X A = B if not ``left``)."""
+    shape = jnp.broadcast_shapes(LU.shape[:-2], B.shape[:-2])
+    lu = jnp.broadcast_to(LU, shape + LU.shape[-2:])
+    piv = jnp.broadcast_to(pivots, shape + pivots.shape[-1:]) - 1
+    b = jnp.broadcast_to(B, shape + B.shape[-2:])
+    if left:
+        return jsl.lu_solve((lu, piv), b, trans=2 if adjoint else 0)
+    # X A = B  <=>  A^H X^H = B^H
+    bh = jnp.conj(jnp.swapaxes(b, -1, -2))
+    return jnp.conj(jnp.swapaxes(jsl.lu_solve((lu, piv), bh, trans=0 if adjoint else 2), -1, -2))

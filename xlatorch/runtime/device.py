@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from xlatorch.runtime import rng
+from xlatorch.runtime import dynamic, rng
 from xlatorch.runtime.dispatch import RUNTIME_OPS, SHIMS, call, convert_value, node
 from xlatorch.runtime.tensor import XlaTensor, value_of, wrap, write
 from xlatorch.runtime.transfer import to_cpu, to_device
@@ -153,6 +153,7 @@ def install(specs: dict) -> None:
         }
     )
     SHIMS.pop(aten._to_copy.default, None)
+    dynamic.install()  # nonzero, masked_select, boolean-mask indexing, resize_
 
 
 __all__ = ["register", "install", "call"]

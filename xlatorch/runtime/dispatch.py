@@ -177,7 +177,12 @@ def node(spec: OpSpec, vals: tuple) -> Node:
     info = spec.cache.get(sig)
     if info is None:
         info = spec.cache[sig] = _infer(spec, vals)
-    return Node(spec, vals, info, hash((spec.name, hash_arg(vals))))
+    return Node(spec, vals, info, hash((spec.name, hash_arg(vals))), (spec, sig))
+
+
+def signature(vals: tuple) -> tuple:
+    """Arguments' signatures: avals (and scalar kinds) of values, static arguments themselves."""
+    return tuple(_sig(a) for a in vals)
 
 
 def _to_meta(a):

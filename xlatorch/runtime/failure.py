@@ -40,7 +40,8 @@ def failed_value(aval, error: Exception) -> Out:
     from xlatorch.runtime.dispatch import Info
 
     error = cause(error)
-    return Node(_spec(), (error,), Info((aval,), None), hash(("failed", id(error)))).outs[0]
+    h = hash(("failed", id(error)))
+    return Node(_spec(), (error,), Info((aval,), None), h, h).outs[0]
 
 
 def is_failed(node: Node) -> bool:

@@ -73,7 +73,7 @@ def _collect(roots):
             if id(n) in order:
                 continue
             if ops is not None:  # second visit: operands are done
-                enc.append((n.hash, tuple(ref(v) for v in ops)))
+                enc.append((n.key, tuple(ref(v) for v in ops)))
                 order[id(n)] = len(nodes)
                 nodes.append(n)
                 continue

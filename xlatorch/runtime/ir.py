@@ -46,15 +46,21 @@ class Scalar:
 
 class Node:
     """One op application: ``spec`` (the op), ``args`` in schema order with tensors
-    replaced by values, and ``info`` (output avals and computation dtype)."""
+    replaced by values, and ``info`` (output avals and computation dtype).
 
-    __slots__ = ("spec", "args", "info", "hash", "outs")
+    ``key`` identifies the node in a graph's cache key: the spec and its arguments'
+    signatures, with static arguments themselves, compared by equality. (``hash`` alone
+    cannot: ``hash(-1) == hash(-2)``, so dims -1 and -2 would share an executable.)
+    """
 
-    def __init__(self, spec, args, info, h):
+    __slots__ = ("spec", "args", "info", "hash", "key", "outs")
+
+    def __init__(self, spec, args, info, h, key):
         self.spec = spec
         self.args = args
         self.info = info
         self.hash = h
+        self.key = key
         self.outs = tuple(None if aval is None else Out(self, i, aval) for i, aval in enumerate(info.avals))
 
 
