@@ -163,10 +163,6 @@ S_random_ = OpSpec(
     "random_.default", aten.random_.default, E.random_, ('self', 'generator', 'seed'), (TENSOR, STATIC, GENERATOR,), (False, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
 )
-S_random__from = OpSpec(
-    "random_.from", aten.random_.from, E.random__from, ('self', 'from', 'to', 'generator', 'seed'), (TENSOR, STATIC, STATIC, STATIC, GENERATOR,), (False, False, False, True, True), ONE,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-)
 S_random__to = OpSpec(
     "random_.to", aten.random_.to, E.random__to, ('self', 'to', 'generator', 'seed'), (TENSOR, STATIC, STATIC, GENERATOR,), (False, False, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
@@ -1539,6 +1535,10 @@ S__prelu_kernel_backward = OpSpec(
     "_prelu_kernel_backward.default", aten._prelu_kernel_backward.default, E._prelu_kernel_backward, ('grad_output', 'self', 'weight'), (TENSOR, TENSOR, TENSOR,), (False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
 )
+S__efficientzerotensor = OpSpec(
+    "_efficientzerotensor.default", aten._efficientzerotensor.default, E._efficientzerotensor, ('size', 'dtype', 'layout', 'device', 'pin_memory'), (STATIC, STATIC, STATIC, STATIC, STATIC,), (False, True, True, True, True), ONE,
+    promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+)
 S_flip = OpSpec(
     "flip.default", aten.flip.default, E.flip, ('self', 'dims'), (TENSOR, STATIC,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
@@ -2103,10 +2103,6 @@ def randint_like_low_dtype(self, low, high, *, dtype=None, layout=None, device=N
 
 def random_(self, *, generator=None):
     return call_inplace(S_random_, (self, generator, None,))
-
-
-def random__from(self, from_, to, *, generator=None):
-    return call_inplace(S_random__from, (self, from_, to, generator, None,))
 
 
 def random__to(self, to, *, generator=None):
@@ -4181,6 +4177,10 @@ def _prelu_kernel_backward(grad_output, self, weight):
     return call(S__prelu_kernel_backward, (grad_output, self, weight,))
 
 
+def _efficientzerotensor(size, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return call(S__efficientzerotensor, (size, dtype, layout, device, pin_memory,))
+
+
 def flip(self, dims):
     return call(S_flip, (self, dims,))
 
@@ -4941,7 +4941,6 @@ SHIMS = {
     aten.randint_like.default: randint_like,
     aten.randint_like.low_dtype: randint_like_low_dtype,
     aten.random_.default: random_,
-    aten.random_.from: random__from,
     aten.random_.to: random__to,
     aten.randperm.default: randperm,
     aten.randperm.generator: randperm_generator,
@@ -5460,6 +5459,7 @@ SHIMS = {
     aten.glu_backward.grad_input: glu_backward_grad_input,
     aten._prelu_kernel.default: _prelu_kernel,
     aten._prelu_kernel_backward.default: _prelu_kernel_backward,
+    aten._efficientzerotensor.default: _efficientzerotensor,
     aten.flip.default: flip,
     aten.flip.out: flip_out,
     aten.repeat.default: repeat,
@@ -5680,7 +5680,6 @@ SPECS = {
     "randint_like.default": S_randint_like,
     "randint_like.low_dtype": S_randint_like_low_dtype,
     "random_.default": S_random_,
-    "random_.from": S_random__from,
     "random_.to": S_random__to,
     "randperm.default": S_randperm,
     "randperm.generator": S_randperm_generator,
@@ -6024,6 +6023,7 @@ SPECS = {
     "glu_backward.default": S_glu_backward,
     "_prelu_kernel.default": S__prelu_kernel,
     "_prelu_kernel_backward.default": S__prelu_kernel_backward,
+    "_efficientzerotensor.default": S__efficientzerotensor,
     "flip.default": S_flip,
     "repeat.default": S_repeat,
     "roll.default": S_roll,
@@ -6142,6 +6142,7 @@ FACTORIES = {
     "randint.low": randint_low,
     "randperm": randperm,
     "randperm.generator": randperm_generator,
+    "_efficientzerotensor": _efficientzerotensor,
 }
 
 # Ops run through PyTorch's decomposition (torch._decomp) into lowered ops.

@@ -163,10 +163,6 @@ def random_(out, self, generator, seed):
     return L.pointwise.random_int(out, seed, 0, None)
 
 
-def random__from(out, self, from_, to, generator, seed):
-    return L.pointwise.random_int(out, seed, from_, to)
-
-
 def random__to(out, self, to, generator, seed):
     return L.pointwise.random_int(out, seed, 0, to)
 
@@ -412,7 +408,7 @@ def div_Scalar(out, self, other):
 
 
 def div_Tensor_mode(out, self, other, rounding_mode):
-    return L.pointwise.div_mode(self, other, rounding_mode)
+    return L.pointwise.div_mode(out, self, other, rounding_mode)
 
 
 def neg(out, self):
@@ -848,15 +844,15 @@ def remainder_Scalar_Tensor(out, self, other):
 
 
 def div_Scalar_mode(out, self, other, rounding_mode):
-    return L.pointwise.div_mode(self, other, rounding_mode)
+    return L.pointwise.div_mode(out, self, other, rounding_mode)
 
 
 def floor_divide(out, self, other):
-    return L.pointwise.div_mode(self, other, "floor")
+    return L.pointwise.div_mode(out, self, other, "floor")
 
 
 def floor_divide_Scalar(out, self, other):
-    return L.pointwise.div_mode(self, other, "floor")
+    return L.pointwise.div_mode(out, self, other, "floor")
 
 
 def hypot(out, self, other):
@@ -1041,6 +1037,10 @@ def _prelu_kernel(out, self, weight):
 
 def _prelu_kernel_backward(out, grad_output, self, weight):
     return (jnp.where(self > 0, grad_output, weight * grad_output), jnp.where(self > 0, 0, self * grad_output))
+
+
+def _efficientzerotensor(out, size, dtype, layout, device, pin_memory):
+    return jnp.zeros(out.shape, out.dtype)
 
 
 def flip(out, self, dims):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 
@@ -33,11 +34,28 @@ def digamma(self):
     return jnp.where(self == 0, jnp.copysign(jnp.inf, -self), jax.scipy.special.digamma(self))
 
 
+def _cot_derivative(n):
+    # d^n/dy^n cot(y) as a polynomial in c = cot(y): P0 = c, P(k+1) = -(1 + c^2) P(k)'.
+    p = np.poly1d([1, 0])
+    for _ in range(n):
+        p = -np.poly1d([1, 0, 1]) * p.deriv()
+    return p.coeffs
+
+
 def polygamma(n, self):
-    """``polygamma(n, x)``: digamma for n == 0, else jax's polygamma (0 at +inf)."""
+    """``polygamma(n, x)``: digamma for n == 0; for x < 0 the reflection formula
+    psi_n(x) = (-1)^n psi_n(1 - x) - pi^(n+1) cot^(n)(pi x) (jax's zeta is wrong there)."""
     if n == 0:
         return digamma(self)
-    return jnp.where(self == jnp.inf, 0, jax.scipy.special.polygamma(n, self))
+    neg = self < 0
+    y = jnp.where(neg, 1 - self, self)
+    base = jnp.where(y == jnp.inf, 0, jax.scipy.special.polygamma(n, y))
+    # cot(pi x) = sign(r) tan(pi (1/2 - |r|)) with r = x - round(x) (exact): exactly 0 at half-integers.
+    r = self - jnp.round(self)
+    cot = jnp.sign(r) * jnp.tan(jnp.pi * (0.5 - jnp.abs(r)))
+    refl = (-1) ** n * base - jnp.pi ** (n + 1) * jnp.polyval(_cot_derivative(n), cot)
+    pole = (-1) ** (n + 1) * jnp.inf  # at 0, -1, -2, ... (PyTorch's sign)
+    return jnp.where(neg | (self == 0), jnp.where(r == 0, pole, refl), base)
 
 
 def logit(self, eps):
@@ -113,12 +131,14 @@ def _div_floor_float(a, b):
     return jnp.where(b == 0, a / b, fl)
 
 
-def div_mode(self, other, rounding_mode):
+def div_mode(out, self, other, rounding_mode):
     """``div`` with ``rounding_mode`` None (true), 'trunc' or 'floor', for float and integer dtypes."""
     if rounding_mode is None:
         return self / other
     if _is_float(self):
-        return jnp.trunc(self / other) if rounding_mode == "trunc" else _div_floor_float(self, other)
+        if rounding_mode == "trunc":  # PyTorch rounds the quotient to the output dtype first
+            return jnp.trunc((self / other).astype(out.dtype))
+        return _div_floor_float(self, other)
     self, other = jnp.broadcast_arrays(self, other)
     return lax.div(self, other) if rounding_mode == "trunc" else jnp.floor_divide(self, other)
 
