@@ -1375,16 +1375,8 @@ S_fill_Scalar = OpSpec(
     "fill.Scalar", aten.fill.Scalar, E.fill_Scalar, ('self', 'value'), (TENSOR, SCALAR,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
 )
-S_fill__Scalar = OpSpec(
-    "fill_.Scalar", aten.fill_.Scalar, E.fill_Scalar, ('self', 'value'), (TENSOR, SCALAR,), (False, False), ONE,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-)
 S_fill_Tensor = OpSpec(
     "fill.Tensor", aten.fill.Tensor, E.fill_Tensor, ('self', 'value'), (TENSOR, TENSOR,), (False, False), ONE,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-)
-S_fill__Tensor = OpSpec(
-    "fill_.Tensor", aten.fill_.Tensor, E.fill_Tensor, ('self', 'value'), (TENSOR, TENSOR,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
 )
 S_hardtanh = OpSpec(
@@ -3909,24 +3901,8 @@ def fill_Scalar(self, value):
     return call(S_fill_Scalar, (self, value,))
 
 
-def fill__Scalar(self, value):
-    return call_inplace(S_fill__Scalar, (self, value,))
-
-
-def fill_Scalar_out(self, value, *, out):
-    return call_out(S_fill_Scalar, (self, value,), (out,))
-
-
 def fill_Tensor(self, value):
     return call(S_fill_Tensor, (self, value,))
-
-
-def fill__Tensor(self, value):
-    return call_inplace(S_fill__Tensor, (self, value,))
-
-
-def fill_Tensor_out(self, value, *, out):
-    return call_out(S_fill_Tensor, (self, value,), (out,))
 
 
 def hardtanh(self, min_val=-1, max_val=1):
@@ -5392,11 +5368,7 @@ SHIMS = {
     aten.clamp_max_.Tensor: clamp_max__Tensor,
     aten.clamp_max.Tensor_out: clamp_max_Tensor_out,
     aten.fill.Scalar: fill_Scalar,
-    aten.fill_.Scalar: fill__Scalar,
-    aten.fill.Scalar_out: fill_Scalar_out,
     aten.fill.Tensor: fill_Tensor,
-    aten.fill_.Tensor: fill__Tensor,
-    aten.fill.Tensor_out: fill_Tensor_out,
     aten.hardtanh.default: hardtanh,
     aten.hardtanh_.default: hardtanh_,
     aten.hardtanh.out: hardtanh_out,
@@ -5983,9 +5955,7 @@ SPECS = {
     "clamp_max.Tensor": S_clamp_max_Tensor,
     "clamp_max_.Tensor": S_clamp_max__Tensor,
     "fill.Scalar": S_fill_Scalar,
-    "fill_.Scalar": S_fill__Scalar,
     "fill.Tensor": S_fill_Tensor,
-    "fill_.Tensor": S_fill__Tensor,
     "hardtanh.default": S_hardtanh,
     "hardtanh_.default": S_hardtanh_,
     "hardtanh_backward.default": S_hardtanh_backward,
