@@ -50,10 +50,11 @@ def to_cpu(t: XlaTensor) -> torch.Tensor:
     """Download a device tensor (a graph cut if it is pending); a view is applied on CPU."""
     vw = t._vw
     if vw is not None:
+        from xlatorch.runtime.dispatch import replay_on_cpu
+
         cpu = _base_to_cpu(t._st)
-        for spec, rest, idx in vw:
-            res = spec.overload(cpu, *[getattr(a, "value", a) for a in rest])
-            cpu = res if idx == 0 and isinstance(res, torch.Tensor) else res[idx]
+        for step in vw:
+            cpu = replay_on_cpu(step, cpu)
         return cpu.clone()
     return _base_to_cpu(t._st)
 
@@ -63,6 +64,8 @@ def _base_to_cpu(st) -> torch.Tensor:
         from xlatorch.runtime.graph import sync
 
         sync("to_cpu")
+        if type(st.value) is Out:  # a value whose earlier sync failed: raise its error
+            sync_value(st.value)
     v = st.value
     with metrics.timed("TransferFromDeviceTime"):
         return _from_array(v.array, v.aval[1])
@@ -76,4 +79,14 @@ def materialized(t: XlaTensor):
 
         sync("materialize")
         v = value_of(t)
+        if type(v) is Out:
+            sync_value(v)
     return v
+
+
+def sync_value(v: Out) -> None:
+    """Compute one value that is not pending (only failed values are): raises their error."""
+    from xlatorch.runtime.emit import emit_node
+
+    emit_node(v.node.spec, v.node.args, v.node.info)
+    raise AssertionError("unreachable: a non-pending value that is not failed")
