@@ -37,7 +37,7 @@ def _moments(t):
         (lambda: torch.randint(6, (N,), device="xla", dtype=torch.int32), torch.int32, 0, 5, 2.5, 35 / 12),
         (lambda: torch.randint_like(torch.zeros(N, device="xla"), 6), torch.float32, 0, 5, 2.5, 35 / 12),
         (lambda: torch.empty(N, device="xla").random_(6), torch.float32, 0, 5, 2.5, 35 / 12),
-        (lambda: torch.empty(N, device="xla", dtype=torch.uint8).random_(), torch.uint8, 0, 255, 127.5, (256**2 - 1) / 12),
+        (lambda: torch.empty(N, device="xla", dtype=torch.uint8).random_(), torch.uint8, 0, 255, 127.5, 65535 / 12),
         (lambda: torch.empty(N, device="xla").exponential_(2.0), torch.float32, 0.0, math.inf, 0.5, 0.25),
         (lambda: torch.empty(N, device="xla").geometric_(0.5), torch.float32, 1.0, math.inf, 2.0, 2.0),
         (lambda: torch.normal(torch.full((N,), 3.0, device="xla"), 2.0), torch.float32, -math.inf, math.inf, 3.0, 4.0),
@@ -109,6 +109,7 @@ def test_manual_seed_reproduces():
 
 _NAN, _INF = math.nan, math.inf
 _F = [_NAN, _INF, -_INF, 0.0, -0.0, 1.5, -2.5, 2.5, -7.0, 3.0]
+_D = [0.0, 2.0, -2.0, 3.0, -3.0, 0.0, 2.0, -0.5, 2.0, -0.0]  # divisors for _F
 
 
 @pytest.mark.parametrize(
@@ -123,8 +124,8 @@ _F = [_NAN, _INF, -_INF, 0.0, -0.0, 1.5, -2.5, 2.5, -7.0, 3.0]
         ("isposinf", torch.isposinf, (_F,)),
         ("signbit", torch.signbit, (_F,)),
         ("frac", torch.frac, (_F,)),
-        ("div.floor", lambda a, b: torch.div(a, b, rounding_mode="floor"), (_F, [0.0, 2.0, -2.0, 3.0, -3.0, 0.0, 2.0, -0.5, 2.0, -0.0])),
-        ("div.trunc", lambda a, b: torch.div(a, b, rounding_mode="trunc"), (_F, [0.0, 2.0, -2.0, 3.0, -3.0, 0.0, 2.0, -0.5, 2.0, -0.0])),
+        ("div.floor", lambda a, b: torch.div(a, b, rounding_mode="floor"), (_F, _D)),
+        ("div.trunc", lambda a, b: torch.div(a, b, rounding_mode="trunc"), (_F, _D)),
         ("div.floor.int", lambda a, b: torch.div(a, b, rounding_mode="floor"), ([-7, 7, -7, 7, 0], [2, -2, -2, 2, -3])),
         ("div.trunc.int", lambda a, b: torch.div(a, b, rounding_mode="trunc"), ([-7, 7, -7, 7, 0], [2, -2, -2, 2, -3])),
         ("remainder", torch.remainder, (_F, [2.0, -2.0, 3.0, 3.0, -3.0, 0.0, 2.0, -0.5, 2.0, 1.0])),

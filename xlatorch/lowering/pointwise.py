@@ -96,7 +96,8 @@ def nan_to_num(out, self, nan, posinf, neginf):
     nan = 0 if nan is None else nan.astype(self.dtype)
     posinf = info.max if posinf is None else posinf.astype(self.dtype)
     neginf = info.min if neginf is None else neginf.astype(self.dtype)
-    return jnp.where(jnp.isnan(self), nan, jnp.where(self == jnp.inf, posinf, jnp.where(self == -jnp.inf, neginf, self)))
+    r = jnp.where(self == jnp.inf, posinf, jnp.where(self == -jnp.inf, neginf, self))
+    return jnp.where(jnp.isnan(self), nan, r)
 
 
 def _bits(x):

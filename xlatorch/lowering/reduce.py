@@ -74,7 +74,8 @@ def std_correction(out, self, dim, correction, keepdim):
 
 def var_mean_correction(out, self, dim, correction, keepdim):
     """``var_mean.correction``: (variance, mean) over ``dim``."""
-    return var_correction(out, self, dim, correction, keepdim), jnp.mean(_acc(self), axis=_axes(self, dim), keepdims=keepdim)
+    mean = jnp.mean(_acc(self), axis=_axes(self, dim), keepdims=keepdim)
+    return var_correction(out, self, dim, correction, keepdim), mean
 
 
 def std_mean_correction(out, self, dim, correction, keepdim):
