@@ -127,6 +127,90 @@ def native_dropout_backward(out, grad_output, mask, scale):
     return L.nn.native_dropout_backward(out, grad_output, mask, scale)
 
 
+def rand(out, size, dtype, layout, device, pin_memory, seed):
+    return jax.random.uniform(jax.random.key(seed), out.shape, out.dtype)
+
+
+def randn(out, size, dtype, layout, device, pin_memory, seed):
+    return jax.random.normal(jax.random.key(seed), out.shape, out.dtype)
+
+
+def rand_like(out, self, dtype, layout, device, pin_memory, memory_format, seed):
+    return jax.random.uniform(jax.random.key(seed), out.shape, out.dtype)
+
+
+def randn_like(out, self, dtype, layout, device, pin_memory, memory_format, seed):
+    return jax.random.normal(jax.random.key(seed), out.shape, out.dtype)
+
+
+def randint(out, high, size, dtype, layout, device, pin_memory, seed):
+    return L.pointwise.random_int(out, seed, 0, high)
+
+
+def randint_low(out, low, high, size, dtype, layout, device, pin_memory, seed):
+    return L.pointwise.random_int(out, seed, low, high)
+
+
+def randint_like(out, self, high, dtype, layout, device, pin_memory, memory_format, seed):
+    return L.pointwise.random_int(out, seed, 0, high)
+
+
+def randint_like_low_dtype(out, self, low, high, dtype, layout, device, pin_memory, memory_format, seed):
+    return L.pointwise.random_int(out, seed, low, high)
+
+
+def random_(out, self, generator, seed):
+    return L.pointwise.random_int(out, seed, 0, None)
+
+
+def random__to(out, self, to, generator, seed):
+    return L.pointwise.random_int(out, seed, 0, to)
+
+
+def randperm(out, n, dtype, layout, device, pin_memory, seed):
+    return jax.random.permutation(jax.random.key(seed), n).astype(out.dtype)
+
+
+def randperm_generator(out, n, generator, dtype, layout, device, pin_memory, seed):
+    return jax.random.permutation(jax.random.key(seed), n).astype(out.dtype)
+
+
+def exponential_(out, self, lambd, generator, seed):
+    return jax.random.exponential(jax.random.key(seed), out.shape, out.dtype) / lambd.astype(out.dtype)
+
+
+def geometric_(out, self, p, generator, seed):
+    return jnp.ceil(jnp.log(jax.random.uniform(jax.random.key(seed), out.shape, jnp.float32, jnp.finfo(jnp.float32).tiny, 1)) / jnp.log1p(-p.astype(jnp.float32)))
+
+
+def log_normal_(out, self, mean, std, generator, seed):
+    return jnp.exp(mean.astype(out.dtype) + std.astype(out.dtype) * jax.random.normal(jax.random.key(seed), out.shape, out.dtype))
+
+
+def cauchy_(out, self, median, sigma, generator, seed):
+    return median.astype(out.dtype) + sigma.astype(out.dtype) * jax.random.cauchy(jax.random.key(seed), out.shape, out.dtype)
+
+
+def bernoulli(out, self, generator, seed):
+    return jax.random.bernoulli(jax.random.key(seed), self, out.shape)
+
+
+def normal_Tensor_float(out, mean, std, generator, seed):
+    return mean + std.astype(out.dtype) * jax.random.normal(jax.random.key(seed), out.shape, out.dtype)
+
+
+def normal_float_Tensor(out, mean, std, generator, seed):
+    return mean.astype(out.dtype) + std * jax.random.normal(jax.random.key(seed), out.shape, out.dtype)
+
+
+def normal_Tensor_Tensor(out, mean, std, generator, seed):
+    return mean + std * jax.random.normal(jax.random.key(seed), out.shape, out.dtype)
+
+
+def multinomial(out, self, num_samples, replacement, generator, seed):
+    return L.pointwise.multinomial(seed, self, num_samples, replacement)
+
+
 def view(out, self, size):
     return self.reshape(out.shape)
 
@@ -472,7 +556,7 @@ def div_Scalar(out, self, other):
 
 
 def div_Tensor_mode(out, self, other, rounding_mode):
-    return self / other if rounding_mode is None else (jnp.trunc(self / other) if rounding_mode == 'trunc' and jnp.issubdtype(self.dtype, jnp.floating) else (lax.div(*jnp.broadcast_arrays(self, other)) if rounding_mode == 'trunc' else jnp.floor_divide(self, other)))
+    return L.pointwise.div_mode(out, self, other, rounding_mode)
 
 
 def neg(out, self):
@@ -655,6 +739,478 @@ def sigmoid_backward(out, grad_output, output):
     return grad_output * output * (1 - output)
 
 
+def acos(out, self):
+    return jnp.arccos(self)
+
+
+def acosh(out, self):
+    return jnp.arccosh(self)
+
+
+def asin(out, self):
+    return jnp.arcsin(self)
+
+
+def asinh(out, self):
+    return jnp.arcsinh(self)
+
+
+def atan(out, self):
+    return jnp.arctan(self)
+
+
+def atanh(out, self):
+    return jnp.arctanh(self)
+
+
+def atan2(out, self, other):
+    return jnp.arctan2(self, other)
+
+
+def cosh(out, self):
+    return jnp.cosh(self)
+
+
+def sinh(out, self):
+    return jnp.sinh(self)
+
+
+def tan(out, self):
+    return jnp.tan(self)
+
+
+def expm1(out, self):
+    return jnp.expm1(self)
+
+
+def exp2(out, self):
+    return jnp.exp2(self)
+
+
+def log10(out, self):
+    return jnp.log10(self)
+
+
+def log1p(out, self):
+    return jnp.log1p(self)
+
+
+def log2(out, self):
+    return jnp.log2(self)
+
+
+def sinc(out, self):
+    return L.pointwise.sinc(self)
+
+
+def deg2rad(out, self):
+    return self * (math.pi / 180)
+
+
+def rad2deg(out, self):
+    return self * (180 / math.pi)
+
+
+def erfc(out, self):
+    return jax.scipy.special.erfc(self)
+
+
+def erfinv(out, self):
+    return jax.scipy.special.erfinv(self)
+
+
+def lgamma(out, self):
+    return jax.scipy.special.gammaln(self)
+
+
+def digamma(out, self):
+    return L.pointwise.digamma(self)
+
+
+def polygamma(out, n, self):
+    return L.pointwise.polygamma(n, self)
+
+
+def i0(out, self):
+    return jax.scipy.special.i0(self)
+
+
+def special_i0e(out, self):
+    return jax.scipy.special.i0e(self)
+
+
+def special_i1(out, self):
+    return jax.scipy.special.i1(self)
+
+
+def special_i1e(out, self):
+    return jax.scipy.special.i1e(self)
+
+
+def special_ndtri(out, self):
+    return jax.scipy.special.ndtri(self)
+
+
+def special_log_ndtr(out, self):
+    return jax.scipy.special.log_ndtr(self)
+
+
+def special_entr(out, self):
+    return jnp.where(self > 0, -self * jnp.log(self), jnp.where(self == 0, 0, jnp.where(self < 0, -jnp.inf, self)))
+
+
+def logit(out, self, eps):
+    return L.pointwise.logit(self, eps)
+
+
+def logit_backward(out, grad_output, self, eps):
+    return L.pointwise.logit_backward(grad_output, self, eps)
+
+
+def ceil(out, self):
+    return jnp.ceil(self) if jnp.issubdtype(self.dtype, jnp.inexact) else self
+
+
+def floor(out, self):
+    return jnp.floor(self) if jnp.issubdtype(self.dtype, jnp.inexact) else self
+
+
+def trunc(out, self):
+    return jnp.trunc(self) if jnp.issubdtype(self.dtype, jnp.inexact) else self
+
+
+def round(out, self):
+    return jnp.round(self) if jnp.issubdtype(self.dtype, jnp.inexact) else self
+
+
+def round_decimals(out, self, decimals):
+    return L.pointwise.round_decimals(self, decimals)
+
+
+def frac(out, self):
+    return self - jnp.trunc(self)
+
+
+def sign(out, self):
+    return L.pointwise.sign(out, self)
+
+
+def sgn(out, self):
+    return L.pointwise.sign(out, self)
+
+
+def signbit(out, self):
+    return jnp.signbit(self) if jnp.issubdtype(self.dtype, jnp.inexact) else self < 0
+
+
+def isinf(out, self):
+    return jnp.isinf(self)
+
+
+def isnan(out, self):
+    return jnp.isnan(self)
+
+
+def isposinf(out, self):
+    return jnp.isposinf(self) if jnp.issubdtype(self.dtype, jnp.inexact) else jnp.zeros(self.shape, bool)
+
+
+def isneginf(out, self):
+    return jnp.isneginf(self) if jnp.issubdtype(self.dtype, jnp.inexact) else jnp.zeros(self.shape, bool)
+
+
+def nan_to_num(out, self, nan, posinf, neginf):
+    return L.pointwise.nan_to_num(out, self, nan, posinf, neginf)
+
+
+def logical_xor(out, self, other):
+    return jnp.logical_xor(self != 0, other != 0)
+
+
+def bitwise_not(out, self):
+    return ~self
+
+
+def bitwise_and_Tensor(out, self, other):
+    return self & other
+
+
+def bitwise_and_Scalar(out, self, other):
+    return self & other
+
+
+def bitwise_or_Tensor(out, self, other):
+    return self | other
+
+
+def bitwise_or_Scalar(out, self, other):
+    return self | other
+
+
+def bitwise_xor_Tensor(out, self, other):
+    return self ^ other
+
+
+def bitwise_xor_Scalar(out, self, other):
+    return self ^ other
+
+
+def bitwise_left_shift_Tensor(out, self, other):
+    return L.pointwise.shift_left(self, other)
+
+
+def bitwise_left_shift_Tensor_Scalar(out, self, other):
+    return L.pointwise.shift_left(self, other)
+
+
+def bitwise_right_shift_Tensor(out, self, other):
+    return L.pointwise.shift_right(self, other)
+
+
+def bitwise_right_shift_Tensor_Scalar(out, self, other):
+    return L.pointwise.shift_right(self, other)
+
+
+def fmod_Tensor(out, self, other):
+    return jnp.fmod(self, other)
+
+
+def fmod_Scalar(out, self, other):
+    return jnp.fmod(self, other)
+
+
+def remainder_Tensor(out, self, other):
+    return jnp.remainder(self, other)
+
+
+def remainder_Scalar(out, self, other):
+    return jnp.remainder(self, other)
+
+
+def remainder_Scalar_Tensor(out, self, other):
+    return jnp.remainder(self, other)
+
+
+def div_Scalar_mode(out, self, other, rounding_mode):
+    return L.pointwise.div_mode(out, self, other, rounding_mode)
+
+
+def floor_divide(out, self, other):
+    return L.pointwise.div_mode(out, self, other, "floor")
+
+
+def floor_divide_Scalar(out, self, other):
+    return L.pointwise.div_mode(out, self, other, "floor")
+
+
+def hypot(out, self, other):
+    return jnp.hypot(self, other)
+
+
+def copysign_Tensor(out, self, other):
+    return jnp.copysign(self, other)
+
+
+def copysign_Scalar(out, self, other):
+    return jnp.copysign(self, other)
+
+
+def nextafter(out, self, other):
+    return jnp.nextafter(self, other)
+
+
+def heaviside(out, self, values):
+    return jnp.where(self == 0, values, self > 0)
+
+
+def xlogy_Tensor(out, self, other):
+    return jnp.where(jnp.isnan(other), jnp.nan, jnp.where(self == 0, 0, self * jnp.log(other)))
+
+
+def xlogy_Scalar_Self(out, self, other):
+    return jnp.where(jnp.isnan(other), jnp.nan, jnp.where(self == 0, 0, self * jnp.log(other)))
+
+
+def xlogy_Scalar_Other(out, self, other):
+    return jnp.where(jnp.isnan(other), jnp.nan, jnp.where(self == 0, 0, self * jnp.log(other)))
+
+
+def special_xlog1py(out, self, other):
+    return jnp.where(jnp.isnan(other), jnp.nan, jnp.where(self == 0, 0, self * jnp.log1p(other)))
+
+
+def logaddexp(out, self, other):
+    return jnp.where(jnp.isinf(self) & (self == other), self, jnp.maximum(self, other) + jnp.log1p(jnp.exp(-jnp.abs(self - other))))
+
+
+def logaddexp2(out, self, other):
+    return jnp.where(jnp.isinf(self) & (self == other), self, jnp.maximum(self, other) + jnp.log1p(jnp.exp2(-jnp.abs(self - other))) / math.log(2))
+
+
+def fmax(out, self, other):
+    return jnp.fmax(self, other)
+
+
+def fmin(out, self, other):
+    return jnp.fmin(self, other)
+
+
+def clamp_Tensor(out, self, min, max):
+    return L.pointwise.clamp(self, min, max)
+
+
+def clamp_min_Tensor(out, self, min):
+    return jnp.maximum(self, min)
+
+
+def clamp_max_Tensor(out, self, max):
+    return jnp.minimum(self, max)
+
+
+def fill_Scalar(out, self, value):
+    return jnp.full(out.shape, value, out.dtype)
+
+
+def fill_Tensor(out, self, value):
+    return jnp.broadcast_to(value.astype(out.dtype), out.shape)
+
+
+def hardtanh(out, self, min_val, max_val):
+    return jnp.minimum(jnp.maximum(self, min_val), max_val)
+
+
+def hardtanh_backward(out, grad_output, self, min_val, max_val):
+    return jnp.where((self <= min_val) | (self >= max_val), 0, grad_output)
+
+
+def elu(out, self, alpha, scale, input_scale):
+    return jnp.where(self > 0, self * scale, jnp.expm1(self * input_scale) * (alpha * scale))
+
+
+def elu_backward(out, grad_output, alpha, scale, input_scale, is_result, self_or_result):
+    return L.pointwise.elu_backward(grad_output, alpha, scale, input_scale, is_result, self_or_result)
+
+
+def celu(out, self, alpha):
+    return jnp.where(self > 0, self, jnp.expm1(self / alpha) * alpha)
+
+
+def leaky_relu(out, self, negative_slope):
+    return jnp.where(self > 0, self, self * negative_slope)
+
+
+def leaky_relu_backward(out, grad_output, self, negative_slope, self_is_result):
+    return jnp.where(self > 0, grad_output, grad_output * negative_slope)
+
+
+def threshold(out, self, threshold, value):
+    return jnp.where(self <= threshold, value, self)
+
+
+def silu(out, self):
+    return self / (1 + jnp.exp(-self))
+
+
+def silu_backward(out, grad_output, self):
+    return grad_output * jax.nn.sigmoid(self) * (1 + self * (1 - jax.nn.sigmoid(self)))
+
+
+def mish(out, self):
+    return self * jnp.tanh(jnp.log1p(jnp.exp(self)))
+
+
+def mish_backward(out, grad_output, self):
+    return grad_output * (jnp.tanh(jnp.log1p(jnp.exp(self))) + self * jax.nn.sigmoid(self) * (1 - jnp.tanh(jnp.log1p(jnp.exp(self))) ** 2))
+
+
+def softplus(out, self, beta, threshold):
+    return jnp.where(self * beta > threshold, self, jnp.log1p(jnp.exp(self * beta)) / beta)
+
+
+def softplus_backward(out, grad_output, self, beta, threshold):
+    return jnp.where(self * beta > threshold, grad_output, grad_output * jnp.exp(self * beta) / (jnp.exp(self * beta) + 1))
+
+
+def hardswish(out, self):
+    return self * jnp.minimum(jnp.maximum(self + 3, 0), 6) / 6
+
+
+def hardswish_backward(out, grad_output, self):
+    return jnp.where(self < -3, 0, jnp.where(self <= 3, grad_output * (self / 3 + 0.5), grad_output))
+
+
+def hardsigmoid(out, self):
+    return jnp.minimum(jnp.maximum(self + 3, 0), 6) / 6
+
+
+def hardsigmoid_backward(out, grad_output, self):
+    return jnp.where((self > -3) & (self < 3), grad_output / 6, 0)
+
+
+def hardshrink(out, self, lambd):
+    return jnp.where((self >= -lambd) & (self <= lambd), 0, self)
+
+
+def hardshrink_backward(out, grad_out, self, lambd):
+    return jnp.where((self >= -lambd) & (self <= lambd), 0, grad_out)
+
+
+def softshrink(out, self, lambd):
+    return jnp.where(self > lambd, self - lambd, jnp.where(self < -lambd, self + lambd, self * 0))
+
+
+def softshrink_backward(out, grad_output, self, lambd):
+    return jnp.where((self >= -lambd) & (self <= lambd), 0, grad_output)
+
+
+def log_sigmoid_forward(out, self):
+    return (jnp.minimum(self, 0) - jnp.log1p(jnp.exp(-jnp.abs(self))), jnp.exp(-jnp.abs(self)))
+
+
+def log_sigmoid_backward(out, grad_output, self, buffer):
+    return grad_output * jax.nn.sigmoid(-self)
+
+
+def glu(out, self, dim):
+    return L.pointwise.glu(self, dim)
+
+
+def glu_backward(out, grad_output, self, dim):
+    return L.pointwise.glu_backward(grad_output, self, dim)
+
+
+def _prelu_kernel(out, self, weight):
+    return jnp.where(self > 0, self, weight * self)
+
+
+def _prelu_kernel_backward(out, grad_output, self, weight):
+    return (jnp.where(self > 0, grad_output, weight * grad_output), jnp.where(self > 0, 0, self * grad_output))
+
+
+def _efficientzerotensor(out, size, dtype, layout, device, pin_memory):
+    return jnp.zeros(out.shape, out.dtype)
+
+
+def flip(out, self, dims):
+    return jnp.flip(self, tuple(d % self.ndim for d in dims)) if self.ndim else self
+
+
+def repeat(out, self, repeats):
+    return jnp.tile(self, repeats)
+
+
+def roll(out, self, shifts, dims):
+    return jnp.roll(self, shifts, tuple(dims) if dims else None)
+
+
+def rot90(out, self, k, dims):
+    return jnp.rot90(self, k, tuple(d % self.ndim for d in dims))
+
+
+def constant_pad_nd(out, self, pad, value):
+    return L.pointwise.constant_pad_nd(self, pad, value)
+
+
 def sum(out, self, dtype):
     return jnp.sum(self.astype(out.dtype))
 
@@ -713,6 +1269,86 @@ def all(out, self):
 
 def any(out, self):
     return jnp.any(self)
+
+
+def any_dim(out, self, dim, keepdim):
+    return L.reduce.any_(out, self, dim, keepdim)
+
+
+def any_dims(out, self, dim, keepdim):
+    return L.reduce.any_(out, self, dim, keepdim)
+
+
+def all_dim(out, self, dim, keepdim):
+    return L.reduce.all_(out, self, dim, keepdim)
+
+
+def all_dims(out, self, dim, keepdim):
+    return L.reduce.all_(out, self, dim, keepdim)
+
+
+def prod(out, self, dtype):
+    return jnp.prod(self.astype(out.dtype))
+
+
+def prod_dim_int(out, self, dim, keepdim, dtype):
+    return L.reduce.prod_dim(out, self, dim, keepdim, dtype)
+
+
+def var_dim(out, self, dim, unbiased, keepdim):
+    return L.reduce.var_correction(out, self, dim, 1 if unbiased else 0, keepdim)
+
+
+def std_correction(out, self, dim, correction, keepdim):
+    return L.reduce.std_correction(out, self, dim, correction, keepdim)
+
+
+def var_mean_correction(out, self, dim, correction, keepdim):
+    return L.reduce.var_mean_correction(out, self, dim, correction, keepdim)
+
+
+def std_mean_correction(out, self, dim, correction, keepdim):
+    return L.reduce.std_mean_correction(out, self, dim, correction, keepdim)
+
+
+def nansum(out, self, dim, keepdim, dtype):
+    return L.reduce.nansum(out, self, dim, keepdim, dtype)
+
+
+def count_nonzero(out, self, dim):
+    return L.reduce.count_nonzero(out, self, dim)
+
+
+def count_nonzero_dim_IntList(out, self, dim):
+    return L.reduce.count_nonzero(out, self, dim)
+
+
+def aminmax(out, self, dim, keepdim):
+    return L.reduce.aminmax(out, self, dim, keepdim)
+
+
+def logsumexp(out, self, dim, keepdim):
+    return L.reduce.logsumexp(out, self, dim, keepdim)
+
+
+def cumsum(out, self, dim, dtype):
+    return L.reduce.cumsum(out, self, dim, dtype)
+
+
+def cumprod(out, self, dim, dtype):
+    return L.reduce.cumprod(out, self, dim, dtype)
+
+
+def logcumsumexp(out, self, dim):
+    return L.reduce.logcumsumexp(out, self, dim)
+
+
+def cummax(out, self, dim):
+    return L.reduce.cummax(out, self, dim)
+
+
+def cummin(out, self, dim):
+    return L.reduce.cummin(out, self, dim)
 
 
 def mm(out, self, mat2):

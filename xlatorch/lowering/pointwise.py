@@ -1,3 +1,213 @@
-"""Pointwise math whose lowering is more than one expression."""
+"""Pointwise math whose lowering is more than one expression.
+
+Each function follows the scalar formula of PyTorch's CPU kernel for the op, so
+edge cases (NaN, signed zeros, poles, integer rounding) come out the same.
+"""
 
 from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+
+def _is_float(x) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def sign(out, self):
+    """``sign`` / ``sgn`` (real): -1, 0 or 1; NaN and -0.0 give 0 as in PyTorch."""
+    if self.dtype == jnp.bool_:
+        return self
+    return (self > 0).astype(out.dtype) - (self < 0).astype(out.dtype)
+
+
+def sinc(self):
+    """``sinc``: sin(pi x) / (pi x), exactly 1 at 0."""
+    p = self * jnp.pi
+    return jnp.where(self == 0, jnp.ones_like(self), jnp.sin(p) / p)
+
+
+def digamma(self):
+    """``digamma``: jax's, with PyTorch's value at +-0 (-inf at +0, +inf at -0)."""
+    return jnp.where(self == 0, jnp.copysign(jnp.inf, -self), jax.scipy.special.digamma(self))
+
+
+def _cot_derivative(n):
+    # d^n/dy^n cot(y) as a polynomial in c = cot(y): P0 = c, P(k+1) = -(1 + c^2) P(k)'.
+    p = np.poly1d([1, 0])
+    for _ in range(n):
+        p = -np.poly1d([1, 0, 1]) * p.deriv()
+    return p.coeffs
+
+
+def polygamma(n, self):
+    """``polygamma(n, x)``: digamma for n == 0; for x < 0 the reflection formula
+    psi_n(x) = (-1)^n psi_n(1 - x) - pi^(n+1) cot^(n)(pi x) (jax's zeta is wrong there)."""
+    if n == 0:
+        return digamma(self)
+    neg = self < 0
+    y = jnp.where(neg, 1 - self, self)
+    base = jnp.where(y == jnp.inf, 0, jax.scipy.special.polygamma(n, y))
+    # cot(pi x) = sign(r) tan(pi (1/2 - |r|)) with r = x - round(x) (exact): exactly 0 at half-integers.
+    r = self - jnp.round(self)
+    cot = jnp.sign(r) * jnp.tan(jnp.pi * (0.5 - jnp.abs(r)))
+    refl = (-1) ** n * base - jnp.pi ** (n + 1) * jnp.polyval(_cot_derivative(n), cot)
+    pole = (-1) ** (n + 1) * jnp.inf  # at 0, -1, -2, ... (PyTorch's sign)
+    return jnp.where(neg | (self == 0), jnp.where(r == 0, pole, refl), base)
+
+
+def logit(self, eps):
+    """``logit``: log(x / (1 - x)), x clamped to [eps, 1 - eps] unless eps is None or < 0."""
+    x = self if eps is None else jnp.where(eps < 0, self, jnp.clip(self, eps, 1 - eps))
+    return jnp.log(x / (1 - x))
+
+
+def logit_backward(grad_output, self, eps):
+    """``logit_backward``: dy / (x (1 - x)); NaN outside [0, 1] without eps, 0 outside [eps, 1 - eps] with."""
+    g = grad_output / (self * (1 - self))
+    if eps is None:
+        return jnp.where((self < 0) | (self > 1), jnp.nan, g)
+    eps = eps.astype(self.dtype)
+    return jnp.where(
+        eps < 0,
+        jnp.where((self < 0) | (self > 1), jnp.nan, g),
+        jnp.where((self < eps) | (self > 1 - eps), 0, g),
+    )
+
+
+def round_decimals(self, decimals):
+    """``round.decimals``: half-to-even rounding at 10**-decimals, scaling as PyTorch does."""
+    if not _is_float(self):
+        return self
+    if decimals >= 0:
+        ten = jnp.asarray(10.0**decimals, self.dtype)
+        return jnp.round(self * ten) / ten
+    ten = jnp.asarray(10.0**-decimals, self.dtype)
+    return jnp.round(self / ten) * ten
+
+
+def nan_to_num(out, self, nan, posinf, neginf):
+    """``nan_to_num``: NaN -> nan (0), +inf -> posinf (dtype max), -inf -> neginf (dtype min)."""
+    if not _is_float(self):
+        return self
+    info = jnp.finfo(self.dtype)
+    nan = 0 if nan is None else nan.astype(self.dtype)
+    posinf = info.max if posinf is None else posinf.astype(self.dtype)
+    neginf = info.min if neginf is None else neginf.astype(self.dtype)
+    r = jnp.where(self == jnp.inf, posinf, jnp.where(self == -jnp.inf, neginf, self))
+    return jnp.where(jnp.isnan(self), nan, r)
+
+
+def _bits(x):
+    return 1 if x.dtype == jnp.bool_ else jnp.iinfo(x.dtype).bits
+
+
+def shift_left(self, other):
+    """``bitwise_left_shift``: 0 once the shift reaches the width (or is negative)."""
+    self, other = jnp.broadcast_arrays(self, other)
+    ok = (other >= 0) & (other < _bits(self))
+    return jnp.where(ok, lax.shift_left(self, jnp.where(ok, other, 0)), 0)
+
+
+def shift_right(self, other):
+    """``bitwise_right_shift``: arithmetic shift saturating at the width (-1 or 0), as PyTorch."""
+    self, other = jnp.broadcast_arrays(self, other)
+    n = _bits(self) - 1
+    s = jnp.where((other < 0) | (other > n), n, other)
+    if jnp.issubdtype(self.dtype, jnp.unsignedinteger):
+        return jnp.where((other < 0) | (other > n), 0, lax.shift_right_logical(self, s))
+    return lax.shift_right_arithmetic(self, s)
+
+
+def _div_floor_float(a, b):
+    # PyTorch's div_floor_floating: exact floor of the true quotient, a / b when b == 0.
+    mod = jnp.fmod(a, b)
+    div = (a - mod) / b
+    div = jnp.where((mod != 0) & ((b < 0) != (mod < 0)), div - 1, div)
+    fl = jnp.floor(div)
+    fl = jnp.where(div - fl > 0.5, fl + 1, fl)
+    fl = jnp.where(div == 0, jnp.copysign(jnp.zeros_like(div), a / b), fl)
+    return jnp.where(b == 0, a / b, fl)
+
+
+def div_mode(out, self, other, rounding_mode):
+    """``div`` with ``rounding_mode`` None (true), 'trunc' or 'floor', for float and integer dtypes."""
+    if rounding_mode is None:
+        return self / other
+    if _is_float(self):
+        if rounding_mode == "trunc":  # PyTorch rounds the quotient to the output dtype first
+            return jnp.trunc((self / other).astype(out.dtype))
+        return _div_floor_float(self, other)
+    self, other = jnp.broadcast_arrays(self, other)
+    return lax.div(self, other) if rounding_mode == "trunc" else jnp.floor_divide(self, other)
+
+
+def clamp(self, min, max):
+    """``clamp.Tensor``: max(self, min) then min(., max); NaN propagates, min > max gives max."""
+    if min is not None:
+        self = jnp.maximum(self, min)
+    if max is not None:
+        self = jnp.minimum(self, max)
+    return self
+
+
+def elu_backward(grad_output, alpha, scale, input_scale, is_result, self_or_result):
+    """``elu_backward``, from the input or (``is_result``) from the output."""
+    x = self_or_result
+    neg = alpha * scale
+    if is_result:
+        g = grad_output * input_scale * (x + neg)
+    else:
+        g = grad_output * input_scale * neg * jnp.exp(x * input_scale)
+    return jnp.where(x <= 0, g, grad_output * scale)
+
+
+def glu(self, dim):
+    """``glu``: first half times the sigmoid of the second half along ``dim``."""
+    a, b = jnp.split(self, 2, axis=dim)
+    return a * jax.nn.sigmoid(b)
+
+
+def glu_backward(grad_output, self, dim):
+    """``glu_backward``: the gradients of both halves, concatenated along ``dim``."""
+    a, b = jnp.split(self, 2, axis=dim)
+    s = jax.nn.sigmoid(b)
+    return jnp.concatenate([grad_output * s, grad_output * a * s * (1 - s)], axis=dim)
+
+
+def constant_pad_nd(self, pad, value):
+    """``constant_pad_nd``: pairs of (before, after) from the last dim back; negative pads crop."""
+    n = len(pad) // 2
+    cfg = [(0, 0, 0)] * (self.ndim - n) + [(pad[2 * i], pad[2 * i + 1], 0) for i in reversed(range(n))]
+    return lax.pad(self, jnp.asarray(value).astype(self.dtype), cfg)
+
+
+# --- random ---------------------------------------------------------------------------
+
+
+def random_int(out, seed, low, high):
+    """Integers uniform in [low, high) in ``out``'s dtype (``random_``, ``randint``); ``high``
+    None means PyTorch's default top: 2**mantissa digits (inclusive) for floats, the dtype's max."""
+    dt = out.dtype
+    if high is None:
+        if dt == jnp.bool_:
+            high = 2
+        elif jnp.issubdtype(dt, jnp.inexact):
+            high = 2 ** jnp.finfo(dt).nmant * 2 + 1
+        else:
+            high = int(jnp.iinfo(dt).max) + 1
+    # int64 cannot hold 2**63: the top value then has probability 0 instead of 2**-63.
+    high = min(high, int(jnp.iinfo(jnp.int64).max))
+    return jax.random.randint(jax.random.key(seed), out.shape, low, high, jnp.int64).astype(dt)
+
+
+def multinomial(seed, self, num_samples, replacement):
+    """``multinomial``: categorical draws with replacement, Gumbel top-k without."""
+    key = jax.random.key(seed)
+    logits = jnp.log(self.astype(jnp.promote_types(self.dtype, jnp.float32)))
+    if replacement:
+        draws = jax.random.categorical(key, logits, axis=-1, shape=(num_samples,) + self.shape[:-1])
+        return jnp.moveaxis(draws, 0, -1)
+    return lax.top_k(logits + jax.random.gumbel(key, logits.shape, logits.dtype), num_samples)[1]

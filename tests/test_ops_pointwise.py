@@ -1,0 +1,157 @@
+"""What the OpInfo conformance suite cannot check for pointwise ops, reductions and random ops.
+
+Random ops: shapes, dtypes, ranges and moments, fresh values every step without a
+recompile, and reproducibility under ``torch.manual_seed``. Pointwise edge cases
+(NaN, infinities, signed zeros, out-of-range shifts) that OpInfo samples rarely hit.
+"""
+
+import math
+
+import pytest
+import torch
+
+import xlatorch.core.xla_model as xm
+import xlatorch.debug.metrics as met
+
+N = 4096  # samples for moment checks: 5-sigma bounds stay tight enough to catch a wrong law
+
+
+def _fallbacks():
+    return [c for c in met.counter_names() if c.startswith("aten::")]
+
+
+def _moments(t):
+    t = t.double()
+    return t.mean().item(), t.var().item()
+
+
+@pytest.mark.parametrize(
+    "make, dtype, lo, hi, mean, var",
+    [
+        (lambda: torch.rand(N, device="xla"), torch.float32, 0.0, 1.0, 0.5, 1 / 12),
+        (lambda: torch.rand(N, device="xla", dtype=torch.bfloat16), torch.bfloat16, 0.0, 1.0, 0.5, 1 / 12),
+        (lambda: torch.randn(N, device="xla"), torch.float32, -math.inf, math.inf, 0.0, 1.0),
+        (lambda: torch.rand_like(torch.zeros(N, device="xla")), torch.float32, 0.0, 1.0, 0.5, 1 / 12),
+        (lambda: torch.randn_like(torch.zeros(N, device="xla")), torch.float32, -math.inf, math.inf, 0.0, 1.0),
+        (lambda: torch.randint(3, 9, (N,), device="xla"), torch.int64, 3, 8, 5.5, 35 / 12),
+        (lambda: torch.randint(6, (N,), device="xla", dtype=torch.int32), torch.int32, 0, 5, 2.5, 35 / 12),
+        (lambda: torch.randint_like(torch.zeros(N, device="xla"), 6), torch.float32, 0, 5, 2.5, 35 / 12),
+        (lambda: torch.empty(N, device="xla").random_(6), torch.float32, 0, 5, 2.5, 35 / 12),
+        (lambda: torch.empty(N, device="xla", dtype=torch.uint8).random_(), torch.uint8, 0, 255, 127.5, 65535 / 12),
+        (lambda: torch.empty(N, device="xla").exponential_(2.0), torch.float32, 0.0, math.inf, 0.5, 0.25),
+        (lambda: torch.empty(N, device="xla").geometric_(0.5), torch.float32, 1.0, math.inf, 2.0, 2.0),
+        (lambda: torch.normal(torch.full((N,), 3.0, device="xla"), 2.0), torch.float32, -math.inf, math.inf, 3.0, 4.0),
+        (lambda: torch.bernoulli(torch.full((N,), 0.25, device="xla")), torch.float32, 0.0, 1.0, 0.25, 0.1875),
+    ],
+)  # fmt: skip
+def test_random_distribution(make, dtype, lo, hi, mean, var):
+    t = make()
+    assert t.device.type == "xla" and t.dtype == dtype and tuple(t.shape) == (N,)
+    c = t.cpu()
+    assert _fallbacks() == []
+    assert c.double().min().item() >= lo and c.double().max().item() <= hi
+    m, v = _moments(c)
+    assert abs(m - mean) < 5 * math.sqrt(var / N) + 1e-2 * abs(mean), (m, mean)
+    assert abs(v - var) < 0.1 * var, (v, var)
+    if dtype.is_floating_point is False and hi - lo < 16:
+        assert set(c.tolist()) == set(range(int(lo), int(hi) + 1))  # every value is reachable
+
+
+def test_random_default_range_of_float_random_():
+    # random_() on float32 draws integers in [0, 2**24].
+    c = torch.empty(N, device="xla").random_().cpu()
+    assert _fallbacks() == []
+    assert torch.equal(c, c.round()) and c.min() >= 0 and c.max() <= 2**24 and c.max() > 2**23
+
+
+def test_randperm_is_a_permutation():
+    for n, dtype in [(1, torch.int64), (257, torch.int64), (50, torch.int32)]:
+        p = torch.randperm(n, device="xla", dtype=dtype)
+        assert p.dtype == dtype and tuple(p.shape) == (n,)
+        assert sorted(p.cpu().tolist()) == list(range(n))
+    assert _fallbacks() == []
+
+
+def test_multinomial():
+    probs = torch.tensor([[0.0, 1.0, 3.0, 0.0, 4.0], [1.0, 1.0, 1.0, 1.0, 0.0]]).to("xla")
+    draws = torch.multinomial(probs, 3).cpu()
+    assert draws.dtype == torch.int64 and tuple(draws.shape) == (2, 3)
+    assert sorted(draws[0].tolist()) == [1, 2, 4]  # without replacement: the 3 non-zero categories
+    assert len(set(draws[1].tolist())) == 3 and 4 not in draws[1].tolist()
+    many = torch.multinomial(probs[0], N, replacement=True).cpu()
+    freq = torch.bincount(many, minlength=5).double() / N
+    assert freq[0] == 0 and freq[3] == 0
+    assert torch.allclose(freq, torch.tensor([0, 0.125, 0.375, 0, 0.5], dtype=torch.double), atol=0.03)
+    assert _fallbacks() == []
+
+
+def test_random_values_change_every_step_without_recompiling():
+    seen = []
+    for _ in range(3):
+        x = torch.rand(3, 11, 2, device="xla")  # a shape no other test uses
+        y = torch.randn_like(x) + x
+        xm.mark_step()
+        seen.append((x.cpu(), y.cpu()))
+    assert not torch.equal(seen[0][0], seen[1][0]) and not torch.equal(seen[1][0], seen[2][0])
+    assert not torch.equal(seen[0][1], seen[1][1])
+    assert (met.counter_value("UncachedCompile") or 0) <= 1
+    assert met.counter_value("CachedCompile") >= 2
+
+
+def test_manual_seed_reproduces():
+    torch.manual_seed(1234)
+    a = torch.rand(8, device="xla").cpu()
+    b = torch.randperm(8, device="xla").cpu()
+    torch.manual_seed(1234)
+    assert torch.equal(torch.rand(8, device="xla").cpu(), a)
+    assert torch.equal(torch.randperm(8, device="xla").cpu(), b)
+
+
+_NAN, _INF = math.nan, math.inf
+_F = [_NAN, _INF, -_INF, 0.0, -0.0, 1.5, -2.5, 2.5, -7.0, 3.0]
+_D = [0.0, 2.0, -2.0, 3.0, -3.0, 0.0, 2.0, -0.5, 2.0, -0.0]  # divisors for _F
+
+
+@pytest.mark.parametrize(
+    "name, fn, args",
+    [
+        ("sign", torch.sign, (_F,)),
+        ("round", torch.round, (_F,)),
+        ("round.decimals", lambda x: torch.round(x, decimals=1), ([0.25, 0.35, -1.45, 12.05, _NAN],)),
+        ("round.neg_decimals", lambda x: torch.round(x, decimals=-1), ([15.0, 25.0, -35.0, 44.9],)),
+        ("nan_to_num", torch.nan_to_num, (_F,)),
+        ("nan_to_num.args", lambda x: torch.nan_to_num(x, 1.0, 2.0, -3.0), (_F,)),
+        ("isposinf", torch.isposinf, (_F,)),
+        ("signbit", torch.signbit, (_F,)),
+        ("frac", torch.frac, (_F,)),
+        ("div.floor", lambda a, b: torch.div(a, b, rounding_mode="floor"), (_F, _D)),
+        ("div.trunc", lambda a, b: torch.div(a, b, rounding_mode="trunc"), (_F, _D)),
+        ("div.floor.int", lambda a, b: torch.div(a, b, rounding_mode="floor"), ([-7, 7, -7, 7, 0], [2, -2, -2, 2, -3])),
+        ("div.trunc.int", lambda a, b: torch.div(a, b, rounding_mode="trunc"), ([-7, 7, -7, 7, 0], [2, -2, -2, 2, -3])),
+        ("remainder", torch.remainder, (_F, [2.0, -2.0, 3.0, 3.0, -3.0, 0.0, 2.0, -0.5, 2.0, 1.0])),
+        ("remainder.int", torch.remainder, ([-7, 7, -7, 7, 0], [2, -2, -2, 2, -3])),
+        ("fmod.int", torch.fmod, ([-7, 7, -7, 7, 0], [2, -2, -2, 2, -3])),
+        ("shift_left", torch.bitwise_left_shift, ([-8, 8, 1, 3, 1], [64, 65, -1, 3, 63])),
+        ("shift_right", torch.bitwise_right_shift, ([-8, 8, 1, -3, -1], [64, 65, -1, 1, 63])),
+        ("logaddexp", torch.logaddexp, ([_INF, -_INF, _INF, 1.0, _NAN], [_INF, -_INF, -_INF, 2.0, 1.0])),
+        ("xlogy", torch.xlogy, ([0.0, 0.0, 2.0, 1.0], [0.0, _NAN, 0.0, _INF])),
+        ("clamp.Tensor", torch.clamp, (_F, [0.0] * 10, [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, -1.0, _NAN, 1.0])),
+        ("digamma", torch.digamma, ([0.0, -0.0, -1.0, -2.5, 3.0, _INF],)),
+        ("polygamma", lambda x: torch.polygamma(3, x), ([0.0, -1.0, -8.5, -2.9, 0.3, 4.0],)),
+        ("sinc", torch.sinc, ([0.0, 1.0, -0.5, 1e-20],)),
+        ("heaviside", lambda x: torch.heaviside(x, torch.tensor(0.5)), (_F,)),
+        ("fmax", torch.fmax, (_F, list(reversed(_F)))),
+        ("cummax", lambda x: torch.cummax(x, 0), ([1.0, _NAN, 3.0, 3.0, _NAN, 0.0],)),
+        ("cummin.int", lambda x: torch.cummin(x, 0), ([3, 1, 1, 2, 0, 0],)),
+        ("logsumexp", lambda x: torch.logsumexp(x, 0), ([-_INF, -_INF],)),
+        ("logsumexp.inf", lambda x: torch.logsumexp(x, 0), ([_INF, 1.0],)),
+        ("constant_pad_nd", lambda x: torch.constant_pad_nd(x.reshape(2, 5), (-1, 2, 1, 0), 7.0), (_F,)),
+    ],
+)  # fmt: skip
+def test_pointwise_edge_cases(name, fn, args):
+    cpu = [torch.tensor(a) for a in args]
+    expected = fn(*cpu)
+    got = fn(*[a.to("xla") for a in cpu])
+    got = tuple(g.cpu() for g in got) if isinstance(got, tuple) else got.cpu()
+    torch.testing.assert_close(got, expected, equal_nan=True, rtol=2e-6, atol=0)
+    assert _fallbacks() == []
