@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import keyword
 import os
 
 import jinja2
@@ -12,6 +13,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEMPLATES = os.path.join(ROOT, "codegen", "templates")
 
 
+def _check_unique(shims) -> None:
+    seen = {}
+    for sh in shims:
+        if sh["aten"] in seen:
+            raise registry.RegistryError(
+                f"ops.yaml: {sh['aten']} would get two shims ({seen[sh['aten']]} and {sh['fn']}): an entry duplicates "
+                f"a generated in-place/out= variant; drop the entry or give its group 'variants: false'"
+            )
+        seen[sh["aten"]] = sh["fn"]
+
+
 def _ident(name: str) -> str:
     op, ov = name.split(".")
     return op if ov == "default" else f"{op}_{ov}"
@@ -19,7 +31,7 @@ def _ident(name: str) -> str:
 
 def _aten(name: str) -> str:
     op, ov = name.split(".")
-    return f"aten.{op}.{ov}"
+    return f'getattr(aten.{op}, "{ov}")' if keyword.iskeyword(ov) else f"aten.{op}.{ov}"
 
 
 def overload(name: str):
@@ -124,6 +136,7 @@ def build(entries):
                 ofn = _ident(out)
                 shims.append(dict(fn=ofn, aten=_aten(out), params=_params(os_.args),
                                   body=f"call_out({var}, {call_args}, ({', '.join(outs)},))"))  # fmt: skip
+    _check_unique(shims)
     return dict(lowerings=lowerings, specs=specs, shims=shims, factories=factories, decomposed=decomposed,
                 fallbacks=fallbacks, n_entries=len(entries))  # fmt: skip
 

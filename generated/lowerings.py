@@ -167,6 +167,10 @@ def random__to(out, self, to, generator, seed):
     return L.pointwise.random_int(out, seed, 0, to)
 
 
+def random__from(out, self, from_, to, generator, seed):
+    return L.pointwise.random_int(out, seed, from_, to)
+
+
 def randperm(out, n, dtype, layout, device, pin_memory, seed):
     return jax.random.permutation(jax.random.key(seed), n).astype(out.dtype)
 

@@ -56,3 +56,19 @@ def test_cli_reports_bad_entry(tmp_path):
     r = subprocess.run([sys.executable, "tools/gen_ops.py", "--ops", str(bad), "--out", str(tmp_path)], cwd=ROOT,
                        capture_output=True, text=True)  # fmt: skip
     assert r.returncode == 2 and "add.Tensor" in r.stderr and "bogus" in r.stderr
+
+
+def test_an_entry_duplicating_a_generated_variant_is_rejected(tmp_path):
+    from codegen.gen import build
+
+    entries = _load(tmp_path, "add.Tensor: self + other * alpha\nadd_.Tensor: self + other * alpha\n")
+    with pytest.raises(registry.RegistryError, match=r"aten.add_.Tensor would get two shims"):
+        build(entries)
+
+
+def test_keyword_overload_names_generate(tmp_path):
+    from codegen.gen import build
+
+    text = "random_.from:\n  lower: L.pointwise.random_int(out, seed, from_, to)\n  random: true\n"
+    ctx = build(_load(tmp_path, text))
+    assert ctx["shims"][0]["aten"] == 'getattr(aten.random_, "from")'

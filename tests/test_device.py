@@ -167,3 +167,9 @@ def test_static_args_that_hash_alike_do_not_share_an_executable():
     b = torch.softmax(x, -1).cpu()
     torch.testing.assert_close(a, torch.softmax(cpu, -2))
     torch.testing.assert_close(b, torch.softmax(cpu, -1))
+
+
+def test_tensor_constructor_on_the_device():
+    t = torch.tensor([[1, 2], [3, 4]], device="xla")
+    assert t.device.type == "xla" and t.dtype == torch.int64
+    assert torch.equal((t + 1).cpu(), torch.tensor([[2, 3], [4, 5]]))

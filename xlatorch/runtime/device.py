@@ -91,6 +91,8 @@ def register(factories: dict) -> None:
     _lib = torch.library.Library("aten", "IMPL")
     for name, shim in factories.items():
         _lib.impl(name, shim, "PrivateUse1")
+    # torch.tensor(data, device="xla") copies below the Python key: ATen asks for _copy_from.
+    _lib.impl("_copy_from", lambda self, dst, non_blocking=False: _copy_(dst, self), "PrivateUse1")
 
 
 def _xla_target(device) -> bool:
