@@ -18,7 +18,7 @@ KEYS = {
 RULES = ("lower", "helper", "decompose", "fallback")
 DISPATCH = {"shim", "runtime", "metadata"}
 TEST_KEYS = {"opinfo", "atol", "rtol", "grad_atol", "grad_rtol", "dtypes", "xfail", "compare"}
-TEST_TAGS = {"float32", "bfloat16", "int64", "bool", "grad", "all"}
+TEST_TAGS = {"float32", "bfloat16", "int64", "bool", "grad", "inplace", "all"}
 PROMOTIONS = {"default", "int_to_float", "always_bool", "complex_to_float", "bool_to_long", "no_opmath"}
 # Names a lowering expression may use besides its schema's argument names.
 GLOBALS = {"jnp", "lax", "jax", "np", "math", "L", "out", "torch_dtype"}

@@ -100,7 +100,8 @@ def _setup(key, tag, request):
     op, entries = _plan()[key]
     reason, atol, rtol = _hints(entries, tag)
     if reason:
-        request.applymarker(pytest.mark.xfail(reason=reason, strict=True))
+        # Strict when every sample runs; CI's few samples may miss the failing one.
+        request.applymarker(pytest.mark.xfail(reason=reason, strict=_full(request.config)))
     return op, entries, atol, rtol
 
 
@@ -244,7 +245,7 @@ def test_grad(key, request):
 @pytest.mark.parametrize("key", INPLACE_CASES)
 def test_inplace(key, request):
     """The generated in-place variant (``op_``) writes the forward's result into ``self``."""
-    op, entries, atol, rtol = _setup(key, "float32", request)
+    op, entries, atol, rtol = _setup(key, "inplace", request)
     pending = []
     for i, s in enumerate(_samples(op, torch.float32, False, _full(request.config))):
         if not isinstance(s.input, torch.Tensor):

@@ -11,6 +11,11 @@ import jax.scipy.linalg as jsl
 from jax import lax
 
 
+def _scalars(out, beta, alpha):
+    # PyTorch converts alpha and beta to the result's dtype (0.6 is 0 for int64, True for bool).
+    return jnp.asarray(beta).astype(out.dtype), jnp.asarray(alpha).astype(out.dtype)
+
+
 def _beta_self(beta, self):
     # PyTorch ignores ``self`` (NaN included) when beta == 0.
     return jnp.where(beta == 0, jnp.zeros((), self.dtype), beta * self)
@@ -18,16 +23,19 @@ def _beta_self(beta, self):
 
 def addbmm(out, self, batch1, batch2, beta=1, alpha=1):
     """aten.addbmm: beta * self + alpha * sum_b batch1[b] @ batch2[b]."""
+    beta, alpha = _scalars(out, beta, alpha)
     return _beta_self(beta, self) + alpha * jnp.einsum("bij,bjk->ik", batch1, batch2)
 
 
 def addmv(out, self, mat, vec, beta=1, alpha=1):
     """aten.addmv: beta * self + alpha * mat @ vec."""
+    beta, alpha = _scalars(out, beta, alpha)
     return _beta_self(beta, self) + alpha * jnp.matmul(mat, vec)
 
 
 def addr(out, self, vec1, vec2, beta=1, alpha=1):
     """aten.addr: beta * self + alpha * outer(vec1, vec2) (logical and/or for bool)."""
+    beta, alpha = _scalars(out, beta, alpha)
     if out.dtype == jnp.bool_:
         return (beta & self) | (alpha & jnp.outer(vec1, vec2))
     return _beta_self(beta, self) + alpha * jnp.outer(vec1, vec2)
