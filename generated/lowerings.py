@@ -639,6 +639,70 @@ def native_layer_norm_backward(out, grad_out, input, normalized_shape, mean, rst
     return L.nn.native_layer_norm_backward(out, grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask)
 
 
+def avg_pool1d(out, self, kernel_size, stride, padding, ceil_mode, count_include_pad):
+    return L.pool.avg_pool1d(out, self, kernel_size, stride, padding, ceil_mode, count_include_pad)
+
+
+def avg_pool2d(out, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
+    return L.pool.avg_pool2d(out, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+
+
+def avg_pool2d_backward(out, grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
+    return L.pool.avg_pool2d_backward(out, grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+
+
+def avg_pool3d(out, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
+    return L.pool.avg_pool3d(out, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+
+
+def avg_pool3d_backward(out, grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
+    return L.pool.avg_pool3d_backward(out, grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+
+
+def adaptive_avg_pool1d(out, self, output_size):
+    return L.pool.adaptive_avg_pool1d(out, self, output_size)
+
+
+def _adaptive_avg_pool2d(out, self, output_size):
+    return L.pool.adaptive_avg_pool2d(out, self, output_size)
+
+
+def _adaptive_avg_pool2d_backward(out, grad_output, self):
+    return L.pool.adaptive_avg_pool2d_backward(out, grad_output, self)
+
+
+def _adaptive_avg_pool3d(out, self, output_size):
+    return L.pool.adaptive_avg_pool3d(out, self, output_size)
+
+
+def _adaptive_avg_pool3d_backward(out, grad_output, self):
+    return L.pool.adaptive_avg_pool3d_backward(out, grad_output, self)
+
+
+def adaptive_max_pool2d(out, self, output_size):
+    return L.pool.adaptive_max_pool2d(out, self, output_size)
+
+
+def adaptive_max_pool2d_backward(out, grad_output, self, indices):
+    return L.pool.adaptive_max_pool2d_backward(out, grad_output, self, indices)
+
+
+def adaptive_max_pool3d(out, self, output_size):
+    return L.pool.adaptive_max_pool3d(out, self, output_size)
+
+
+def adaptive_max_pool3d_backward(out, grad_output, self, indices):
+    return L.pool.adaptive_max_pool3d_backward(out, grad_output, self, indices)
+
+
+def max_pool3d_with_indices(out, self, kernel_size, stride, padding, dilation, ceil_mode):
+    return L.pool.max_pool3d_with_indices(out, self, kernel_size, stride, padding, dilation, ceil_mode)
+
+
+def max_pool3d_with_indices_backward(out, grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices):
+    return L.pool.max_pool3d_with_indices_backward(out, grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices)
+
+
 def _foreach_add_Scalar(out, self, scalar):
     return [a + scalar for a in self]
 
