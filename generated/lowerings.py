@@ -703,6 +703,30 @@ def max_pool3d_with_indices_backward(out, grad_output, self, kernel_size, stride
     return L.pool.max_pool3d_with_indices_backward(out, grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices)
 
 
+def native_batch_norm_backward(out, grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps, output_mask):
+    return L.norm.native_batch_norm_backward(out, grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps, output_mask)
+
+
+def _native_batch_norm_legit_no_stats(out, input, weight, bias, training, momentum, eps):
+    return L.norm.native_batch_norm_legit_no_stats(out, input, weight, bias, training, momentum, eps)
+
+
+def _native_batch_norm_legit_no_training(out, input, weight, bias, running_mean, running_var, momentum, eps):
+    return L.norm.native_batch_norm_legit_no_training(out, input, weight, bias, running_mean, running_var, momentum, eps)
+
+
+def _native_batch_norm_legit_functional(out, input, weight, bias, running_mean, running_var, training, momentum, eps):
+    return L.norm.native_batch_norm_legit_functional(out, input, weight, bias, running_mean, running_var, training, momentum, eps)
+
+
+def native_group_norm(out, input, weight, bias, N, C, HxW, group, eps):
+    return L.norm.native_group_norm(out, input, weight, bias, N, C, HxW, group, eps)
+
+
+def native_group_norm_backward(out, grad_out, input, mean, rstd, weight, N, C, HxW, group, output_mask):
+    return L.norm.native_group_norm_backward(out, grad_out, input, mean, rstd, weight, N, C, HxW, group, output_mask)
+
+
 def _foreach_add_Scalar(out, self, scalar):
     return [a + scalar for a in self]
 

@@ -49,8 +49,25 @@ def native_batch_norm_legit_functional(out, input, weight, bias, running_mean, r
         mean, rstd = _acc(running_mean), lax.rsqrt(_acc(running_var) + eps)
         new_mean, new_var = running_mean, running_var
     y = (x - _channel_view(mean, x.ndim)) * _channel_view(rstd, x.ndim)
-    save_mean, save_rstd = (mean, rstd) if training else (jnp.zeros(out[1].shape), jnp.zeros(out[2].shape))
+    # In evaluation mode eager CPU saves empty statistics; the meta kernels say which.
+    save_mean = mean if out[1].shape == mean.shape else jnp.zeros(out[1].shape)
+    save_rstd = rstd if out[2].shape == rstd.shape else jnp.zeros(out[2].shape)
     return _affine(y, weight, bias), save_mean, save_rstd, new_mean, new_var
+
+
+def native_batch_norm_legit_no_stats(out, input, weight, bias, training, momentum, eps):
+    """``aten::_native_batch_norm_legit.no_stats``: batch norm with batch statistics only."""
+    x = _acc(input)
+    mean, var, _ = _batch_stats(x)
+    rstd = lax.rsqrt(var + eps)
+    y = (x - _channel_view(mean, x.ndim)) * _channel_view(rstd, x.ndim)
+    return _affine(y, weight, bias), mean, rstd
+
+
+def native_batch_norm_legit_no_training(out, input, weight, bias, running_mean, running_var, momentum, eps):
+    """``aten::_native_batch_norm_legit_no_training``: batch norm with the running statistics."""
+    res = native_batch_norm_legit_functional(out, input, weight, bias, running_mean, running_var, False, momentum, eps)
+    return res[:3]
 
 
 def native_batch_norm_backward(out, grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train,

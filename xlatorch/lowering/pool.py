@@ -33,7 +33,8 @@ def _lowest(dtype):
 def _window_pads(spatial, out_spatial, k, s, p, d=None):
     """(lo, hi) padding per spatial dim so a VALID window pass yields exactly ``out_spatial``."""
     d = d or (1,) * len(k)
-    return [(pp, (o - 1) * ss + dd * (kk - 1) + 1 - n - pp) for n, o, kk, ss, pp, dd in zip(spatial, out_spatial, k, s, p, d)]
+    geometry = zip(spatial, out_spatial, k, s, p, d)
+    return [(pp, (o - 1) * ss + dd * (kk - 1) + 1 - n - pp) for n, o, kk, ss, pp, dd in geometry]
 
 
 def _pad(x, lead, pads, value):
