@@ -18,3 +18,7 @@ def _fresh_metrics():
     met.clear_all()
     yield
     torch.set_default_device(None)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--opinfo-full", action="store_true", help="run every OpInfo sample (CI runs a few per op)")

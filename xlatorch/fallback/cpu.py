@@ -6,13 +6,48 @@ arguments are written back, and results return to the device as device data.
 
 from __future__ import annotations
 
+import atexit
+import json
+import os
+import sys
+import sysconfig
+
 import torch
 from torch.utils._pytree import tree_map
 
 from xlatorch.debug.metrics import COUNTERS
 from xlatorch.runtime.tensor import XlaTensor, wrap, write
 
-__all__ = ["run_on_cpu"]
+__all__ = ["run_on_cpu", "ORIGINS", "user_frame"]
+
+# op -> "file:line" of the user code that first sent it to CPU.
+ORIGINS: dict[str, str] = {}
+_SKIP = tuple(
+    os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules["xlatorch"])
+) + tuple({sysconfig.get_paths()[k] + os.sep for k in ("stdlib", "purelib", "platlib")})
+
+
+def user_frame() -> str | None:
+    """``file:line`` of the innermost caller outside torch, xlatorch and the Python libraries."""
+    f = sys._getframe(1)
+    while f is not None:
+        fn = f.f_code.co_filename
+        if not fn.startswith(_SKIP) and not fn.startswith("<"):
+            return f"{fn}:{f.f_lineno}"
+        f = f.f_back
+    return None
+
+
+def _write_report(path: str) -> None:
+    from xlatorch.debug.metrics import COUNTERS
+
+    recs = {op: {"count": COUNTERS[op], "origin": origin} for op, origin in ORIGINS.items() if COUNTERS[op]}
+    with open(path, "a") as f:  # one line per process; several processes may append
+        f.write(json.dumps(recs) + "\n")
+
+
+if os.environ.get("XLATORCH_FALLBACK_REPORT"):
+    atexit.register(_write_report, os.environ["XLATORCH_FALLBACK_REPORT"])
 
 
 def _is_xla_device(d) -> bool:
@@ -23,7 +58,10 @@ def run_on_cpu(func, args, kwargs):
     """Run ``func`` on CPU copies of its device arguments and bring the results back."""
     from xlatorch.runtime.transfer import to_cpu, to_device
 
-    COUNTERS[str(func._schema.name)] += 1
+    name = str(func._schema.name)
+    COUNTERS[name] += 1
+    if name not in ORIGINS:
+        ORIGINS[name] = user_frame()
     xla_in = []
 
     def down(a):

@@ -4,4 +4,17 @@ One module per op family. A helper takes ``out`` (the output aval(s)) and the
 ATen schema's arguments in order, and returns JAX values.
 """
 
-from xlatorch.lowering import fft, index, linalg, loss, nn, norm, pointwise, pool, reduce, sample, shape, sort  # noqa: F401
+from xlatorch.lowering import (  # noqa: F401
+    fft,
+    index,
+    linalg,
+    loss,
+    nn,
+    norm,
+    pointwise,
+    pool,
+    reduce,
+    sample,
+    shape,
+    sort,
+)

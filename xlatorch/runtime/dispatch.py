@@ -87,6 +87,41 @@ def dispatch(func, args, kwargs):
     return run_on_cpu(func, args, kwargs)
 
 
+def defer_error(func, args, kwargs, error: Exception):
+    """The outputs of an op that failed on autograd's device thread, carrying the error.
+
+    An exception cannot leave ``__torch_dispatch__`` there (torch 2.13's Python device
+    guard aborts the process while unwinding), so the outputs (shapes from the meta
+    kernel) and any arguments the op writes hold a failed value instead, and the error
+    is raised by the sync that reads them. Raises if even the meta kernel fails.
+    """
+    from torch.utils._pytree import tree_map
+
+    from xlatorch.runtime.failure import failed_value
+
+    def meta(a):
+        if isinstance(a, torch.Tensor):
+            return torch.empty(a.shape, dtype=a.dtype, device="meta")
+        return "meta" if isinstance(a, torch.device) and a.type == "xla" else a
+
+    mkwargs = tree_map(meta, kwargs)
+    if isinstance(mkwargs.get("device"), (str, torch.device)):
+        mkwargs["device"] = "meta"
+    res = func(*tree_map(meta, args), **mkwargs)
+    err = RuntimeError(f"{func._schema.name} failed in a backward pass: {type(error).__name__}: {error}")
+    written = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            dst = args[i] if i < len(args) else kwargs.get(arg.name)
+            if type(dst) is XlaTensor:
+                write(dst, failed_value((tuple(dst.shape), dst.dtype), err))
+                written.append(dst)
+    if written and isinstance(res, torch.Tensor):
+        return written[0]
+    return tree_map(lambda r: wrap(failed_value((tuple(r.shape), r.dtype), err)) if isinstance(r, torch.Tensor)
+                    else r, res)  # fmt: skip
+
+
 def _not_xla(spec, t) -> RuntimeError:
     return RuntimeError(
         f"Input tensor is not an XLA tensor: {t.type()} (aten::{spec.name} got a tensor on "

@@ -17,6 +17,7 @@ import numpy as np
 from xlatorch.debug import metrics
 from xlatorch.debug.metrics import COUNTERS
 from xlatorch.runtime.dtypes import to_jax
+from xlatorch.runtime.failure import FailedValueError, failed_value, is_failed
 from xlatorch.runtime.ir import Data, Out, Scalar, operands
 from xlatorch.runtime.tensor import PENDING
 
@@ -145,6 +146,10 @@ def sync(reason: str = "mark_step") -> None:
     t0 = time.perf_counter_ns()
     roots = [st.value for st in storages]
     nodes, leaves, enc, root_refs = _collect(roots)
+    storages, failed = _split_failed(storages, nodes)
+    if failed is not None:  # run what does not depend on the failure, then report it
+        sync(reason)
+        raise FailedValueError(f"xlatorch: a tensor's value could not be computed: {failed}") from failed
     data = [v for v in leaves if type(v) is Data]
     # Donate buffers no live tensor holds any more, when an output can reuse them.
     out_avals = {r.aval for r in roots}
@@ -152,16 +157,20 @@ def sync(reason: str = "mark_step") -> None:
     key = (tuple(enc), root_refs, tuple(v.sig for v in leaves), donate)
     exe = CACHE.get(key)
     packed, leaf_kinds = _pack(leaves)
-    if exe is None:
-        COUNTERS["UncachedCompile"] += 1
-        with metrics.timed("CompileTime"):
-            exe = _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate)
-        CACHE[key] = exe
-    else:
-        COUNTERS["CachedCompile"] += 1
-    metrics.add_sample("TensorsGraphSize", len(nodes))
-    with metrics.timed("ExecuteTime"):
-        outs = exe.compiled([d.array for d in data], packed)
+    try:
+        if exe is None:
+            COUNTERS["UncachedCompile"] += 1
+            with metrics.timed("CompileTime"):
+                exe = _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate)
+            CACHE[key] = exe
+        else:
+            COUNTERS["CachedCompile"] += 1
+        metrics.add_sample("TensorsGraphSize", len(nodes))
+        with metrics.timed("ExecuteTime"):
+            outs = exe.compiled([d.array for d in data], packed)
+    except Exception as e:
+        _fail(storages, e)
+        raise
     for st, arr in zip(storages, outs):
         st.set(Data(arr, st.value.aval))
     PENDING.clear()
@@ -172,6 +181,38 @@ def sync(reason: str = "mark_step") -> None:
         # Host time of the step outside the sync itself: op tracing plus the user's Python.
         metrics.add_sample("LazyTracing", t0 - _last_sync)
     _last_sync = now
+
+
+def _fail(storages, error: Exception) -> None:
+    """After a failed sync: each tensor of the graph holds the error instead of a pending value."""
+    for st in storages:
+        st.value = failed_value(st.value.aval, error)  # not Storage.set: a failed value is not pending
+        st.gen += 1
+        PENDING.pop(st.sid, None)
+
+
+def _split_failed(storages, nodes):
+    """(healthy storages, the first error) after poisoning the roots that read a failed value."""
+    bad: dict[int, Exception] = {}
+    for n in nodes:  # post-order: operands first
+        if is_failed(n):
+            bad[id(n)] = n.args[0]
+            continue
+        for v in operands(n.args):
+            if type(v) is Out and id(v.node) in bad:
+                bad[id(n)] = bad[id(v.node)]
+                break
+    if not bad:
+        return storages, None
+    healthy, first = [], None
+    for st in storages:
+        err = bad.get(id(st.value.node))
+        if err is None:
+            healthy.append(st)
+        else:
+            first = first or err
+            _fail([st], err)
+    return healthy, first
 
 
 _last_sync = 0

@@ -73,14 +73,20 @@ class XlaTensor(torch.Tensor):
 
         try:
             return dispatch(func, args, kwargs or {})
-        except Exception:
-            if threading.current_thread() is not threading.main_thread():
-                # On autograd's device thread an exception unwinds through torch's Python
-                # device guard, which aborts the process (torch 2.13): say why first.
+        except Exception as e:
+            if threading.current_thread() is threading.main_thread():
+                raise
+            # On autograd's device thread an exception would abort the process (torch's
+            # Python device guard terminates while unwinding): defer it to the next sync.
+            from xlatorch.runtime.dispatch import defer_error
+
+            try:
+                return defer_error(func, args, kwargs or {}, e)
+            except Exception:
                 sys.stderr.write(f"xlatorch: {func._schema.name} failed in a backward pass:\n")
                 traceback.print_exc()
                 sys.stderr.flush()
-            raise
+                raise
 
     def __repr__(self, *, tensor_contents=None):
         # PyTorch prints subclasses as "XlaTensor(...)"; device tensors print as "tensor(...)".

@@ -63,6 +63,8 @@ def _base_to_cpu(st) -> torch.Tensor:
         from xlatorch.runtime.graph import sync
 
         sync("to_cpu")
+        if type(st.value) is Out:  # a value whose earlier sync failed: raise its error
+            sync_value(st.value)
     v = st.value
     with metrics.timed("TransferFromDeviceTime"):
         return _from_array(v.array, v.aval[1])
@@ -76,4 +78,14 @@ def materialized(t: XlaTensor):
 
         sync("materialize")
         v = value_of(t)
+        if type(v) is Out:
+            sync_value(v)
     return v
+
+
+def sync_value(v: Out) -> None:
+    """Compute one value that is not pending (only failed values are): raises their error."""
+    from xlatorch.runtime.emit import emit_node
+
+    emit_node(v.node.spec, v.node.args, v.node.info)
+    raise AssertionError("unreachable: a non-pending value that is not failed")

@@ -1,0 +1,57 @@
+"""Errors keep their cause and never take unrelated work (or the process) down with them."""
+
+import threading
+
+import pytest
+import torch
+from xlatorch._generated import dispatch as table
+
+import xlatorch.core.xla_model as xm
+from xlatorch.runtime import dispatch as D
+from xlatorch.runtime.failure import FailedValueError
+
+
+def test_a_failed_sync_poisons_only_its_tensors(monkeypatch):
+    a = torch.ones(3, device="xla")
+    xm.mark_step()
+
+    def broken(out, self):
+        raise ZeroDivisionError("lowering exploded")
+
+    monkeypatch.setattr(table.S_sin, "emit", broken)
+    b = a.sin()
+    with pytest.raises(ZeroDivisionError, match="lowering exploded"):
+        xm.mark_step()
+    monkeypatch.undo()
+    c = a * 3  # later, unrelated work runs
+    xm.mark_step()
+    torch.testing.assert_close(c.cpu(), torch.full((3,), 3.0))
+    with pytest.raises(FailedValueError, match="lowering exploded"):
+        b.cpu()
+    d = b + 1  # work that reads the failed tensor fails with the same cause...
+    e = a + 1  # ...while work traced alongside it still runs
+    with pytest.raises(FailedValueError, match="lowering exploded"):
+        xm.mark_step()
+    torch.testing.assert_close(e.cpu(), torch.full((3,), 2.0))
+    with pytest.raises(FailedValueError, match="lowering exploded"):
+        d.cpu()
+
+
+def test_an_error_in_backward_is_raised_at_the_next_sync(monkeypatch):
+    # On autograd's device thread an exception cannot propagate (torch aborts); it must
+    # surface on the main thread instead, naming the op.
+    orig = D.dispatch
+
+    def flaky(func, args, kwargs):
+        if func is torch.ops.aten.mul.Tensor and threading.current_thread() is not threading.main_thread():
+            raise ValueError("backward kernel failed")
+        return orig(func, args, kwargs)
+
+    x = torch.randn(3).to("xla").requires_grad_()
+    monkeypatch.setattr(D, "dispatch", flaky)
+    (x * x).sum().backward()
+    monkeypatch.undo()
+    with pytest.raises(FailedValueError, match=r"aten::mul failed in a backward pass: ValueError: backward kernel"):
+        x.grad.cpu()
+    y = x * 2
+    torch.testing.assert_close(y.cpu(), x.detach().cpu() * 2)

@@ -1,0 +1,230 @@
+"""OpInfo conformance: every lowered op against PyTorch eager on CPU, forward and backward.
+
+For each OpInfo in ``op_db`` that exercises an ops.yaml entry (the entry's op name, or
+the names in its ``test: opinfo:`` list), the OpInfo's sample inputs run on the xla
+device and on CPU and the results are compared with ``torch.testing.assert_close``:
+forward for float32, bfloat16, int64 and bool where the OpInfo supports them, and
+float32 gradients for differentiable ops. All samples of one (OpInfo, dtype) are traced
+into one graph, so each test compiles once. Tolerances and expected failures come from
+the entries' ``test:`` fields in ops.yaml, never from this file.
+
+CI runs a few samples per test; ``--opinfo-full`` (or ``XLATORCH_OPINFO_FULL=1``) runs
+all of them. Select ops with ``-k``, e.g. ``pytest tests/test_opinfo.py -k "sort or topk"``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections import defaultdict
+
+import pytest
+import torch
+from torch.testing._internal.common_methods_invocations import op_db
+from torch.utils._pytree import tree_flatten, tree_map
+
+import xlatorch.core.xla_model as xm
+import xlatorch.debug.metrics as met
+from codegen import registry, schema
+from codegen.gen import ROOT
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int64": torch.int64, "bool": torch.bool}
+# Defaults: float32 allows XLA's own transcendental approximations; bfloat16 one ulp-ish.
+TOL = {"float32": (1e-5, 1e-5), "bfloat16": (1.6e-2, 1e-2), "int64": (0, 0), "bool": (0, 0)}
+GRAD_TOL = (1e-4, 1e-4)
+CI_SAMPLES = 4
+
+
+@functools.lru_cache(maxsize=1)
+def _plan():
+    """``{opinfo id: (OpInfo, [entries])}`` for every OpInfo that exercises a lowered entry."""
+    entries = registry.load(os.path.join(ROOT, "ops.yaml"), schema.load()[0])
+    wanted = defaultdict(list)
+    for e in entries:
+        if e.fallback is not None or e.dispatch == "metadata":
+            continue
+        for name in {e.schema.op, *(e.test.get("opinfo") or [])}:
+            wanted[name].append(e)
+    plan = {}
+    for op in op_db:
+        found = wanted.get(op.name, []) + (wanted.get(op.aten_name, []) if op.aten_name != op.name else [])
+        if found:
+            key = op.name + ("." + op.variant_test_name if op.variant_test_name else "")
+            plan[key] = (op, found)
+    return plan
+
+
+def _cases():
+    fwd, grad = [], []
+    for key, (op, _) in sorted(_plan().items()):
+        supported = op.supported_dtypes("cpu")
+        fwd += [(key, tag) for tag, dt in DTYPES.items() if dt in supported]
+        if op.supports_autograd and torch.float32 in op.supported_backward_dtypes("cpu"):
+            grad.append(key)
+    return fwd, grad
+
+
+FWD_CASES, GRAD_CASES = _cases()
+
+
+def _full(config) -> bool:
+    return config.getoption("--opinfo-full", False) or os.environ.get("XLATORCH_OPINFO_FULL") == "1"
+
+
+def _hints(entries, tag: str):
+    """(xfail reason or None, atol, rtol) for a test of ``entries`` under dtype/grad ``tag``."""
+    reason = None
+    grad = tag == "grad"
+    atol, rtol = GRAD_TOL if grad else TOL[tag]
+    for e in entries:
+        x = e.test.get("xfail") or {}
+        reason = reason or x.get(tag) or x.get("all")
+        atol = max(atol, e.test.get("grad_atol" if grad else "atol", 0))
+        rtol = max(rtol, e.test.get("grad_rtol" if grad else "rtol", 0))
+    return reason, atol, rtol
+
+
+def _to_xla(x):
+    if isinstance(x, torch.Tensor):
+        t = x.detach().to("xla")
+        return t.requires_grad_() if x.requires_grad else t
+    return x
+
+
+class _Moved:
+    """A sample's input, args and kwargs with every tensor moved to the xla device."""
+
+    def __init__(self, s):
+        self.input, self.args, self.kwargs = tree_map(_to_xla, (s.input, s.args, s.kwargs))
+
+
+def _samples(op, dtype, requires_grad, full):
+    out = []
+    for s in op.sample_inputs("cpu", dtype, requires_grad=requires_grad):
+        out.append(s)
+        if not full and len(out) >= CI_SAMPLES:
+            break
+    return out
+
+
+def _call(op, s):
+    return op(s.input, *s.args, **s.kwargs)
+
+
+def _is_random(entries) -> bool:
+    return any(e.random for e in entries)
+
+
+def _compare(got, want, atol, rtol, where):
+    g, _ = tree_flatten(got)
+    w, _ = tree_flatten(want)
+    assert len(g) == len(w), f"{where}: {len(g)} outputs on xla, {len(w)} on CPU"
+    for a, b in zip(g, w):
+        if isinstance(b, torch.Tensor):
+            assert isinstance(a, torch.Tensor) and a.device.type == "xla", f"{where}: output not an xla tensor: {a!r}"
+            torch.testing.assert_close(a.cpu(), b, atol=atol, rtol=rtol, equal_nan=True, msg=lambda m: f"{where}: {m}")
+        else:
+            assert a == b or (a != a and b != b), f"{where}: {a!r} != {b!r}"
+
+
+def _meta_only(got, want, where):
+    g, _ = tree_flatten(got)
+    w, _ = tree_flatten(want)
+    for a, b in zip(g, w):
+        if isinstance(b, torch.Tensor):
+            assert (a.shape, a.dtype) == (b.shape, b.dtype), f"{where}: {a.shape} {a.dtype} vs {b.shape} {b.dtype}"
+
+
+@functools.cache
+def _fallbacks(key: str, full: bool) -> dict:
+    """Fallback counters after running the OpInfo's float32 (or first supported) samples."""
+    op, _ = _plan()[key]
+    dtype = torch.float32 if torch.float32 in op.supported_dtypes("cpu") else next(iter(op.supported_dtypes("cpu")))
+    xm.mark_step()
+    met.clear_counters()
+    for s in _samples(op, dtype, False, full):
+        try:
+            _call(op, _Moved(s))
+        except Exception:
+            pass  # errors are the forward test's business
+    xm.mark_step()
+    return {n: met.counter_value(n) for n in met.counter_names() if n.startswith("aten::")}
+
+
+@pytest.mark.parametrize("key, tag", FWD_CASES, ids=[f"{k}-{t}" for k, t in FWD_CASES])
+def test_forward(key, tag, request):
+    op, entries = _plan()[key]
+    reason, atol, rtol = _hints(entries, tag)
+    if reason:
+        request.applymarker(pytest.mark.xfail(reason=reason, strict=True))
+    pending, errors = [], []
+    for i, s in enumerate(_samples(op, DTYPES[tag], False, _full(request.config))):
+        try:
+            want = _call(op, s)
+        except Exception:
+            continue  # not a valid sample on CPU either
+        try:
+            got = _call(op, _Moved(s))
+        except Exception as e:
+            errors.append(f"sample {i} ({s.summary() if hasattr(s, 'summary') else s}): {type(e).__name__}: {e}")
+            continue
+        pending.append((i, s, got, want))
+    xm.mark_step()
+    assert not errors, "\n".join(errors)
+    for i, s, got, want in pending:
+        where = f"{key} {tag} sample {i}: input {tuple(s.input.shape) if isinstance(s.input, torch.Tensor) else ''}"
+        if _is_random(entries):
+            _meta_only(got, want, where)
+        else:
+            _compare(got, want, atol, rtol, where)
+
+
+@pytest.mark.parametrize("key", GRAD_CASES)
+def test_grad(key, request):
+    op, entries = _plan()[key]
+    reason, atol, rtol = _hints(entries, "grad")
+    if reason:
+        request.applymarker(pytest.mark.xfail(reason=reason, strict=True))
+    if _is_random(entries):
+        pytest.skip("random op: gradients depend on the sampled values")
+    gen = torch.Generator().manual_seed(0)
+    pending = []
+    for i, s in enumerate(_samples(op, torch.float32, True, _full(request.config))):
+        leaves = [t for t in tree_flatten((s.input, s.args, s.kwargs))[0]
+                  if isinstance(t, torch.Tensor) and t.requires_grad]  # fmt: skip
+        if not leaves:
+            continue
+        try:
+            outs = [o for o in tree_flatten(_call(op, s))[0] if isinstance(o, torch.Tensor) and o.requires_grad]
+            if not outs:
+                continue
+            cots = [torch.randn(o.shape, generator=gen, dtype=o.dtype) for o in outs]
+            want = torch.autograd.grad(outs, leaves, cots, allow_unused=True)
+        except Exception:
+            continue
+        xs = _Moved(s)
+        xleaves = [t for t in tree_flatten((xs.input, xs.args, xs.kwargs))[0]
+                   if isinstance(t, torch.Tensor) and t.requires_grad]  # fmt: skip
+        xouts = [o for o in tree_flatten(_call(op, xs))[0] if isinstance(o, torch.Tensor) and o.requires_grad]
+        got = torch.autograd.grad(xouts, xleaves, [c.to("xla") for c in cots], allow_unused=True)
+        pending.append((i, got, want))
+    xm.mark_step()
+    for i, got, want in pending:
+        for j, (g, w) in enumerate(zip(got, want)):
+            if w is None:
+                continue
+            assert g is not None, f"{key} sample {i}: gradient {j} is None on xla"
+            torch.testing.assert_close(g.cpu(), w, atol=atol, rtol=rtol, equal_nan=True,
+                                       msg=lambda m, i=i, j=j: f"{key} sample {i} grad {j}: {m}")  # fmt: skip
+
+
+@pytest.mark.parametrize("key", sorted(_plan()))
+def test_no_fallback(key, request):
+    """The OpInfo's own lowered ops never fall back to CPU on its samples."""
+    _, entries = _plan()[key]
+    if any(e.test.get("xfail", {}).get("all") for e in entries):
+        pytest.skip("expected to fail entirely")
+    counts = _fallbacks(key, _full(request.config))
+    own = {f"aten::{e.schema.op}" for e in entries}
+    fell = {n: c for n, c in counts.items() if n in own}
+    assert not fell, f"{key}: lowered ops fell back to CPU: {fell} (all fallbacks: {counts})"
