@@ -727,6 +727,242 @@ def native_group_norm_backward(out, grad_out, input, mean, rstd, weight, N, C, H
     return L.norm.native_group_norm_backward(out, grad_out, input, mean, rstd, weight, N, C, HxW, group, output_mask)
 
 
+def mse_loss(out, self, target, reduction):
+    return L.loss.mse_loss(out, self, target, reduction)
+
+
+def mse_loss_backward(out, grad_output, self, target, reduction):
+    return L.loss.mse_loss_backward(out, grad_output, self, target, reduction)
+
+
+def binary_cross_entropy(out, self, target, weight, reduction):
+    return L.loss.binary_cross_entropy(out, self, target, weight, reduction)
+
+
+def binary_cross_entropy_backward(out, grad_output, self, target, weight, reduction):
+    return L.loss.binary_cross_entropy_backward(out, grad_output, self, target, weight, reduction)
+
+
+def binary_cross_entropy_with_logits(out, self, target, weight, pos_weight, reduction):
+    return L.loss.binary_cross_entropy_with_logits(out, self, target, weight, pos_weight, reduction)
+
+
+def smooth_l1_loss(out, self, target, reduction, beta):
+    return L.loss.smooth_l1_loss(out, self, target, reduction, beta)
+
+
+def smooth_l1_loss_backward(out, grad_output, self, target, reduction, beta):
+    return L.loss.smooth_l1_loss_backward(out, grad_output, self, target, reduction, beta)
+
+
+def huber_loss(out, self, target, reduction, delta):
+    return L.loss.huber_loss(out, self, target, reduction, delta)
+
+
+def huber_loss_backward(out, grad_output, self, target, reduction, delta):
+    return L.loss.huber_loss_backward(out, grad_output, self, target, reduction, delta)
+
+
+def soft_margin_loss(out, self, target, reduction):
+    return L.loss.soft_margin_loss(out, self, target, reduction)
+
+
+def soft_margin_loss_backward(out, grad_output, self, target, reduction):
+    return L.loss.soft_margin_loss_backward(out, grad_output, self, target, reduction)
+
+
+def nll_loss2d_forward(out, self, target, weight, reduction, ignore_index):
+    return L.loss.nll_loss2d_forward(out, self, target, weight, reduction, ignore_index)
+
+
+def nll_loss2d_backward(out, grad_output, self, target, weight, reduction, ignore_index, total_weight):
+    return L.loss.nll_loss2d_backward(out, grad_output, self, target, weight, reduction, ignore_index, total_weight)
+
+
+def reflection_pad1d(out, self, padding):
+    return L.sample.reflection_pad(out, self, padding)
+
+
+def reflection_pad1d_backward(out, grad_output, self, padding):
+    return L.sample.reflection_pad_backward(out, grad_output, self, padding)
+
+
+def reflection_pad2d(out, self, padding):
+    return L.sample.reflection_pad(out, self, padding)
+
+
+def reflection_pad2d_backward(out, grad_output, self, padding):
+    return L.sample.reflection_pad_backward(out, grad_output, self, padding)
+
+
+def reflection_pad3d(out, self, padding):
+    return L.sample.reflection_pad(out, self, padding)
+
+
+def reflection_pad3d_backward(out, grad_output, self, padding):
+    return L.sample.reflection_pad_backward(out, grad_output, self, padding)
+
+
+def replication_pad1d(out, self, padding):
+    return L.sample.replication_pad(out, self, padding)
+
+
+def replication_pad1d_backward(out, grad_output, self, padding):
+    return L.sample.replication_pad_backward(out, grad_output, self, padding)
+
+
+def replication_pad2d(out, self, padding):
+    return L.sample.replication_pad(out, self, padding)
+
+
+def replication_pad2d_backward(out, grad_output, self, padding):
+    return L.sample.replication_pad_backward(out, grad_output, self, padding)
+
+
+def replication_pad3d(out, self, padding):
+    return L.sample.replication_pad(out, self, padding)
+
+
+def replication_pad3d_backward(out, grad_output, self, padding):
+    return L.sample.replication_pad_backward(out, grad_output, self, padding)
+
+
+def upsample_nearest1d(out, self, output_size, scales):
+    return L.sample.upsample_nearest(out, self, output_size, scales)
+
+
+def upsample_nearest1d_vec(out, input, output_size, scale_factors):
+    return L.sample.upsample_nearest(out, input, output_size, scale_factors)
+
+
+def upsample_nearest1d_backward(out, grad_output, output_size, input_size, scales):
+    return L.sample.upsample_nearest_backward(out, grad_output, output_size, input_size, scales)
+
+
+def upsample_nearest2d(out, self, output_size, scales_h, scales_w):
+    return L.sample.upsample_nearest(out, self, output_size, scales_h, scales_w)
+
+
+def upsample_nearest2d_vec(out, input, output_size, scale_factors):
+    return L.sample.upsample_nearest(out, input, output_size, scale_factors)
+
+
+def upsample_nearest2d_backward(out, grad_output, output_size, input_size, scales_h, scales_w):
+    return L.sample.upsample_nearest_backward(out, grad_output, output_size, input_size, scales_h, scales_w)
+
+
+def upsample_nearest3d(out, self, output_size, scales_d, scales_h, scales_w):
+    return L.sample.upsample_nearest(out, self, output_size, scales_d, scales_h, scales_w)
+
+
+def upsample_nearest3d_vec(out, input, output_size, scale_factors):
+    return L.sample.upsample_nearest(out, input, output_size, scale_factors)
+
+
+def upsample_nearest3d_backward(out, grad_output, output_size, input_size, scales_d, scales_h, scales_w):
+    return L.sample.upsample_nearest_backward(out, grad_output, output_size, input_size, scales_d, scales_h, scales_w)
+
+
+def _upsample_nearest_exact1d(out, self, output_size, scales):
+    return L.sample.upsample_nearest_exact(out, self, output_size, scales)
+
+
+def _upsample_nearest_exact1d_vec(out, input, output_size, scale_factors):
+    return L.sample.upsample_nearest_exact(out, input, output_size, scale_factors)
+
+
+def _upsample_nearest_exact1d_backward(out, grad_output, output_size, input_size, scales):
+    return L.sample.upsample_nearest_exact_backward(out, grad_output, output_size, input_size, scales)
+
+
+def _upsample_nearest_exact2d(out, self, output_size, scales_h, scales_w):
+    return L.sample.upsample_nearest_exact(out, self, output_size, scales_h, scales_w)
+
+
+def _upsample_nearest_exact2d_vec(out, input, output_size, scale_factors):
+    return L.sample.upsample_nearest_exact(out, input, output_size, scale_factors)
+
+
+def _upsample_nearest_exact2d_backward(out, grad_output, output_size, input_size, scales_h, scales_w):
+    return L.sample.upsample_nearest_exact_backward(out, grad_output, output_size, input_size, scales_h, scales_w)
+
+
+def _upsample_nearest_exact3d(out, self, output_size, scales_d, scales_h, scales_w):
+    return L.sample.upsample_nearest_exact(out, self, output_size, scales_d, scales_h, scales_w)
+
+
+def _upsample_nearest_exact3d_vec(out, input, output_size, scale_factors):
+    return L.sample.upsample_nearest_exact(out, input, output_size, scale_factors)
+
+
+def _upsample_nearest_exact3d_backward(out, grad_output, output_size, input_size, scales_d, scales_h, scales_w):
+    return L.sample.upsample_nearest_exact_backward(out, grad_output, output_size, input_size, scales_d, scales_h, scales_w)
+
+
+def upsample_linear1d(out, self, output_size, align_corners, scales):
+    return L.sample.upsample_linear(out, self, output_size, align_corners, scales)
+
+
+def upsample_linear1d_vec(out, input, output_size, align_corners, scale_factors):
+    return L.sample.upsample_linear(out, input, output_size, align_corners, scale_factors)
+
+
+def upsample_linear1d_backward(out, grad_output, output_size, input_size, align_corners, scales):
+    return L.sample.upsample_linear_backward(out, grad_output, output_size, input_size, align_corners, scales)
+
+
+def upsample_bilinear2d(out, self, output_size, align_corners, scales_h, scales_w):
+    return L.sample.upsample_linear(out, self, output_size, align_corners, scales_h, scales_w)
+
+
+def upsample_bilinear2d_vec(out, input, output_size, align_corners, scale_factors):
+    return L.sample.upsample_linear(out, input, output_size, align_corners, scale_factors)
+
+
+def upsample_bilinear2d_backward(out, grad_output, output_size, input_size, align_corners, scales_h, scales_w):
+    return L.sample.upsample_linear_backward(out, grad_output, output_size, input_size, align_corners, scales_h, scales_w)
+
+
+def upsample_trilinear3d(out, self, output_size, align_corners, scales_d, scales_h, scales_w):
+    return L.sample.upsample_linear(out, self, output_size, align_corners, scales_d, scales_h, scales_w)
+
+
+def upsample_trilinear3d_vec(out, input, output_size, align_corners, scale_factors):
+    return L.sample.upsample_linear(out, input, output_size, align_corners, scale_factors)
+
+
+def upsample_trilinear3d_backward(out, grad_output, output_size, input_size, align_corners, scales_d, scales_h, scales_w):
+    return L.sample.upsample_linear_backward(out, grad_output, output_size, input_size, align_corners, scales_d, scales_h, scales_w)
+
+
+def grid_sampler_2d(out, input, grid, interpolation_mode, padding_mode, align_corners):
+    return L.sample.grid_sampler_2d(out, input, grid, interpolation_mode, padding_mode, align_corners)
+
+
+def grid_sampler_2d_backward(out, grad_output, input, grid, interpolation_mode, padding_mode, align_corners, output_mask):
+    return L.sample.grid_sampler_2d_backward(out, grad_output, input, grid, interpolation_mode, padding_mode, align_corners, output_mask)
+
+
+def im2col(out, self, kernel_size, dilation, padding, stride):
+    return L.sample.im2col(out, self, kernel_size, dilation, padding, stride)
+
+
+def col2im(out, self, output_size, kernel_size, dilation, padding, stride):
+    return L.sample.col2im(out, self, output_size, kernel_size, dilation, padding, stride)
+
+
+def pixel_shuffle(out, self, upscale_factor):
+    return L.sample.pixel_shuffle(out, self, upscale_factor)
+
+
+def pixel_unshuffle(out, self, downscale_factor):
+    return L.sample.pixel_unshuffle(out, self, downscale_factor)
+
+
+def channel_shuffle(out, self, groups):
+    return L.sample.channel_shuffle(out, self, groups)
+
+
 def _foreach_add_Scalar(out, self, scalar):
     return [a + scalar for a in self]
 
