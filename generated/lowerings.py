@@ -963,6 +963,62 @@ def channel_shuffle(out, self, groups):
     return L.sample.channel_shuffle(out, self, groups)
 
 
+def _embedding_bag(out, weight, indices, offsets, scale_grad_by_freq, mode, sparse, per_sample_weights, include_last_offset, padding_idx):
+    return L.pool.embedding_bag(out, weight, indices, offsets, scale_grad_by_freq, mode, sparse, per_sample_weights, include_last_offset, padding_idx)
+
+
+def _embedding_bag_forward_only(out, weight, indices, offsets, scale_grad_by_freq, mode, sparse, per_sample_weights, include_last_offset, padding_idx):
+    return L.pool.embedding_bag(out, weight, indices, offsets, scale_grad_by_freq, mode, sparse, per_sample_weights, include_last_offset, padding_idx)
+
+
+def embedding_renorm(out, self, indices, max_norm, norm_type):
+    return L.norm.embedding_renorm(out, self, indices, max_norm, norm_type)
+
+
+def _embedding_bag_backward(out, grad, indices, offsets, offset2bag, bag_size, maximum_indices, num_weights, scale_grad_by_freq, mode, sparse, per_sample_weights, padding_idx):
+    return L.pool.embedding_bag_backward(out, grad, indices, offsets, offset2bag, bag_size, maximum_indices, num_weights, scale_grad_by_freq, mode, sparse, per_sample_weights, padding_idx)
+
+
+def _embedding_bag_dense_backward(out, grad, indices, offset2bag, bag_size, maximum_indices, num_weights, scale_grad_by_freq, mode, per_sample_weights, padding_idx):
+    return L.pool.embedding_bag_dense_backward(out, grad, indices, offset2bag, bag_size, maximum_indices, num_weights, scale_grad_by_freq, mode, per_sample_weights, padding_idx)
+
+
+def _embedding_bag_per_sample_weights_backward(out, grad, weight, indices, offsets, offset2bag, mode, padding_idx):
+    return L.pool.embedding_bag_per_sample_weights_backward(out, grad, weight, indices, offsets, offset2bag, mode, padding_idx)
+
+
+def _cdist_forward(out, x1, x2, p, compute_mode):
+    return L.norm.cdist_forward(out, x1, x2, p, compute_mode)
+
+
+def _cdist_backward(out, grad, x1, x2, p, cdist):
+    return L.norm.cdist_backward(out, grad, x1, x2, p, cdist)
+
+
+def _euclidean_dist(out, x1, x2):
+    return L.norm.euclidean_dist(out, x1, x2)
+
+
+def _pdist_forward(out, self, p):
+    return L.norm.pdist_forward(out, self, p)
+
+
+def _pdist_backward(out, grad, self, p, pdist):
+    return L.norm.pdist_backward(out, grad, self, p, pdist)
+
+
+def _safe_softmax(out, self, dim, dtype):
+    return L.norm.safe_softmax(out, self, dim, dtype)
+
+
+def glu(out, self, dim):
+    return L.norm.glu(out, self, dim)
+
+
+def glu_backward(out, grad_output, self, dim):
+    return L.norm.glu_backward(out, grad_output, self, dim)
+
+
 def _foreach_add_Scalar(out, self, scalar):
     return [a + scalar for a in self]
 

@@ -1,4 +1,5 @@
-"""Normalisation lowerings: batch norm (functional form and backward) and group norm.
+"""Normalisation lowerings: batch norm (functional form and backward), group norm, the
+attention softmax, GLU gating and p-norm distances (cdist, pdist).
 
 Statistics are computed in float32 for low-precision inputs, as PyTorch's CPU kernels
 do (two-pass biased variance; the running variance uses the unbiased one). Backward
@@ -8,7 +9,9 @@ the saved mean/rstd enter exactly as they do in eager mode.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 
@@ -123,3 +126,119 @@ def native_group_norm_backward(out, grad_out, input, mean, rstd, weight, N, C, H
     gw = jnp.sum(dyg * xhat, axis=(0, 3)).reshape((C,))
     gb = jnp.sum(dyg, axis=(0, 3)).reshape((C,))
     return gi, gw, gb
+
+
+# --- softmax for attention, gating -----------------------------------------------------
+
+
+def safe_softmax(out, self, dim, dtype):
+    """``aten::_safe_softmax``: softmax whose fully masked (all -inf) rows are 0, not NaN."""
+    y = jax.nn.softmax(self.astype(out.dtype), axis=dim)
+    return jnp.where(jnp.all(self == -jnp.inf, axis=dim, keepdims=True), 0, y)
+
+
+def _glu(x, dim):
+    a, b = jnp.split(x, 2, axis=dim)
+    return a * jax.nn.sigmoid(b)
+
+
+def glu(out, self, dim):
+    """``aten::glu``: first half times the sigmoid of the second half along ``dim``."""
+    return _glu(self, dim)
+
+
+def glu_backward(out, grad_output, self, dim):
+    """``aten::glu_backward``: the VJP of :func:`glu`."""
+    _, vjp = jax.vjp(lambda x: _glu(x, dim), self)
+    return vjp(grad_output.astype(self.dtype))[0]
+
+
+# --- p-norm distances ------------------------------------------------------------------
+
+
+def _pnorm(diff, p, axis=-1):
+    a = jnp.abs(diff)
+    if p == 0:
+        return jnp.sum((a != 0).astype(diff.dtype), axis=axis)
+    if p == 1:
+        return jnp.sum(a, axis=axis)
+    if p == 2:
+        return jnp.sqrt(jnp.sum(a * a, axis=axis))
+    if p == float("inf"):
+        return jnp.max(a, axis=axis, initial=0)
+    return jnp.power(jnp.sum(jnp.power(a, p), axis=axis), 1.0 / p)
+
+
+def _pnorm_grad(diff, g, dist, p):
+    """d(dist)/d(diff) times ``g``, with PyTorch's zero where the distance or term is 0."""
+    sign = jnp.sign(diff)
+    if p == 0:
+        return jnp.zeros_like(diff)
+    if p == 1:
+        return g * sign
+    if p == float("inf"):
+        return g * sign * (jnp.abs(diff) == dist)
+    safe = jnp.where(dist == 0, 1, dist)
+    if p == 2:
+        return jnp.where(dist == 0, 0, g * diff / safe)
+    a = jnp.abs(diff)
+    term = sign * jnp.power(a, p - 1) * g / jnp.power(safe, p - 1)
+    return jnp.where((dist == 0) | ((a == 0) & (p < 1)), 0, term)
+
+
+def _use_mm(p, compute_mode, r1, r2):
+    return p == 2 and (compute_mode == 1 or (compute_mode in (None, 0) and (r1 > 25 or r2 > 25)))
+
+
+def euclidean_dist(out, x1, x2):
+    """``aten::_euclidean_dist``: sqrt(max(|a|^2 + |b|^2 - 2 a.b, 0)) through one matmul."""
+    n1 = jnp.sum(x1 * x1, axis=-1, keepdims=True)
+    n2 = jnp.sum(x2 * x2, axis=-1, keepdims=True)
+    a = jnp.concatenate([-2 * x1, n1, jnp.ones_like(n1)], axis=-1)
+    b = jnp.concatenate([x2, jnp.ones_like(n2), n2], axis=-1)
+    d2 = jnp.matmul(a, jnp.swapaxes(b, -1, -2), precision=lax.Precision.HIGHEST)
+    return jnp.sqrt(jnp.maximum(d2, 0))
+
+
+def cdist_forward(out, x1, x2, p, compute_mode):
+    """``aten::_cdist_forward``: pairwise p-norm distances between the rows of x1 and x2."""
+    if _use_mm(p, compute_mode, x1.shape[-2], x2.shape[-2]):
+        return euclidean_dist(out, x1, x2)
+    return _pnorm(x1[..., :, None, :] - x2[..., None, :, :], p)
+
+
+def cdist_backward(out, grad, x1, x2, p, cdist):
+    """``aten::_cdist_backward``: the gradient of :func:`cdist_forward` for x1."""
+    diff = x1[..., :, None, :] - x2[..., None, :, :]
+    gx = jnp.sum(_pnorm_grad(diff, grad[..., None], cdist[..., None], p), axis=-2)
+    # x1 may have been broadcast against x2's batch dims: sum those back
+    extra = gx.ndim - len(out.shape)
+    gx = jnp.sum(gx, axis=tuple(range(extra)))
+    axes = tuple(i for i, (a, b) in enumerate(zip(gx.shape, out.shape)) if a != b)
+    return jnp.sum(gx, axis=axes, keepdims=True)
+
+
+def _pairs(n):
+    i, j = np.triu_indices(n, k=1)
+    return jnp.asarray(i), jnp.asarray(j)
+
+
+def pdist_forward(out, self, p):
+    """``aten::_pdist_forward``: p-norm distances of all row pairs i < j, row-major."""
+    i, j = _pairs(self.shape[0])
+    return _pnorm(self[i] - self[j], p)
+
+
+def pdist_backward(out, grad, self, p, pdist):
+    """``aten::_pdist_backward``: each pair's gradient added to row i, subtracted from row j."""
+    i, j = _pairs(self.shape[0])
+    gd = _pnorm_grad(self[i] - self[j], grad[:, None], pdist[:, None], p)
+    return jnp.zeros_like(self).at[i].add(gd).at[j].add(-gd)
+
+
+def embedding_renorm(out, self, indices, max_norm, norm_type):
+    """``aten::embedding_renorm``: rows named by ``indices`` rescaled to p-norm at most max_norm."""
+    used = jnp.zeros((self.shape[0],), jnp.bool_).at[indices.reshape(-1)].set(True)
+    norms = _pnorm(self.astype(jnp.float32), norm_type)
+    scale = jnp.where(used & (norms > max_norm), max_norm / (norms + 1e-7), 1.0)
+    return (self * scale[:, None].astype(self.dtype)).astype(self.dtype)

@@ -1,4 +1,5 @@
-"""Pooling lowerings: average, max (with indices) and adaptive pools in 1-3 spatial dims.
+"""Pooling lowerings: average, max (with indices) and adaptive pools in 1-3 spatial dims,
+and embedding bags (sum / mean / max pooling of embedding rows).
 
 Window geometry is static (shapes are known when a graph is traced), so divisors and
 adaptive bins are numpy constants. Max pools follow PyTorch's CPU scan: the first
@@ -262,3 +263,91 @@ def adaptive_max_pool2d_backward(out, grad_output, self, indices):
 def adaptive_max_pool3d_backward(out, grad_output, self, indices):
     """``aten::adaptive_max_pool3d_backward``: a scatter-add through the indices."""
     return _scatter_back(grad_output, self, indices, 3)
+
+
+# --- embedding bags --------------------------------------------------------------------
+# offset2bag, bag_size and max_indices are this module's own bookkeeping (their shapes
+# are the meta kernel's): offset2bag[i] is the bag of index i, bag_size[b] the number of
+# non-padding indices of bag b, max_indices[b, d] the weight row that won dimension d.
+
+
+def _bag_layout(indices, offsets, include_last_offset, padding_idx, n_bags):
+    m = indices.shape[0]
+    starts = offsets[:n_bags].astype(jnp.int64)
+    ends = offsets[1 : n_bags + 1].astype(jnp.int64) if include_last_offset else None
+    if ends is None:
+        ends = jnp.concatenate([offsets[1:n_bags].astype(jnp.int64), jnp.full((min(n_bags, 1),), m, jnp.int64)])
+    pos = jnp.arange(m, dtype=jnp.int64)
+    bag = jnp.clip(jnp.searchsorted(starts, pos, side="right") - 1, 0, max(n_bags - 1, 0))
+    valid = (pos >= starts[bag]) & (pos < ends[bag]) if n_bags else jnp.zeros((m,), jnp.bool_)
+    if padding_idx >= 0:
+        valid = valid & (indices != padding_idx)
+    count = jnp.zeros((n_bags,), jnp.int64).at[bag].add(valid.astype(jnp.int64))
+    return bag, valid, count
+
+
+def embedding_bag(out, weight, indices, offsets, scale_grad_by_freq, mode, sparse, per_sample_weights,
+                  include_last_offset, padding_idx):  # fmt: skip
+    """``aten::_embedding_bag``: sum, mean or max of the embedding rows of each bag."""
+    n_bags, d = out[0].shape
+    bag, valid, count = _bag_layout(indices, offsets, include_last_offset, padding_idx, n_bags)
+    rows = _acc_dtype(weight.dtype)
+    vals = jnp.take(weight, indices, axis=0).astype(rows)
+    if per_sample_weights is not None:
+        vals = vals * per_sample_weights.astype(rows)[:, None]
+    bag_size = jnp.zeros(out[2].shape, jnp.int64).at[: count.shape[0]].set(count)
+    if mode == 2:
+        masked = jnp.where(valid[:, None], vals, -jnp.inf)
+        best = jnp.full((n_bags, d), -jnp.inf, rows).at[bag].max(masked)
+        pos = jnp.arange(indices.shape[0])[:, None]
+        first = (
+            jnp.full((n_bags, d), indices.shape[0])
+            .at[bag]
+            .min(jnp.where(valid[:, None] & (masked == best[bag]), pos, indices.shape[0]))
+        )
+        empty = count[:, None] == 0
+        max_idx = jnp.where(empty, -1, jnp.take(indices, jnp.minimum(first, max(indices.shape[0] - 1, 0))))
+        return jnp.where(empty, 0, best), bag, bag_size, max_idx
+    total = jnp.zeros((n_bags, d), rows).at[bag].add(jnp.where(valid[:, None], vals, 0))
+    if mode == 1:
+        total = jnp.where(count[:, None] > 0, total / jnp.maximum(count, 1)[:, None].astype(rows), 0)
+    return total, bag, bag_size, jnp.zeros(out[3].shape, jnp.int64)
+
+
+def embedding_bag_backward(out, grad, indices, offsets, offset2bag, bag_size, maximum_indices, num_weights,
+                           scale_grad_by_freq, mode, sparse, per_sample_weights, padding_idx):  # fmt: skip
+    """``aten::_embedding_bag_backward`` (dense): each bag's gradient added to its rows."""
+    if sparse:
+        raise NotImplementedError("xlatorch: embedding_bag(sparse=True) gradients are sparse tensors, not lowered")
+    return embedding_bag_dense_backward(out, grad, indices, offset2bag, bag_size, maximum_indices, num_weights,
+                                        scale_grad_by_freq, mode, per_sample_weights, padding_idx)  # fmt: skip
+
+
+def embedding_bag_dense_backward(out, grad, indices, offset2bag, bag_size, maximum_indices, num_weights,
+                                 scale_grad_by_freq, mode, per_sample_weights, padding_idx):  # fmt: skip
+    """``aten::_embedding_bag_dense_backward``: the weight gradient of :func:`embedding_bag`."""
+    d = grad.shape[1]
+    acc = _acc_dtype(grad.dtype)
+    g = grad.astype(acc)
+    res = jnp.zeros((num_weights, d), acc)
+    if mode == 2:
+        cols = jnp.broadcast_to(jnp.arange(d), maximum_indices.shape)
+        rows = jnp.where(maximum_indices < 0, num_weights, maximum_indices)  # empty bags: dropped
+        return res.at[rows, cols].add(g, mode="drop")
+    valid = jnp.ones(indices.shape, jnp.bool_) if padding_idx < 0 else indices != padding_idx
+    rows = g[offset2bag]
+    if mode == 1:
+        rows = rows / jnp.maximum(bag_size[offset2bag], 1)[:, None].astype(acc)
+    if per_sample_weights is not None:
+        rows = rows * per_sample_weights.astype(acc)[:, None]
+    if scale_grad_by_freq:
+        freq = jnp.zeros((num_weights,), acc).at[indices].add(1)
+        rows = rows / freq[indices][:, None]
+    return res.at[indices].add(jnp.where(valid[:, None], rows, 0))
+
+
+def embedding_bag_per_sample_weights_backward(out, grad, weight, indices, offsets, offset2bag, mode, padding_idx):
+    """``aten::_embedding_bag_per_sample_weights_backward``: <bag gradient, embedding row>."""
+    acc = _acc_dtype(grad.dtype)
+    dots = jnp.sum(grad.astype(acc)[offset2bag] * jnp.take(weight, indices, axis=0).astype(acc), axis=1)
+    return dots if padding_idx < 0 else jnp.where(indices == padding_idx, 0, dots)
