@@ -17,7 +17,7 @@ KEYS = {
 # How an entry is executed: exactly one of these fields, except for dispatch runtime/metadata.
 RULES = ("lower", "helper", "decompose", "fallback")
 DISPATCH = {"shim", "runtime", "metadata"}
-TEST_KEYS = {"opinfo", "atol", "rtol", "grad_atol", "grad_rtol", "dtypes", "xfail"}
+TEST_KEYS = {"opinfo", "atol", "rtol", "grad_atol", "grad_rtol", "dtypes", "xfail", "compare"}
 TEST_TAGS = {"float32", "bfloat16", "int64", "bool", "grad", "all"}
 PROMOTIONS = {"default", "int_to_float", "always_bool", "complex_to_float", "bool_to_long", "no_opmath"}
 # Names a lowering expression may use besides its schema's argument names.
@@ -117,6 +117,8 @@ def _check_test(name: str, t: dict) -> None:
             raise RegistryError(f"ops.yaml entry '{name}': xfail key '{tag}' is not one of {sorted(TEST_TAGS)}")
         if not isinstance(reason, str) or not reason.strip():
             raise RegistryError(f"ops.yaml entry '{name}': xfail '{tag}' needs a reason")
+    if t.get("compare", "values") not in ("values", "meta"):
+        raise RegistryError(f"ops.yaml entry '{name}': test compare must be 'values' or 'meta'")
     if isinstance(t.get("opinfo"), str):
         t["opinfo"] = [t["opinfo"]]
 

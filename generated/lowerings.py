@@ -256,7 +256,7 @@ def index_Tensor(out, self, indices):
 
 
 def index_select(out, self, dim, index):
-    return jnp.take(self, index, axis=dim)
+    return jnp.take(self.reshape(-1), index.reshape(-1)).reshape(out.shape) if self.ndim == 0 else jnp.take(self, index.reshape(-1), axis=dim)
 
 
 def gather(out, self, dim, index, sparse_grad):
@@ -324,7 +324,7 @@ def div_Scalar(out, self, other):
 
 
 def div_Tensor_mode(out, self, other, rounding_mode):
-    return self / other if rounding_mode is None else (jnp.trunc(self / other) if rounding_mode == 'trunc' and jnp.issubdtype(self.dtype, jnp.floating) else (lax.div(self, other) if rounding_mode == 'trunc' else jnp.floor_divide(self, other)))
+    return self / other if rounding_mode is None else (jnp.trunc(self / other) if rounding_mode == 'trunc' and jnp.issubdtype(self.dtype, jnp.floating) else (lax.div(*jnp.broadcast_arrays(self, other)) if rounding_mode == 'trunc' else jnp.floor_divide(self, other)))
 
 
 def neg(out, self):
@@ -584,11 +584,11 @@ def dot(out, self, tensor):
 
 
 def addmm(out, self, mat1, mat2, beta, alpha):
-    return jnp.where(beta == 0, 0, beta * self) + alpha * jnp.matmul(mat1, mat2)
+    return jnp.where(beta == 0, 0, beta.astype(out.dtype) * self) + alpha.astype(out.dtype) * jnp.matmul(mat1, mat2)
 
 
 def baddbmm(out, self, batch1, batch2, beta, alpha):
-    return jnp.where(beta == 0, 0, beta * self) + alpha * jnp.matmul(batch1, batch2)
+    return jnp.where(beta == 0, 0, beta.astype(out.dtype) * self) + alpha.astype(out.dtype) * jnp.matmul(batch1, batch2)
 
 
 def convolution(out, input, weight, bias, stride, padding, dilation, transposed, output_padding, groups):

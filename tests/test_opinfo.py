@@ -3,10 +3,11 @@
 For each OpInfo in ``op_db`` that exercises an ops.yaml entry (the entry's op name, or
 the names in its ``test: opinfo:`` list), the OpInfo's sample inputs run on the xla
 device and on CPU and the results are compared with ``torch.testing.assert_close``:
-forward for float32, bfloat16, int64 and bool where the OpInfo supports them, and
-float32 gradients for differentiable ops. All samples of one (OpInfo, dtype) are traced
-into one graph, so each test compiles once. Tolerances and expected failures come from
-the entries' ``test:`` fields in ops.yaml, never from this file.
+forward for float32, bfloat16, int64 and bool where the OpInfo supports them, the
+generated in-place variant for float32, and float32 gradients for differentiable ops.
+All samples of one (OpInfo, dtype) are traced into one graph, so each test compiles
+once. Tolerances and expected failures come from the entries' ``test:`` fields in
+ops.yaml, never from this file.
 
 CI runs a few samples per test; ``--opinfo-full`` (or ``XLATORCH_OPINFO_FULL=1``) runs
 all of them. Select ops with ``-k``, e.g. ``pytest tests/test_opinfo.py -k "sort or topk"``.
@@ -29,8 +30,10 @@ from codegen import registry, schema
 from codegen.gen import ROOT
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int64": torch.int64, "bool": torch.bool}
-# Defaults: float32 allows XLA's own transcendental approximations; bfloat16 one ulp-ish.
-TOL = {"float32": (1e-5, 1e-5), "bfloat16": (1.6e-2, 1e-2), "int64": (0, 0), "bool": (0, 0)}
+# Default (atol, rtol) by result dtype: float32 allows XLA's own transcendental
+# approximations, bfloat16 about one ulp; integers and bools are exact.
+TOL = {torch.float32: (1e-5, 1e-5), torch.float64: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 1e-2),
+       torch.float16: (1e-3, 1e-3), torch.complex64: (1e-5, 1e-5), torch.complex128: (1e-5, 1e-5)}  # fmt: skip
 GRAD_TOL = (1e-4, 1e-4)
 CI_SAMPLES = 4
 
@@ -55,16 +58,19 @@ def _plan():
 
 
 def _cases():
-    fwd, grad = [], []
-    for key, (op, _) in sorted(_plan().items()):
+    fwd, grad, inplace = [], [], []
+    for key, (op, entries) in sorted(_plan().items()):
+        if op.inplace_variant is not None and torch.float32 in op.supported_dtypes("cpu"):
+            inplace.append(key)
         supported = op.supported_dtypes("cpu")
-        fwd += [(key, tag) for tag, dt in DTYPES.items() if dt in supported]
+        only = set().union(*[e.test.get("dtypes") or DTYPES for e in entries])
+        fwd += [(key, tag) for tag, dt in DTYPES.items() if dt in supported and tag in only]
         if op.supports_autograd and torch.float32 in op.supported_backward_dtypes("cpu"):
             grad.append(key)
-    return fwd, grad
+    return fwd, grad, inplace
 
 
-FWD_CASES, GRAD_CASES = _cases()
+FWD_CASES, GRAD_CASES, INPLACE_CASES = _cases()
 
 
 def _full(config) -> bool:
@@ -75,13 +81,27 @@ def _hints(entries, tag: str):
     """(xfail reason or None, atol, rtol) for a test of ``entries`` under dtype/grad ``tag``."""
     reason = None
     grad = tag == "grad"
-    atol, rtol = GRAD_TOL if grad else TOL[tag]
+    atol, rtol = GRAD_TOL if grad else (0, 0)  # forward: raised to the result dtype's default
     for e in entries:
         x = e.test.get("xfail") or {}
         reason = reason or x.get(tag) or x.get("all")
-        atol = max(atol, e.test.get("grad_atol" if grad else "atol", 0))
-        rtol = max(rtol, e.test.get("grad_rtol" if grad else "rtol", 0))
+        atol = max(atol, _tol(e.test.get("grad_atol" if grad else "atol", 0), tag))
+        rtol = max(rtol, _tol(e.test.get("grad_rtol" if grad else "rtol", 0), tag))
     return reason, atol, rtol
+
+
+def _tol(t, tag: str) -> float:
+    """A tolerance hint: one number, or ``{dtype tag: number}``."""
+    return t.get(tag, 0) if isinstance(t, dict) else t
+
+
+def _setup(key, tag, request):
+    """(OpInfo, entries, atol, rtol), marking the test as an expected failure if ops.yaml says so."""
+    op, entries = _plan()[key]
+    reason, atol, rtol = _hints(entries, tag)
+    if reason:
+        request.applymarker(pytest.mark.xfail(reason=reason, strict=True))
+    return op, entries, atol, rtol
 
 
 def _to_xla(x):
@@ -96,6 +116,8 @@ class _Moved:
 
     def __init__(self, s):
         self.input, self.args, self.kwargs = tree_map(_to_xla, (s.input, s.args, s.kwargs))
+        if "device" in self.kwargs:  # factories: made on the device
+            self.kwargs = dict(self.kwargs, device="xla")
 
 
 def _samples(op, dtype, requires_grad, full):
@@ -111,8 +133,9 @@ def _call(op, s):
     return op(s.input, *s.args, **s.kwargs)
 
 
-def _is_random(entries) -> bool:
-    return any(e.random for e in entries)
+def _meta_compare(entries) -> bool:
+    """Random ops and uninitialised memory: compare shapes and dtypes, not values."""
+    return any(e.random or e.test.get("compare") == "meta" for e in entries)
 
 
 def _compare(got, want, atol, rtol, where):
@@ -122,9 +145,18 @@ def _compare(got, want, atol, rtol, where):
     for a, b in zip(g, w):
         if isinstance(b, torch.Tensor):
             assert isinstance(a, torch.Tensor) and a.device.type == "xla", f"{where}: output not an xla tensor: {a!r}"
-            torch.testing.assert_close(a.cpu(), b, atol=atol, rtol=rtol, equal_nan=True, msg=lambda m: f"{where}: {m}")
+            da, dr = TOL.get(b.dtype, (0, 0))
+            torch.testing.assert_close(a.cpu(), b, atol=max(atol, da), rtol=max(rtol, dr), equal_nan=True,
+                                       msg=lambda m: f"{where}: {m}")  # fmt: skip
         else:
             assert a == b or (a != a and b != b), f"{where}: {a!r} != {b!r}"
+
+
+def _check(entries, got, want, atol, rtol, where):
+    if _meta_compare(entries):
+        _meta_only(got, want, where)
+    else:
+        _compare(got, want, atol, rtol, where)
 
 
 def _meta_only(got, want, where):
@@ -153,10 +185,7 @@ def _fallbacks(key: str, full: bool) -> dict:
 
 @pytest.mark.parametrize("key, tag", FWD_CASES, ids=[f"{k}-{t}" for k, t in FWD_CASES])
 def test_forward(key, tag, request):
-    op, entries = _plan()[key]
-    reason, atol, rtol = _hints(entries, tag)
-    if reason:
-        request.applymarker(pytest.mark.xfail(reason=reason, strict=True))
+    op, entries, atol, rtol = _setup(key, tag, request)
     pending, errors = [], []
     for i, s in enumerate(_samples(op, DTYPES[tag], False, _full(request.config))):
         try:
@@ -173,19 +202,13 @@ def test_forward(key, tag, request):
     assert not errors, "\n".join(errors)
     for i, s, got, want in pending:
         where = f"{key} {tag} sample {i}: input {tuple(s.input.shape) if isinstance(s.input, torch.Tensor) else ''}"
-        if _is_random(entries):
-            _meta_only(got, want, where)
-        else:
-            _compare(got, want, atol, rtol, where)
+        _check(entries, got, want, atol, rtol, where)
 
 
 @pytest.mark.parametrize("key", GRAD_CASES)
 def test_grad(key, request):
-    op, entries = _plan()[key]
-    reason, atol, rtol = _hints(entries, "grad")
-    if reason:
-        request.applymarker(pytest.mark.xfail(reason=reason, strict=True))
-    if _is_random(entries):
+    op, entries, atol, rtol = _setup(key, "grad", request)
+    if _meta_compare(entries):
         pytest.skip("random op: gradients depend on the sampled values")
     gen = torch.Generator().manual_seed(0)
     pending = []
@@ -216,6 +239,28 @@ def test_grad(key, request):
             assert g is not None, f"{key} sample {i}: gradient {j} is None on xla"
             torch.testing.assert_close(g.cpu(), w, atol=atol, rtol=rtol, equal_nan=True,
                                        msg=lambda m, i=i, j=j: f"{key} sample {i} grad {j}: {m}")  # fmt: skip
+
+
+@pytest.mark.parametrize("key", INPLACE_CASES)
+def test_inplace(key, request):
+    """The generated in-place variant (``op_``) writes the forward's result into ``self``."""
+    op, entries, atol, rtol = _setup(key, "float32", request)
+    pending = []
+    for i, s in enumerate(_samples(op, torch.float32, False, _full(request.config))):
+        if not isinstance(s.input, torch.Tensor):
+            continue
+        cpu = s.input.clone()
+        try:
+            want = op.inplace_variant(cpu, *s.args, **s.kwargs)
+        except Exception:
+            continue  # e.g. the result would not fit self's dtype or shape
+        xs = _Moved(s)
+        got = op.inplace_variant(xs.input, *xs.args, **xs.kwargs)
+        assert got is xs.input, f"{key} sample {i}: in-place op did not return self"
+        pending.append((i, got, want))
+    xm.mark_step()
+    for i, got, want in pending:
+        _check(entries, got, want, atol, rtol, f"{key} in-place sample {i}")
 
 
 @pytest.mark.parametrize("key", sorted(_plan()))

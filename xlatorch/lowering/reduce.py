@@ -44,13 +44,13 @@ def min_dim(out, self, dim, keepdim):
 
 
 def argmax(out, self, dim, keepdim):
-    if dim is None:
+    if dim is None or self.ndim == 0:
         return jnp.argmax(self.reshape(-1)).reshape(out.shape)
     return jnp.argmax(self, axis=dim % max(self.ndim, 1), keepdims=keepdim)
 
 
 def argmin(out, self, dim, keepdim):
-    if dim is None:
+    if dim is None or self.ndim == 0:
         return jnp.argmin(self.reshape(-1)).reshape(out.shape)
     return jnp.argmin(self, axis=dim % max(self.ndim, 1), keepdims=keepdim)
 

@@ -112,7 +112,7 @@ def _fit(v, dst: XlaTensor):
     if v.aval[1] != dst.dtype:
         v = convert_value(v, dst.dtype)
     if v.aval[0] != tuple(dst.shape):
-        v = node(SPECS["expand"], (v, tuple(dst.shape), False)).outs[0]
+        v = node(SPECS["expand.default"], (v, tuple(dst.shape), False)).outs[0]
     return v
 
 

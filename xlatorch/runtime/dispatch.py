@@ -97,7 +97,7 @@ def defer_error(func, args, kwargs, error: Exception):
     """
     from torch.utils._pytree import tree_map
 
-    from xlatorch.runtime.failure import failed_value
+    from xlatorch.runtime.failure import FailedValueError, cause, failed_value
 
     def meta(a):
         if isinstance(a, torch.Tensor):
@@ -108,7 +108,10 @@ def defer_error(func, args, kwargs, error: Exception):
     if isinstance(mkwargs.get("device"), (str, torch.device)):
         mkwargs["device"] = "meta"
     res = func(*tree_map(meta, args), **mkwargs)
-    err = RuntimeError(f"{func._schema.name} failed in a backward pass: {type(error).__name__}: {error}")
+    if isinstance(error, FailedValueError):  # an input had already failed: keep that cause
+        err = cause(error)
+    else:
+        err = RuntimeError(f"{func._schema.name} failed in a backward pass: {type(error).__name__}: {error}")
     written = []
     for i, arg in enumerate(func._schema.arguments):
         if arg.alias_info is not None and arg.alias_info.is_write:
@@ -265,6 +268,20 @@ def call_out(spec: OpSpec, args: tuple, outs: tuple):
     return outs[0] if len(outs) == 1 else tuple(outs)
 
 
+def replay_on_cpu(step, cpu: torch.Tensor) -> torch.Tensor:
+    """Apply one view step to a CPU tensor with PyTorch's own op."""
+    spec, rest, idx = step
+    args, kwargs = [cpu], {}
+    for name, a, ko in zip(spec.arg_names[1:], rest, spec.kwarg_only[1:]):
+        a = getattr(a, "value", a)  # a Scalar leaf
+        if ko:
+            kwargs[name] = a
+        else:
+            args.append(a)
+    res = spec.overload(*args, **kwargs)
+    return res if idx == 0 and isinstance(res, torch.Tensor) else res[idx]
+
+
 def apply_view(step, base):
     """Replay one view step on a base value."""
     spec, rest, idx = step
@@ -286,7 +303,7 @@ def convert_value(v, dtype: torch.dtype):
     """A value cast to ``dtype`` (the ``_to_copy`` lowering)."""
     from xlatorch.runtime.device import SPECS
 
-    return node(SPECS["_to_copy"], (v, dtype, None, None, None, False, None)).outs[0]
+    return node(SPECS["_to_copy.default"], (v, dtype, None, None, None, False, None)).outs[0]
 
 
 def count(name: str) -> None:

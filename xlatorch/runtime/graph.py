@@ -10,6 +10,7 @@ called asynchronously: nothing here waits for results.
 from __future__ import annotations
 
 import time
+import warnings
 
 import jax
 import numpy as np
@@ -24,6 +25,9 @@ from xlatorch.runtime.tensor import PENDING
 __all__ = ["sync", "CACHE"]
 
 CACHE: dict = {}  # graph key -> Executable
+
+# Donation is offered whenever shapes match; XLA declining it (layouts) is not the user's concern.
+warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
 
 
 class Executable:

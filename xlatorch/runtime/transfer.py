@@ -50,10 +50,11 @@ def to_cpu(t: XlaTensor) -> torch.Tensor:
     """Download a device tensor (a graph cut if it is pending); a view is applied on CPU."""
     vw = t._vw
     if vw is not None:
+        from xlatorch.runtime.dispatch import replay_on_cpu
+
         cpu = _base_to_cpu(t._st)
-        for spec, rest, idx in vw:
-            res = spec.overload(cpu, *[getattr(a, "value", a) for a in rest])
-            cpu = res if idx == 0 and isinstance(res, torch.Tensor) else res[idx]
+        for step in vw:
+            cpu = replay_on_cpu(step, cpu)
         return cpu.clone()
     return _base_to_cpu(t._st)
 
