@@ -1019,6 +1019,26 @@ def glu_backward(out, grad_output, self, dim):
     return L.norm.glu_backward(out, grad_output, self, dim)
 
 
+def upsample_bicubic2d(out, self, output_size, align_corners, scales_h, scales_w):
+    return L.sample.upsample_bicubic2d(out, self, output_size, align_corners, scales_h, scales_w)
+
+
+def upsample_bicubic2d_vec(out, input, output_size, align_corners, scale_factors):
+    return L.sample.upsample_bicubic2d(out, input, output_size, align_corners, scale_factors)
+
+
+def upsample_bicubic2d_backward(out, grad_output, output_size, input_size, align_corners, scales_h, scales_w):
+    return L.sample.upsample_bicubic2d_backward(out, grad_output, output_size, input_size, align_corners, scales_h, scales_w)
+
+
+def max_unpool2d(out, self, indices, output_size):
+    return L.pool.max_unpool2d(out, self, indices, output_size)
+
+
+def max_unpool3d(out, self, indices, output_size, stride, padding):
+    return L.pool.max_unpool3d(out, self, indices, output_size, stride, padding)
+
+
 def _foreach_add_Scalar(out, self, scalar):
     return [a + scalar for a in self]
 

@@ -164,6 +164,26 @@ def max_pool3d_with_indices_backward(out, grad_output, self, kernel_size, stride
     return _scatter_back(grad_output, self, indices, 3)
 
 
+def _max_unpool(x, indices, out_shape, nd):
+    lead = x.shape[: x.ndim - nd]
+    rows = int(np.prod(lead))
+    n_out = int(np.prod(out_shape[len(lead) :]))
+    src = x.reshape((rows, -1))
+    ix = indices.reshape(src.shape)
+    res = jnp.zeros((rows, n_out), x.dtype).at[jnp.arange(rows)[:, None], ix].set(src, mode="drop")
+    return res.reshape(out_shape)
+
+
+def max_unpool2d(out, self, indices, output_size):
+    """``aten::max_unpool2d``: each value written at the flat spatial offset its index names."""
+    return _max_unpool(self, indices, out.shape, 2)
+
+
+def max_unpool3d(out, self, indices, output_size, stride, padding):
+    """``aten::max_unpool3d``: each value written at the flat spatial offset its index names."""
+    return _max_unpool(self, indices, out.shape, 3)
+
+
 # --- adaptive pools --------------------------------------------------------------------
 
 

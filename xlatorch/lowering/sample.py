@@ -159,6 +159,42 @@ def upsample_linear_backward(out, grad_output, output_size, input_size, align_co
     return _vjp(f, grad_output, tuple(input_size), _acc(grad_output).dtype)
 
 
+def _cubic_taps(n_in, n_out, align_corners, scale):
+    """PyTorch's bicubic taps: 4 edge-clamped source indices and A = -0.75 weights."""
+    if align_corners:
+        sc = _F32(n_in - 1) / _F32(n_out - 1) if n_out > 1 else _F32(0)
+        src = sc * np.arange(n_out).astype(_F32)
+    else:
+        src = _scale(n_in, n_out, scale) * (np.arange(n_out).astype(_F32) + _F32(0.5)) - _F32(0.5)
+    i0 = np.floor(src).astype(np.int64)
+    t = (src - i0.astype(_F32)).astype(_F32)
+    idx = [np.clip(i0 - 1 + k, 0, n_in - 1) for k in range(4)]
+    return idx, [w.astype(_F32) for w in _cubic_weights(t)]
+
+
+def _bicubic_resize(x, out_spatial, align_corners, scales):
+    scales = _scales(scales, 2)
+    for j in reversed(range(2)):  # width first, as PyTorch's kernel nests them
+        ax = x.ndim - 2 + j
+        idx, wts = _cubic_taps(x.shape[ax], out_spatial[j], align_corners, scales[j])
+        shape = (-1,) + (1,) * (x.ndim - ax - 1)
+        x = sum(jnp.take(x, jnp.asarray(i), axis=ax) * jnp.asarray(w, x.dtype).reshape(shape) for i, w in zip(idx, wts))
+    return x
+
+
+def upsample_bicubic2d(out, input, output_size, align_corners, *scales):
+    """``aten::upsample_bicubic2d``: separable cubic convolution (A = -0.75), edges clamped."""
+    if len(scales) == 1 and (scales[0] is None or isinstance(scales[0], tuple)):  # the .vec overload
+        scales = scales[0]
+    return _bicubic_resize(_acc(input), out.shape[-2:], align_corners, scales if scales else None)
+
+
+def upsample_bicubic2d_backward(out, grad_output, output_size, input_size, align_corners, *scales):
+    """``aten::upsample_bicubic2d_backward``: the VJP of :func:`upsample_bicubic2d`."""
+    f = lambda x: _bicubic_resize(x, tuple(output_size), align_corners, _backward_scales(scales))  # noqa: E731
+    return _vjp(f, grad_output, tuple(input_size), _acc(grad_output).dtype)
+
+
 # --- grid sampling ---------------------------------------------------------------------
 
 
