@@ -943,6 +943,14 @@ def grid_sampler_2d_backward(out, grad_output, input, grid, interpolation_mode, 
     return L.sample.grid_sampler_2d_backward(out, grad_output, input, grid, interpolation_mode, padding_mode, align_corners, output_mask)
 
 
+def grid_sampler_3d(out, input, grid, interpolation_mode, padding_mode, align_corners):
+    return L.sample.grid_sampler_3d(out, input, grid, interpolation_mode, padding_mode, align_corners)
+
+
+def grid_sampler_3d_backward(out, grad_output, input, grid, interpolation_mode, padding_mode, align_corners, output_mask):
+    return L.sample.grid_sampler_3d_backward(out, grad_output, input, grid, interpolation_mode, padding_mode, align_corners, output_mask)
+
+
 def im2col(out, self, kernel_size, dilation, padding, stride):
     return L.sample.im2col(out, self, kernel_size, dilation, padding, stride)
 

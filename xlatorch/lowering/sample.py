@@ -8,6 +8,9 @@ as its CPU kernels). Backward ops are the vector-Jacobian products of the forwar
 
 from __future__ import annotations
 
+import functools
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -287,6 +290,41 @@ def grid_sampler_2d_backward(out, grad_output, input, grid, interpolation_mode, 
     """``aten::grid_sampler_2d_backward``: the VJP of :func:`grid_sampler_2d`."""
     x, g = _acc(input), _acc(grid)
     f = lambda a, b: _grid_sample(a, b, interpolation_mode, padding_mode, align_corners)  # noqa: E731
+    _, vjp = jax.vjp(f, x, g)
+    return vjp(grad_output.astype(x.dtype))
+
+
+def _grid_sample_3d(x, grid, interpolation_mode, padding_mode, align_corners):
+    n, _, *size = x.shape  # (D, H, W); grid[..., 0] indexes W, grid[..., 2] indexes D
+    c = [_pad_coord(_unnormalize(grid[..., 2 - j], size[j], align_corners), size[j], padding_mode, align_corners)
+         for j in range(3)]  # fmt: skip
+    batch = jnp.arange(n).reshape((n, 1, 1, 1))
+
+    def at(idx):  # zeros outside the input; result (N, C, Do, Ho, Wo)
+        inside = functools.reduce(jnp.logical_and, [(i >= 0) & (i < sz) for i, sz in zip(idx, size)])
+        ic = [jnp.clip(i, 0, sz - 1).astype(jnp.int32) for i, sz in zip(idx, size)]
+        return jnp.moveaxis(jnp.where(inside[..., None], x[batch, :, ic[0], ic[1], ic[2]], 0), -1, 1)
+
+    if interpolation_mode == 1:
+        return at([jnp.round(v) for v in c])
+    lo = [jnp.floor(v) for v in c]
+    res = 0
+    for bits in itertools.product((0, 1), repeat=3):  # PyTorch's corner order: tnw, tne, ..., bse
+        f = [(v - f0) if b else (f0 + 1 - v) for v, f0, b in zip(c, lo, bits)]
+        res = res + at([f0 + b for f0, b in zip(lo, bits)]) * (f[2] * f[1] * f[0])[:, None]
+    return res
+
+
+def grid_sampler_3d(out, input, grid, interpolation_mode, padding_mode, align_corners):
+    """``aten::grid_sampler_3d``: trilinear or nearest sampling at grid locations."""
+    return _grid_sample_3d(_acc(input), _acc(grid), interpolation_mode, padding_mode, align_corners)
+
+
+def grid_sampler_3d_backward(out, grad_output, input, grid, interpolation_mode, padding_mode, align_corners,
+                             output_mask):  # fmt: skip
+    """``aten::grid_sampler_3d_backward``: the VJP of :func:`grid_sampler_3d`."""
+    x, g = _acc(input), _acc(grid)
+    f = lambda a, b: _grid_sample_3d(a, b, interpolation_mode, padding_mode, align_corners)  # noqa: E731
     _, vjp = jax.vjp(f, x, g)
     return vjp(grad_output.astype(x.dtype))
 
