@@ -1547,6 +1547,406 @@ def native_layer_norm_backward(out, grad_out, input, normalized_shape, mean, rst
     return L.nn.native_layer_norm_backward(out, grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask)
 
 
+def avg_pool1d(out, self, kernel_size, stride, padding, ceil_mode, count_include_pad):
+    return L.pool.avg_pool1d(out, self, kernel_size, stride, padding, ceil_mode, count_include_pad)
+
+
+def avg_pool2d(out, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
+    return L.pool.avg_pool2d(out, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+
+
+def avg_pool2d_backward(out, grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
+    return L.pool.avg_pool2d_backward(out, grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+
+
+def avg_pool3d(out, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
+    return L.pool.avg_pool3d(out, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+
+
+def avg_pool3d_backward(out, grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
+    return L.pool.avg_pool3d_backward(out, grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+
+
+def adaptive_avg_pool1d(out, self, output_size):
+    return L.pool.adaptive_avg_pool1d(out, self, output_size)
+
+
+def _adaptive_avg_pool2d(out, self, output_size):
+    return L.pool.adaptive_avg_pool2d(out, self, output_size)
+
+
+def _adaptive_avg_pool2d_backward(out, grad_output, self):
+    return L.pool.adaptive_avg_pool2d_backward(out, grad_output, self)
+
+
+def _adaptive_avg_pool3d(out, self, output_size):
+    return L.pool.adaptive_avg_pool3d(out, self, output_size)
+
+
+def _adaptive_avg_pool3d_backward(out, grad_output, self):
+    return L.pool.adaptive_avg_pool3d_backward(out, grad_output, self)
+
+
+def adaptive_max_pool2d(out, self, output_size):
+    return L.pool.adaptive_max_pool2d(out, self, output_size)
+
+
+def adaptive_max_pool2d_backward(out, grad_output, self, indices):
+    return L.pool.adaptive_max_pool2d_backward(out, grad_output, self, indices)
+
+
+def adaptive_max_pool3d(out, self, output_size):
+    return L.pool.adaptive_max_pool3d(out, self, output_size)
+
+
+def adaptive_max_pool3d_backward(out, grad_output, self, indices):
+    return L.pool.adaptive_max_pool3d_backward(out, grad_output, self, indices)
+
+
+def max_pool3d_with_indices(out, self, kernel_size, stride, padding, dilation, ceil_mode):
+    return L.pool.max_pool3d_with_indices(out, self, kernel_size, stride, padding, dilation, ceil_mode)
+
+
+def max_pool3d_with_indices_backward(out, grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices):
+    return L.pool.max_pool3d_with_indices_backward(out, grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices)
+
+
+def native_batch_norm_backward(out, grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps, output_mask):
+    return L.norm.native_batch_norm_backward(out, grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps, output_mask)
+
+
+def _native_batch_norm_legit_no_stats(out, input, weight, bias, training, momentum, eps):
+    return L.norm.native_batch_norm_legit_no_stats(out, input, weight, bias, training, momentum, eps)
+
+
+def _native_batch_norm_legit_no_training(out, input, weight, bias, running_mean, running_var, momentum, eps):
+    return L.norm.native_batch_norm_legit_no_training(out, input, weight, bias, running_mean, running_var, momentum, eps)
+
+
+def _native_batch_norm_legit_functional(out, input, weight, bias, running_mean, running_var, training, momentum, eps):
+    return L.norm.native_batch_norm_legit_functional(out, input, weight, bias, running_mean, running_var, training, momentum, eps)
+
+
+def native_group_norm(out, input, weight, bias, N, C, HxW, group, eps):
+    return L.norm.native_group_norm(out, input, weight, bias, N, C, HxW, group, eps)
+
+
+def native_group_norm_backward(out, grad_out, input, mean, rstd, weight, N, C, HxW, group, output_mask):
+    return L.norm.native_group_norm_backward(out, grad_out, input, mean, rstd, weight, N, C, HxW, group, output_mask)
+
+
+def mse_loss(out, self, target, reduction):
+    return L.loss.mse_loss(out, self, target, reduction)
+
+
+def mse_loss_backward(out, grad_output, self, target, reduction):
+    return L.loss.mse_loss_backward(out, grad_output, self, target, reduction)
+
+
+def binary_cross_entropy(out, self, target, weight, reduction):
+    return L.loss.binary_cross_entropy(out, self, target, weight, reduction)
+
+
+def binary_cross_entropy_backward(out, grad_output, self, target, weight, reduction):
+    return L.loss.binary_cross_entropy_backward(out, grad_output, self, target, weight, reduction)
+
+
+def binary_cross_entropy_with_logits(out, self, target, weight, pos_weight, reduction):
+    return L.loss.binary_cross_entropy_with_logits(out, self, target, weight, pos_weight, reduction)
+
+
+def smooth_l1_loss(out, self, target, reduction, beta):
+    return L.loss.smooth_l1_loss(out, self, target, reduction, beta)
+
+
+def smooth_l1_loss_backward(out, grad_output, self, target, reduction, beta):
+    return L.loss.smooth_l1_loss_backward(out, grad_output, self, target, reduction, beta)
+
+
+def huber_loss(out, self, target, reduction, delta):
+    return L.loss.huber_loss(out, self, target, reduction, delta)
+
+
+def huber_loss_backward(out, grad_output, self, target, reduction, delta):
+    return L.loss.huber_loss_backward(out, grad_output, self, target, reduction, delta)
+
+
+def soft_margin_loss(out, self, target, reduction):
+    return L.loss.soft_margin_loss(out, self, target, reduction)
+
+
+def soft_margin_loss_backward(out, grad_output, self, target, reduction):
+    return L.loss.soft_margin_loss_backward(out, grad_output, self, target, reduction)
+
+
+def nll_loss2d_forward(out, self, target, weight, reduction, ignore_index):
+    return L.loss.nll_loss2d_forward(out, self, target, weight, reduction, ignore_index)
+
+
+def nll_loss2d_backward(out, grad_output, self, target, weight, reduction, ignore_index, total_weight):
+    return L.loss.nll_loss2d_backward(out, grad_output, self, target, weight, reduction, ignore_index, total_weight)
+
+
+def reflection_pad1d(out, self, padding):
+    return L.sample.reflection_pad(out, self, padding)
+
+
+def reflection_pad1d_backward(out, grad_output, self, padding):
+    return L.sample.reflection_pad_backward(out, grad_output, self, padding)
+
+
+def reflection_pad2d(out, self, padding):
+    return L.sample.reflection_pad(out, self, padding)
+
+
+def reflection_pad2d_backward(out, grad_output, self, padding):
+    return L.sample.reflection_pad_backward(out, grad_output, self, padding)
+
+
+def reflection_pad3d(out, self, padding):
+    return L.sample.reflection_pad(out, self, padding)
+
+
+def reflection_pad3d_backward(out, grad_output, self, padding):
+    return L.sample.reflection_pad_backward(out, grad_output, self, padding)
+
+
+def replication_pad1d(out, self, padding):
+    return L.sample.replication_pad(out, self, padding)
+
+
+def replication_pad1d_backward(out, grad_output, self, padding):
+    return L.sample.replication_pad_backward(out, grad_output, self, padding)
+
+
+def replication_pad2d(out, self, padding):
+    return L.sample.replication_pad(out, self, padding)
+
+
+def replication_pad2d_backward(out, grad_output, self, padding):
+    return L.sample.replication_pad_backward(out, grad_output, self, padding)
+
+
+def replication_pad3d(out, self, padding):
+    return L.sample.replication_pad(out, self, padding)
+
+
+def replication_pad3d_backward(out, grad_output, self, padding):
+    return L.sample.replication_pad_backward(out, grad_output, self, padding)
+
+
+def upsample_nearest1d(out, self, output_size, scales):
+    return L.sample.upsample_nearest(out, self, output_size, scales)
+
+
+def upsample_nearest1d_vec(out, input, output_size, scale_factors):
+    return L.sample.upsample_nearest(out, input, output_size, scale_factors)
+
+
+def upsample_nearest1d_backward(out, grad_output, output_size, input_size, scales):
+    return L.sample.upsample_nearest_backward(out, grad_output, output_size, input_size, scales)
+
+
+def upsample_nearest2d(out, self, output_size, scales_h, scales_w):
+    return L.sample.upsample_nearest(out, self, output_size, scales_h, scales_w)
+
+
+def upsample_nearest2d_vec(out, input, output_size, scale_factors):
+    return L.sample.upsample_nearest(out, input, output_size, scale_factors)
+
+
+def upsample_nearest2d_backward(out, grad_output, output_size, input_size, scales_h, scales_w):
+    return L.sample.upsample_nearest_backward(out, grad_output, output_size, input_size, scales_h, scales_w)
+
+
+def upsample_nearest3d(out, self, output_size, scales_d, scales_h, scales_w):
+    return L.sample.upsample_nearest(out, self, output_size, scales_d, scales_h, scales_w)
+
+
+def upsample_nearest3d_vec(out, input, output_size, scale_factors):
+    return L.sample.upsample_nearest(out, input, output_size, scale_factors)
+
+
+def upsample_nearest3d_backward(out, grad_output, output_size, input_size, scales_d, scales_h, scales_w):
+    return L.sample.upsample_nearest_backward(out, grad_output, output_size, input_size, scales_d, scales_h, scales_w)
+
+
+def _upsample_nearest_exact1d(out, self, output_size, scales):
+    return L.sample.upsample_nearest_exact(out, self, output_size, scales)
+
+
+def _upsample_nearest_exact1d_vec(out, input, output_size, scale_factors):
+    return L.sample.upsample_nearest_exact(out, input, output_size, scale_factors)
+
+
+def _upsample_nearest_exact1d_backward(out, grad_output, output_size, input_size, scales):
+    return L.sample.upsample_nearest_exact_backward(out, grad_output, output_size, input_size, scales)
+
+
+def _upsample_nearest_exact2d(out, self, output_size, scales_h, scales_w):
+    return L.sample.upsample_nearest_exact(out, self, output_size, scales_h, scales_w)
+
+
+def _upsample_nearest_exact2d_vec(out, input, output_size, scale_factors):
+    return L.sample.upsample_nearest_exact(out, input, output_size, scale_factors)
+
+
+def _upsample_nearest_exact2d_backward(out, grad_output, output_size, input_size, scales_h, scales_w):
+    return L.sample.upsample_nearest_exact_backward(out, grad_output, output_size, input_size, scales_h, scales_w)
+
+
+def _upsample_nearest_exact3d(out, self, output_size, scales_d, scales_h, scales_w):
+    return L.sample.upsample_nearest_exact(out, self, output_size, scales_d, scales_h, scales_w)
+
+
+def _upsample_nearest_exact3d_vec(out, input, output_size, scale_factors):
+    return L.sample.upsample_nearest_exact(out, input, output_size, scale_factors)
+
+
+def _upsample_nearest_exact3d_backward(out, grad_output, output_size, input_size, scales_d, scales_h, scales_w):
+    return L.sample.upsample_nearest_exact_backward(out, grad_output, output_size, input_size, scales_d, scales_h, scales_w)
+
+
+def upsample_linear1d(out, self, output_size, align_corners, scales):
+    return L.sample.upsample_linear(out, self, output_size, align_corners, scales)
+
+
+def upsample_linear1d_vec(out, input, output_size, align_corners, scale_factors):
+    return L.sample.upsample_linear(out, input, output_size, align_corners, scale_factors)
+
+
+def upsample_linear1d_backward(out, grad_output, output_size, input_size, align_corners, scales):
+    return L.sample.upsample_linear_backward(out, grad_output, output_size, input_size, align_corners, scales)
+
+
+def upsample_bilinear2d(out, self, output_size, align_corners, scales_h, scales_w):
+    return L.sample.upsample_linear(out, self, output_size, align_corners, scales_h, scales_w)
+
+
+def upsample_bilinear2d_vec(out, input, output_size, align_corners, scale_factors):
+    return L.sample.upsample_linear(out, input, output_size, align_corners, scale_factors)
+
+
+def upsample_bilinear2d_backward(out, grad_output, output_size, input_size, align_corners, scales_h, scales_w):
+    return L.sample.upsample_linear_backward(out, grad_output, output_size, input_size, align_corners, scales_h, scales_w)
+
+
+def upsample_trilinear3d(out, self, output_size, align_corners, scales_d, scales_h, scales_w):
+    return L.sample.upsample_linear(out, self, output_size, align_corners, scales_d, scales_h, scales_w)
+
+
+def upsample_trilinear3d_vec(out, input, output_size, align_corners, scale_factors):
+    return L.sample.upsample_linear(out, input, output_size, align_corners, scale_factors)
+
+
+def upsample_trilinear3d_backward(out, grad_output, output_size, input_size, align_corners, scales_d, scales_h, scales_w):
+    return L.sample.upsample_linear_backward(out, grad_output, output_size, input_size, align_corners, scales_d, scales_h, scales_w)
+
+
+def grid_sampler_2d(out, input, grid, interpolation_mode, padding_mode, align_corners):
+    return L.sample.grid_sampler_2d(out, input, grid, interpolation_mode, padding_mode, align_corners)
+
+
+def grid_sampler_2d_backward(out, grad_output, input, grid, interpolation_mode, padding_mode, align_corners, output_mask):
+    return L.sample.grid_sampler_2d_backward(out, grad_output, input, grid, interpolation_mode, padding_mode, align_corners, output_mask)
+
+
+def grid_sampler_3d(out, input, grid, interpolation_mode, padding_mode, align_corners):
+    return L.sample.grid_sampler_3d(out, input, grid, interpolation_mode, padding_mode, align_corners)
+
+
+def grid_sampler_3d_backward(out, grad_output, input, grid, interpolation_mode, padding_mode, align_corners, output_mask):
+    return L.sample.grid_sampler_3d_backward(out, grad_output, input, grid, interpolation_mode, padding_mode, align_corners, output_mask)
+
+
+def im2col(out, self, kernel_size, dilation, padding, stride):
+    return L.sample.im2col(out, self, kernel_size, dilation, padding, stride)
+
+
+def col2im(out, self, output_size, kernel_size, dilation, padding, stride):
+    return L.sample.col2im(out, self, output_size, kernel_size, dilation, padding, stride)
+
+
+def pixel_shuffle(out, self, upscale_factor):
+    return L.sample.pixel_shuffle(out, self, upscale_factor)
+
+
+def pixel_unshuffle(out, self, downscale_factor):
+    return L.sample.pixel_unshuffle(out, self, downscale_factor)
+
+
+def channel_shuffle(out, self, groups):
+    return L.sample.channel_shuffle(out, self, groups)
+
+
+def _embedding_bag(out, weight, indices, offsets, scale_grad_by_freq, mode, sparse, per_sample_weights, include_last_offset, padding_idx):
+    return L.pool.embedding_bag(out, weight, indices, offsets, scale_grad_by_freq, mode, sparse, per_sample_weights, include_last_offset, padding_idx)
+
+
+def _embedding_bag_forward_only(out, weight, indices, offsets, scale_grad_by_freq, mode, sparse, per_sample_weights, include_last_offset, padding_idx):
+    return L.pool.embedding_bag(out, weight, indices, offsets, scale_grad_by_freq, mode, sparse, per_sample_weights, include_last_offset, padding_idx)
+
+
+def embedding_renorm(out, self, indices, max_norm, norm_type):
+    return L.norm.embedding_renorm(out, self, indices, max_norm, norm_type)
+
+
+def _embedding_bag_backward(out, grad, indices, offsets, offset2bag, bag_size, maximum_indices, num_weights, scale_grad_by_freq, mode, sparse, per_sample_weights, padding_idx):
+    return L.pool.embedding_bag_backward(out, grad, indices, offsets, offset2bag, bag_size, maximum_indices, num_weights, scale_grad_by_freq, mode, sparse, per_sample_weights, padding_idx)
+
+
+def _embedding_bag_dense_backward(out, grad, indices, offset2bag, bag_size, maximum_indices, num_weights, scale_grad_by_freq, mode, per_sample_weights, padding_idx):
+    return L.pool.embedding_bag_dense_backward(out, grad, indices, offset2bag, bag_size, maximum_indices, num_weights, scale_grad_by_freq, mode, per_sample_weights, padding_idx)
+
+
+def _embedding_bag_per_sample_weights_backward(out, grad, weight, indices, offsets, offset2bag, mode, padding_idx):
+    return L.pool.embedding_bag_per_sample_weights_backward(out, grad, weight, indices, offsets, offset2bag, mode, padding_idx)
+
+
+def _cdist_forward(out, x1, x2, p, compute_mode):
+    return L.norm.cdist_forward(out, x1, x2, p, compute_mode)
+
+
+def _cdist_backward(out, grad, x1, x2, p, cdist):
+    return L.norm.cdist_backward(out, grad, x1, x2, p, cdist)
+
+
+def _euclidean_dist(out, x1, x2):
+    return L.norm.euclidean_dist(out, x1, x2)
+
+
+def _pdist_forward(out, self, p):
+    return L.norm.pdist_forward(out, self, p)
+
+
+def _pdist_backward(out, grad, self, p, pdist):
+    return L.norm.pdist_backward(out, grad, self, p, pdist)
+
+
+def _safe_softmax(out, self, dim, dtype):
+    return L.norm.safe_softmax(out, self, dim, dtype)
+
+
+def upsample_bicubic2d(out, self, output_size, align_corners, scales_h, scales_w):
+    return L.sample.upsample_bicubic2d(out, self, output_size, align_corners, scales_h, scales_w)
+
+
+def upsample_bicubic2d_vec(out, input, output_size, align_corners, scale_factors):
+    return L.sample.upsample_bicubic2d(out, input, output_size, align_corners, scale_factors)
+
+
+def upsample_bicubic2d_backward(out, grad_output, output_size, input_size, align_corners, scales_h, scales_w):
+    return L.sample.upsample_bicubic2d_backward(out, grad_output, output_size, input_size, align_corners, scales_h, scales_w)
+
+
+def max_unpool2d(out, self, indices, output_size):
+    return L.pool.max_unpool2d(out, self, indices, output_size)
+
+
+def max_unpool3d(out, self, indices, output_size, stride, padding):
+    return L.pool.max_unpool3d(out, self, indices, output_size, stride, padding)
+
+
 def _foreach_add_Scalar(out, self, scalar):
     return [a + scalar for a in self]
 

@@ -1,3 +1,146 @@
-"""Loss functions and their backwards."""
+"""Loss lowerings: elementwise losses with a reduction, their backwards, and 2-d NLL.
+
+``reduction`` is PyTorch's enum: 0 none, 1 mean, 2 sum. Low-precision inputs are
+computed in float32 and cast back to the dtype PyTorch's meta kernel gives. Backward
+formulas are PyTorch's own (including its choices at kinks, e.g. smooth L1 at 0).
+"""
 
 from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from xlatorch.lowering import nn
+
+
+def _acc(*xs):
+    return [x.astype(jnp.float32) if x is not None and x.dtype in (jnp.bfloat16, jnp.float16) else x for x in xs]
+
+
+def _reduce(loss, reduction):
+    if reduction == 1:
+        return jnp.mean(loss)
+    if reduction == 2:
+        return jnp.sum(loss)
+    return loss
+
+
+def _n(shape):
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _scaled(grad_output, x, reduction):
+    g = jnp.broadcast_to(grad_output.astype(x.dtype), x.shape)
+    return g / _n(x.shape) if reduction == 1 else g
+
+
+def mse_loss(out, self, target, reduction):
+    """``aten::mse_loss``: reduced squared difference."""
+    x, t = _acc(self, target)
+    return _reduce(jnp.square(x - t), reduction)
+
+
+def mse_loss_backward(out, grad_output, self, target, reduction):
+    """``aten::mse_loss_backward``: ``2 (self - target) grad``."""
+    x, t, g = _acc(self, target, grad_output)
+    d = jnp.broadcast_to(x - t, out.shape)
+    return 2 * d * _scaled(g, d, reduction)
+
+
+def binary_cross_entropy(out, self, target, weight, reduction):
+    """``aten::binary_cross_entropy``: with PyTorch's clamp of the logs at -100."""
+    x, t, w = _acc(self, target, weight)
+    loss = (t - 1) * jnp.maximum(jnp.log1p(-x), -100) - t * jnp.maximum(jnp.log(x), -100)
+    if w is not None:
+        loss = loss * w
+    return _reduce(loss, reduction)
+
+
+def binary_cross_entropy_backward(out, grad_output, self, target, weight, reduction):
+    """``aten::binary_cross_entropy_backward``: ``(x - t) / max(x (1 - x), 1e-12)``."""
+    x, t, w, g = _acc(self, target, weight, grad_output)
+    gi = (x - t) / jnp.maximum((1 - x) * x, 1e-12) * _scaled(g, x, reduction)
+    return gi if w is None else gi * w
+
+
+def binary_cross_entropy_with_logits(out, self, target, weight, pos_weight, reduction):
+    """``aten::binary_cross_entropy_with_logits``: ``(1 - t) x - log_weight * log_sigmoid(x)``."""
+    x, t, w, pw = _acc(self, target, weight, pos_weight)
+    log_weight = 1 if pw is None else (pw - 1) * t + 1
+    loss = (1 - t) * x - log_weight * jax.nn.log_sigmoid(x)
+    if w is not None:
+        loss = loss * w
+    return _reduce(loss, reduction)
+
+
+def smooth_l1_loss(out, self, target, reduction, beta):
+    """``aten::smooth_l1_loss``: quadratic below ``beta``, linear above (L1 when beta is 0)."""
+    x, t = _acc(self, target)
+    z = jnp.abs(x - t)
+    safe = jnp.where(beta == 0, 1, beta)
+    loss = jnp.where(z < beta, 0.5 * z * z / safe, z - 0.5 * beta)
+    return _reduce(loss, reduction)
+
+
+def smooth_l1_loss_backward(out, grad_output, self, target, reduction, beta):
+    """``aten::smooth_l1_loss_backward``: -1 / 1 outside (-beta, beta), ``d / beta`` inside."""
+    x, t, g = _acc(self, target, grad_output)
+    d = jnp.broadcast_to(x - t, out.shape)
+    safe = jnp.where(beta == 0, 1, beta)
+    slope = jnp.where(d <= -beta, -1, jnp.where(d >= beta, 1, d / safe))
+    return slope * _scaled(g, d, reduction)
+
+
+def huber_loss(out, self, target, reduction, delta):
+    """``aten::huber_loss``: quadratic below ``delta``, ``delta``-scaled linear above."""
+    x, t = _acc(self, target)
+    z = jnp.abs(x - t)
+    loss = jnp.where(z < delta, 0.5 * z * z, delta * (z - 0.5 * delta))
+    return _reduce(loss, reduction)
+
+
+def huber_loss_backward(out, grad_output, self, target, reduction, delta):
+    """``aten::huber_loss_backward``: ``d`` inside (-delta, delta), ``±delta`` outside."""
+    x, t, g = _acc(self, target, grad_output)
+    d = jnp.broadcast_to(x - t, out.shape)
+    slope = jnp.where(d <= -delta, -delta, jnp.where(d >= delta, delta, d))
+    return slope * _scaled(g, d, reduction)
+
+
+def soft_margin_loss(out, self, target, reduction):
+    """``aten::soft_margin_loss``: ``log1p(exp(-target * self))``."""
+    x, t = _acc(self, target)
+    return _reduce(jnp.log1p(jnp.exp(-x * t)), reduction)
+
+
+def soft_margin_loss_backward(out, grad_output, self, target, reduction):
+    """``aten::soft_margin_loss_backward``: ``-target z / (1 + z)`` with ``z = exp(-target self)``."""
+    x, t, g = _acc(self, target, grad_output)
+    z = jnp.exp(-t * x)
+    gi = -t * z / (1 + z)
+    return gi * _scaled(g, jnp.broadcast_to(gi, out.shape), reduction)
+
+
+def _flat_classes(self, target):
+    """(N, C, d1, ...) scores and (N, d1, ...) targets as (N*d1*..., C) and (N*d1*...)."""
+    x = jnp.moveaxis(self, 1, -1).reshape((-1, self.shape[1]))
+    return x, target.reshape(-1)
+
+
+def nll_loss2d_forward(out, self, target, weight, reduction, ignore_index):
+    """``aten::nll_loss2d_forward``: :func:`nn.nll_loss_forward` over every pixel."""
+    x, t = _flat_classes(self, target)
+    loss, total = nn.nll_loss_forward(out, x, t, weight, reduction, ignore_index)
+    return (loss.reshape(target.shape) if reduction == 0 else loss), total
+
+
+def nll_loss2d_backward(out, grad_output, self, target, weight, reduction, ignore_index, total_weight):
+    """``aten::nll_loss2d_backward``: :func:`nn.nll_loss_backward` over every pixel."""
+    x, t = _flat_classes(self, target)
+    g = grad_output.reshape(-1) if reduction == 0 else grad_output
+    grad = nn.nll_loss_backward(out, g, x, t, weight, reduction, ignore_index, total_weight)
+    n, c = self.shape[0], self.shape[1]
+    return jnp.moveaxis(grad.reshape((n,) + self.shape[2:] + (c,)), -1, 1)

@@ -1,0 +1,105 @@
+"""Neural-network ops in use, against CPU eager: what the OpInfo suite cannot express.
+
+A training step of a small CNN (batch norm updating its running statistics, reflection
+padding, average/adaptive pooling, group norm, bilinear upsampling, cross entropy) and
+scaled dot-product attention without dropout (its OpInfo samples include dropout, so
+the conformance suite compares only shapes there).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import xlatorch.core.xla_model as xm
+import xlatorch.debug.metrics as met
+
+# Fallbacks this test still tolerates, each waiting on work outside the nn ops: var_mean
+# (a reduction, used by PyTorch's batch-norm decomposition) and the composite ops that
+# decomposition calls (aten::to, aten::flatten), which reach dispatch when a decomposition
+# runs inside __torch_dispatch__. Shrink this set as those land; it must end up empty.
+PENDING = {"aten::var_mean", "aten::to", "aten::flatten"}
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8, momentum=0.3)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1, padding_mode="reflect")
+        self.gn = nn.GroupNorm(2, 8)
+        self.head = nn.Linear(8 * 3 * 3, 4)
+
+    def forward(self, x):
+        x = F.avg_pool2d(F.relu(self.bn(self.conv1(x))), 2, ceil_mode=True, count_include_pad=False)
+        x = self.gn(self.conv2(x))
+        x = F.interpolate(x, scale_factor=2, mode="bilinear", align_corners=False)
+        x = F.adaptive_avg_pool2d(x, (3, 3))
+        return self.head(x.flatten(1))
+
+
+def _fallbacks():
+    return {n: met.counter_value(n) for n in met.counter_names() if n.startswith("aten::")}
+
+
+def _step(model, x, y):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def test_cnn_training_step_matches_cpu():
+    torch.manual_seed(0)
+    cpu = _Net()
+    dev = _Net()
+    dev.load_state_dict(cpu.state_dict())
+    dev.to("xla")
+    x, y = torch.randn(4, 3, 9, 9), torch.randint(0, 4, (4,))
+    want = [_step(cpu, x, y) for _ in range(2)]
+    got = [_step(dev, x.to("xla"), y.to("xla")) for _ in range(2)]
+    xm.mark_step()
+    fell = _fallbacks()
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.cpu(), w, atol=1e-5, rtol=1e-5)
+    for (name, w), g in zip(cpu.state_dict().items(), dev.state_dict().values()):
+        torch.testing.assert_close(g.cpu(), w, atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+    assert set(fell) <= PENDING, f"unexpected CPU fallbacks: {fell}"
+
+
+def test_batch_norm_eval_uses_running_stats():
+    torch.manual_seed(0)
+    bn = nn.BatchNorm1d(5)
+    bn.running_mean.uniform_(-1, 1)
+    bn.running_var.uniform_(0.5, 2)
+    bn.eval()
+    x = torch.randn(6, 5)
+    want = bn(x)
+    got = bn.to("xla")(x.to("xla"))
+    torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
+    assert set(_fallbacks()) <= PENDING
+
+
+@pytest.mark.parametrize("causal, masked", [(False, False), (True, False), (False, True)])
+def test_scaled_dot_product_attention(causal, masked):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 5, 8, requires_grad=True) for _ in range(3))
+    mask = None
+    if masked:  # a boolean mask with one fully masked query row: _safe_softmax gives 0 there
+        mask = torch.rand(5, 5) > 0.3
+        mask[1] = False
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+    cot = torch.randn(out.shape)
+    want = torch.autograd.grad(out, (q, k, v), cot)
+    xq, xk, xv = (t.detach().to("xla").requires_grad_() for t in (q, k, v))
+    xmask = None if mask is None else mask.to("xla")
+    xout = F.scaled_dot_product_attention(xq, xk, xv, attn_mask=xmask, is_causal=causal)
+    got = torch.autograd.grad(xout, (xq, xk, xv), cot.to("xla"))
+    xm.mark_step()
+    torch.testing.assert_close(xout.cpu(), out.detach(), atol=1e-5, rtol=1e-5)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.cpu(), w, atol=1e-5, rtol=1e-4)
+    assert not _fallbacks()
