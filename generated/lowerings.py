@@ -1508,11 +1508,11 @@ def convolution_backward(out, grad_output, input, weight, bias_sizes, stride, pa
 
 
 def max_pool2d_with_indices(out, self, kernel_size, stride, padding, dilation, ceil_mode):
-    return L.nn.max_pool2d_with_indices(out, self, kernel_size, stride, padding, dilation, ceil_mode)
+    return L.pool.max_pool2d_with_indices(out, self, kernel_size, stride, padding, dilation, ceil_mode)
 
 
 def max_pool2d_with_indices_backward(out, grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices):
-    return L.nn.max_pool2d_with_indices_backward(out, grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices)
+    return L.pool.max_pool2d_with_indices_backward(out, grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices)
 
 
 def _log_softmax(out, self, dim, half_to_float):

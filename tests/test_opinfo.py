@@ -172,7 +172,10 @@ def _meta_only(got, want, where):
 def _fallbacks(key: str, full: bool) -> dict:
     """Fallback counters after running the OpInfo's float32 (or first supported) samples."""
     op, _ = _plan()[key]
-    dtype = torch.float32 if torch.float32 in op.supported_dtypes("cpu") else next(iter(op.supported_dtypes("cpu")))
+    supported = op.supported_dtypes("cpu")
+    if not supported:
+        return {}
+    dtype = torch.float32 if torch.float32 in supported else next(iter(supported))
     xm.mark_step()
     met.clear_counters()
     for s in _samples(op, dtype, False, full):

@@ -16,12 +16,6 @@ from torch import nn
 import xlatorch.core.xla_model as xm
 import xlatorch.debug.metrics as met
 
-# Fallbacks this test still tolerates, each waiting on work outside the nn ops: var_mean
-# (a reduction, used by PyTorch's batch-norm decomposition) and the composite ops that
-# decomposition calls (aten::to, aten::flatten), which reach dispatch when a decomposition
-# runs inside __torch_dispatch__. Shrink this set as those land; it must end up empty.
-PENDING = {"aten::var_mean", "aten::to", "aten::flatten"}
-
 
 class _Net(nn.Module):
     def __init__(self):
@@ -67,7 +61,7 @@ def test_cnn_training_step_matches_cpu():
         torch.testing.assert_close(g.cpu(), w, atol=1e-5, rtol=1e-5)
     for (name, w), g in zip(cpu.state_dict().items(), dev.state_dict().values()):
         torch.testing.assert_close(g.cpu(), w, atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
-    assert set(fell) <= PENDING, f"unexpected CPU fallbacks: {fell}"
+    assert not fell, f"CPU fallbacks: {fell}"
 
 
 def test_batch_norm_eval_uses_running_stats():
@@ -80,7 +74,7 @@ def test_batch_norm_eval_uses_running_stats():
     want = bn(x)
     got = bn.to("xla")(x.to("xla"))
     torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
-    assert set(_fallbacks()) <= PENDING
+    assert not _fallbacks()
 
 
 @pytest.mark.parametrize("causal, masked", [(False, False), (True, False), (False, True)])

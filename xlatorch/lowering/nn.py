@@ -54,56 +54,6 @@ def convolution_backward(out, grad_output, input, weight, bias_sizes, stride, pa
     return gi, gw, gb
 
 
-def _pool_geometry(x, kernel_size, stride, padding, dilation, ceil_mode):
-    nd = len(kernel_size) if len(kernel_size) > 1 else 2
-    k = _expand(kernel_size, nd)
-    s = _expand(stride, nd) if stride else k
-    p = _expand(padding, nd)
-    d = _expand(dilation, nd)
-    spatial = x.shape[-nd:]
-    pads = []
-    for n, kk, ss, pp, dd in zip(spatial, k, s, p, d):
-        eff = dd * (kk - 1) + 1
-        num = n + 2 * pp - eff
-        o = (-(-num // ss) if ceil_mode else num // ss) + 1
-        if ceil_mode and (o - 1) * ss >= n + pp:
-            o -= 1
-        hi = max((o - 1) * ss + eff - n - pp, pp)
-        pads.append((pp, hi))
-    return nd, k, s, d, pads
-
-
-def max_pool2d_with_indices(out, self, kernel_size, stride, padding, dilation, ceil_mode):
-    nd, k, s, d, pads = _pool_geometry(self, kernel_size, stride, padding, dilation, ceil_mode)
-    lead = self.ndim - nd
-    h, w = self.shape[-2:]
-    idx = jnp.broadcast_to(jnp.arange(h * w, dtype=jnp.int64).reshape(h, w), self.shape)
-    neg = jnp.array(-jnp.inf, self.dtype)
-
-    def pick(a, b):
-        (av, ai), (bv, bi) = a, b
-        take_b = (bv > av) | ((bv == av) & (bi < ai)) | jnp.isnan(bv)
-        return jnp.where(take_b, bv, av), jnp.where(take_b, bi, ai)
-
-    vals, inds = lax.reduce_window(
-        (self, idx), (neg, jnp.array(-1, jnp.int64)), pick,
-        window_dimensions=(1,) * lead + k, window_strides=(1,) * lead + s,
-        padding=((0, 0),) * lead + tuple(pads), window_dilation=(1,) * lead + d,
-    )  # fmt: skip
-    return vals, inds
-
-
-def max_pool2d_with_indices_backward(out, grad_output, self, kernel_size, stride, padding, dilation, ceil_mode,
-                                     indices):  # fmt: skip
-    h, w = self.shape[-2:]
-    lead = self.shape[:-2]
-    g = grad_output.reshape((-1, grad_output.shape[-2] * grad_output.shape[-1]))
-    ix = indices.reshape(g.shape)
-    rows = jnp.arange(g.shape[0])[:, None]
-    res = jnp.zeros((g.shape[0], h * w), grad_output.dtype).at[rows, ix].add(g)
-    return res.reshape(lead + (h, w))
-
-
 def log_softmax_backward(out, grad_output, output, dim, input_dtype):
     return grad_output - jnp.exp(output) * jnp.sum(grad_output, axis=dim, keepdims=True)
 

@@ -142,6 +142,17 @@ def _max_pool(out, x, nd, kernel_size, stride, padding, dilation, ceil_mode):
     return lax.reduce_window((xv, xi), init, _pick, ones + k, ones + s, "VALID", window_dilation=ones + d)
 
 
+def max_pool2d_with_indices(out, self, kernel_size, stride, padding, dilation, ceil_mode):
+    """``aten::max_pool2d_with_indices``: a (value, index) window reduction over the last 2 dims."""
+    return _max_pool(out, self, 2, kernel_size, stride, padding, dilation, ceil_mode)
+
+
+def max_pool2d_with_indices_backward(out, grad_output, self, kernel_size, stride, padding, dilation, ceil_mode,
+                                     indices):  # fmt: skip
+    """``aten::max_pool2d_with_indices_backward``: a scatter-add through the indices."""
+    return _scatter_back(grad_output, self, indices, 2)
+
+
 def max_pool3d_with_indices(out, self, kernel_size, stride, padding, dilation, ceil_mode):
     """``aten::max_pool3d_with_indices``: a (value, index) window reduction over the last 3 dims."""
     return _max_pool(out, self, 3, kernel_size, stride, padding, dilation, ceil_mode)

@@ -82,6 +82,11 @@ def dispatch(func, args, kwargs):
     handler = RUNTIME_OPS.get(func) or DECOMPS.get(func)
     if handler is not None:
         return handler(*args, **kwargs)
+    # A composite op (aten::to, aten::flatten) reaches dispatch when a decomposition calls
+    # it: run its CompositeImplicitAutograd kernel, which calls ops we lower.
+    res = func.decompose(*args, **kwargs)
+    if res is not NotImplemented:
+        return res
     from xlatorch.fallback.cpu import run_on_cpu
 
     return run_on_cpu(func, args, kwargs)
