@@ -121,13 +121,18 @@ def upsample_nearest_exact_backward(out, grad_output, output_size, input_size, *
     return _vjp(f, grad_output, tuple(input_size), _acc(grad_output).dtype)
 
 
-def _linear_weights(n_in, n_out, align_corners, scale):
-    """PyTorch's ``compute_indices_weights_linear``: two source indices and their weights."""
+def _source_coords(n_in, n_out, align_corners, scale):
+    """Each output position's (float32) source coordinate: corner-aligned or half-pixel."""
     if align_corners:
         sc = _F32(n_in - 1) / _F32(n_out - 1) if n_out > 1 else _F32(0)
-        src = sc * np.arange(n_out).astype(_F32)
-    else:
-        src = _scale(n_in, n_out, scale) * (np.arange(n_out).astype(_F32) + _F32(0.5)) - _F32(0.5)
+        return sc * np.arange(n_out).astype(_F32)
+    return _scale(n_in, n_out, scale) * (np.arange(n_out).astype(_F32) + _F32(0.5)) - _F32(0.5)
+
+
+def _linear_weights(n_in, n_out, align_corners, scale):
+    """PyTorch's ``compute_indices_weights_linear``: two source indices and their weights."""
+    src = _source_coords(n_in, n_out, align_corners, scale)
+    if not align_corners:
         src = np.maximum(src, _F32(0))
     i0 = np.minimum(np.floor(src).astype(np.int64), n_in - 1)
     lam = np.clip(src - i0.astype(_F32), _F32(0), _F32(1)).astype(_F32)
@@ -164,11 +169,7 @@ def upsample_linear_backward(out, grad_output, output_size, input_size, align_co
 
 def _cubic_taps(n_in, n_out, align_corners, scale):
     """PyTorch's bicubic taps: 4 edge-clamped source indices and A = -0.75 weights."""
-    if align_corners:
-        sc = _F32(n_in - 1) / _F32(n_out - 1) if n_out > 1 else _F32(0)
-        src = sc * np.arange(n_out).astype(_F32)
-    else:
-        src = _scale(n_in, n_out, scale) * (np.arange(n_out).astype(_F32) + _F32(0.5)) - _F32(0.5)
+    src = _source_coords(n_in, n_out, align_corners, scale)
     i0 = np.floor(src).astype(np.int64)
     t = (src - i0.astype(_F32)).astype(_F32)
     idx = [np.clip(i0 - 1 + k, 0, n_in - 1) for k in range(4)]
