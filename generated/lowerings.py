@@ -2025,3 +2025,123 @@ def _foreach_addcdiv_ScalarList(out, self, tensor1, tensor2, scalars):
 
 def _foreach_maximum_List(out, self, other):
     return [jnp.maximum(a, b) for a, b in zip(self, other)]
+
+
+def _foreach_maximum_Scalar(out, self, scalar):
+    return [jnp.maximum(a, scalar) for a in self]
+
+
+def _foreach_maximum_ScalarList(out, self, scalars):
+    return [jnp.maximum(a, s) for a, s in zip(self, scalars)]
+
+
+def _foreach_minimum_List(out, self, other):
+    return [jnp.minimum(a, b) for a, b in zip(self, other)]
+
+
+def _foreach_minimum_Scalar(out, self, scalar):
+    return [jnp.minimum(a, scalar) for a in self]
+
+
+def _foreach_minimum_ScalarList(out, self, scalars):
+    return [jnp.minimum(a, s) for a, s in zip(self, scalars)]
+
+
+def _foreach_clamp_min_Scalar(out, self, scalar):
+    return [jnp.maximum(a, scalar) for a in self]
+
+
+def _foreach_clamp_min_List(out, self, other):
+    return [jnp.maximum(a, b) for a, b in zip(self, other)]
+
+
+def _foreach_clamp_min_ScalarList(out, self, scalars):
+    return [jnp.maximum(a, s) for a, s in zip(self, scalars)]
+
+
+def _foreach_clamp_max_Scalar(out, self, scalar):
+    return [jnp.minimum(a, scalar) for a in self]
+
+
+def _foreach_clamp_max_List(out, self, other):
+    return [jnp.minimum(a, b) for a, b in zip(self, other)]
+
+
+def _foreach_clamp_max_ScalarList(out, self, scalars):
+    return [jnp.minimum(a, s) for a, s in zip(self, scalars)]
+
+
+def _foreach_sub_ScalarList(out, self, scalars):
+    return [a - s for a, s in zip(self, scalars)]
+
+
+def _foreach_add_Tensor(out, self, other, alpha):
+    return [a + other * alpha for a in self]
+
+
+def _foreach_div_Tensor(out, self, other):
+    return [a / other for a in self]
+
+
+def _foreach_addcmul_Tensor(out, self, tensor1, tensor2, scalars):
+    return [a + s * b * c for a, b, c, s in zip(self, tensor1, tensor2, scalars)]
+
+
+def _foreach_addcdiv_Tensor(out, self, tensor1, tensor2, scalars):
+    return [a + s * (b / c) for a, b, c, s in zip(self, tensor1, tensor2, scalars)]
+
+
+def _foreach_lerp_List(out, self, tensors1, weights):
+    return [jnp.where(w < 0.5, a + w * (b - a), b - (b - a) * (1 - w)) for a, b, w in zip(self, tensors1, weights)]
+
+
+def _foreach_lerp_ScalarList(out, self, tensors1, weight):
+    return [jnp.where(w < 0.5, a + w * (b - a), b - (b - a) * (1 - w)) for a, b, w in zip(self, tensors1, weight)]
+
+
+def _foreach_abs(out, self):
+    return [jnp.abs(a) for a in self]
+
+
+def _foreach_reciprocal(out, self):
+    return [1 / a for a in self]
+
+
+def _foreach_sign(out, self):
+    return [jnp.sign(a) for a in self]
+
+
+def _foreach_exp(out, self):
+    return [jnp.exp(a) for a in self]
+
+
+def _foreach_log(out, self):
+    return [jnp.log(a) for a in self]
+
+
+def _foreach_pow_List(out, self, exponent):
+    return [jnp.power(a, b) for a, b in zip(self, exponent)]
+
+
+def _foreach_pow_Scalar(out, self, exponent):
+    return [jnp.power(a, exponent) for a in self]
+
+
+def _foreach_pow_ScalarList(out, self, exponent):
+    return [jnp.power(a, e) for a, e in zip(self, exponent)]
+
+
+def _foreach_pow_ScalarAndTensor(out, self, exponent):
+    return [jnp.power(self, e) for e in exponent]
+
+
+def _foreach_copy(out, self, src, non_blocking):
+    return [jnp.broadcast_to(b.astype(a.dtype), a.shape) for a, b in zip(self, src)]
+
+
+def _foreach_zero(out, self):
+    return [jnp.zeros_like(a) for a in self]
+
+
+def _foreach_norm_Scalar(out, self, ord, dtype):
+    return [L.linalg.vector_norm(o, a, ord, None, False, dtype) for o, a in zip(out, self)]
