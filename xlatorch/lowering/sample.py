@@ -289,8 +289,13 @@ def grid_sampler_2d(out, input, grid, interpolation_mode, padding_mode, align_co
 def grid_sampler_2d_backward(out, grad_output, input, grid, interpolation_mode, padding_mode, align_corners,
                              output_mask):  # fmt: skip
     """``aten::grid_sampler_2d_backward``: the VJP of :func:`grid_sampler_2d`."""
+    return _grid_vjp(_grid_sample, grad_output, input, grid, interpolation_mode, padding_mode, align_corners)
+
+
+def _grid_vjp(sample, grad_output, input, grid, interpolation_mode, padding_mode, align_corners):
+    """(d input, d grid) of a grid sampler, computed in float32 for low-precision inputs."""
     x, g = _acc(input), _acc(grid)
-    f = lambda a, b: _grid_sample(a, b, interpolation_mode, padding_mode, align_corners)  # noqa: E731
+    f = lambda a, b: sample(a, b, interpolation_mode, padding_mode, align_corners)  # noqa: E731
     _, vjp = jax.vjp(f, x, g)
     return vjp(grad_output.astype(x.dtype))
 
@@ -324,10 +329,7 @@ def grid_sampler_3d(out, input, grid, interpolation_mode, padding_mode, align_co
 def grid_sampler_3d_backward(out, grad_output, input, grid, interpolation_mode, padding_mode, align_corners,
                              output_mask):  # fmt: skip
     """``aten::grid_sampler_3d_backward``: the VJP of :func:`grid_sampler_3d`."""
-    x, g = _acc(input), _acc(grid)
-    f = lambda a, b: _grid_sample_3d(a, b, interpolation_mode, padding_mode, align_corners)  # noqa: E731
-    _, vjp = jax.vjp(f, x, g)
-    return vjp(grad_output.astype(x.dtype))
+    return _grid_vjp(_grid_sample_3d, grad_output, input, grid, interpolation_mode, padding_mode, align_corners)
 
 
 # --- im2col / col2im -------------------------------------------------------------------
