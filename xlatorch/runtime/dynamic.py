@@ -21,7 +21,6 @@ from xlatorch.runtime.tensor import DEVICE, XlaTensor, value_of, wrap
 __all__ = ["install"]
 
 aten = torch.ops.aten
-SPECS: dict = {}
 
 
 def _host_count(mask: torch.Tensor) -> int:
@@ -32,6 +31,8 @@ def _host_count(mask: torch.Tensor) -> int:
 
 def _sized_node(name: str, vals: tuple, aval) -> Node:
     """A node of ``name``'s lowering whose single output has the host-known ``aval``."""
+    from xlatorch.runtime.device import SPECS
+
     spec = SPECS[name]
     return Node(spec, vals, Info((aval,), None), hash((spec.name, hash_arg(vals), aval)),
                 (spec, signature(vals), aval))  # fmt: skip
@@ -116,9 +117,6 @@ def resize_(self, size, *, memory_format=None):
 
 def install() -> None:
     """Register the handlers (called by ``xlatorch.runtime.device.install``)."""
-    from xlatorch.runtime.device import SPECS as specs
-
-    SPECS.update(specs)
     RUNTIME_OPS.update(
         {
             aten.nonzero.default: nonzero,
