@@ -69,9 +69,11 @@ class _Spec:
 
 def build(entries):
     schemas, groups = schema.load()
-    lowerings, specs, shims, factories, decomposed, fallbacks = [], [], [], [], [], []
+    lowerings, specs, shims, factories, decomposed, fallbacks, runtime = [], [], [], [], [], [], []
     for e in entries:
         s = e.schema
+        if e.dispatch == "runtime":
+            runtime.append(_aten(e.name))
         if e.decompose:
             decomposed.append(_aten(e.name))
             continue
@@ -138,7 +140,7 @@ def build(entries):
                                   body=f"call_out({var}, {call_args}, ({', '.join(outs)},))"))  # fmt: skip
     _check_unique(shims)
     return dict(lowerings=lowerings, specs=specs, shims=shims, factories=factories, decomposed=decomposed,
-                fallbacks=fallbacks, n_entries=len(entries))  # fmt: skip
+                runtime=runtime, fallbacks=fallbacks, n_entries=len(entries))  # fmt: skip
 
 
 def render(ops_yaml: str) -> dict[str, str]:

@@ -43,6 +43,14 @@ def arange_start_step(out, start, end, step, dtype, layout, device, pin_memory):
     return jnp.arange(start, end, step, dtype=out.dtype)[:out.shape[0]]
 
 
+def arange(out, end, dtype, layout, device, pin_memory):
+    return jnp.arange(end, dtype=out.dtype)
+
+
+def arange_start(out, start, end, dtype, layout, device, pin_memory):
+    return jnp.arange(start, end, dtype=out.dtype)[:out.shape[0]]
+
+
 def empty_like(out, self, dtype, layout, device, pin_memory, memory_format):
     return jnp.zeros(out.shape, out.dtype)
 
@@ -303,12 +311,56 @@ def split_Tensor(out, self, split_size, dim):
     return L.shape.split(out, self, split_size, dim)
 
 
+def split_Tensor__scatter(out, self, src, split_size, dim, idx):
+    return L.shape.split_scatter(out, self, src, split_size, dim, idx)
+
+
 def split_with_sizes(out, self, split_sizes, dim):
     return L.shape.split_with_sizes(out, self, split_sizes, dim)
 
 
+def split_with_sizes__scatter(out, self, src, split_sizes, dim, idx):
+    return L.shape.split_with_sizes_scatter(out, self, src, split_sizes, dim, idx)
+
+
 def unbind_int(out, self, dim):
     return L.shape.unbind(out, self, dim)
+
+
+def unbind_int__scatter(out, self, src, dim, idx):
+    return L.shape.select_scatter(out, self, src, dim, idx)
+
+
+def unfold(out, self, dimension, size, step):
+    return L.shape.unfold(out, self, dimension, size, step)
+
+
+def unfold__scatter(out, self, src, dimension, size, step, idx):
+    return L.shape.unfold_scatter(out, self, src, dimension, size, step, idx)
+
+
+def view_dtype(out, self, dtype):
+    return L.shape.view_dtype(out, self, dtype)
+
+
+def view_dtype__scatter(out, self, src, dtype, idx):
+    return L.shape.view_dtype_scatter(out, self, src, dtype, idx)
+
+
+def _reshape_alias(out, self, size, stride):
+    return self.reshape(out.shape)
+
+
+def _reshape_alias__scatter(out, self, src, size, stride, idx):
+    return src.reshape(out.shape)
+
+
+def _neg_view(out, self):
+    return -self
+
+
+def _neg_view__scatter(out, self, src, idx):
+    return -src
 
 
 def diagonal(out, self, offset, dim1, dim2):

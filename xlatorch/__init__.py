@@ -27,6 +27,7 @@ from xlatorch.runtime.dispatch import SHIMS as _SHIMS  # noqa: E402
 _SHIMS.update(_table.SHIMS)
 _DECOMPS.update({op: torch._decomp.decomposition_table[op] for op in _table.DECOMPOSED})
 _device.install(_table.SPECS)
+_device.check_runtime(_table.RUNTIME)
 _device.register(_table.FACTORIES)
 
 __version__ = "0.1.0"

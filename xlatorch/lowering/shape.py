@@ -66,6 +66,59 @@ def unbind(out, self, dim):
     return [lax.index_in_dim(self, i, axis=d, keepdims=False) for i in range(self.shape[d])]
 
 
+def split_scatter(out, self, src, split_size, dim, idx):
+    d = dim % max(self.ndim, 1)
+    return lax.dynamic_update_slice_in_dim(self, src.astype(self.dtype), idx * split_size, axis=d)
+
+
+def split_with_sizes_scatter(out, self, src, split_sizes, dim, idx):
+    d = dim % max(self.ndim, 1)
+    return lax.dynamic_update_slice_in_dim(self, src.astype(self.dtype), sum(split_sizes[:idx]), axis=d)
+
+
+def _windows(self, dimension, size, step):
+    """(dim, index array [n, size]) of ``unfold``'s windows along ``dimension``."""
+    d = dimension % max(self.ndim, 1)
+    length = self.shape[d] if self.ndim else 1
+    n = (length - size) // step + 1
+    return d, jnp.arange(n)[:, None] * step + jnp.arange(size)[None, :]
+
+
+def unfold(out, self, dimension, size, step):
+    if self.ndim == 0:
+        return self.reshape(out.shape)
+    d, ix = _windows(self, dimension, size, step)
+    # take() puts the [n, size] window axes at d; the size axis goes last, as in PyTorch.
+    return jnp.moveaxis(jnp.take(self, ix, axis=d), d + 1, -1)
+
+
+def unfold_scatter(out, self, src, dimension, size, step, idx):
+    if self.ndim == 0:
+        return src.reshape(()).astype(self.dtype)
+    d, ix = _windows(self, dimension, size, step)
+    src = jnp.moveaxis(src, -1, d + 1).astype(self.dtype)
+    index = (slice(None),) * d + (ix,)
+    return self.at[index].set(src)
+
+
+def view_dtype(out, self, dtype):
+    """``view(dtype)``: the same bytes reinterpreted; the last dim scales by the size ratio."""
+    to = out.dtype
+    src = self.astype(jnp.uint8) if self.dtype == jnp.bool_ else self
+    tgt = jnp.uint8 if to == jnp.bool_ else to
+    a, b = src.dtype.itemsize, jnp.dtype(tgt).itemsize
+    if a < b:  # group b // a elements of the last dim into one
+        src = src.reshape(src.shape[:-1] + (src.shape[-1] // (b // a), b // a))
+    r = lax.bitcast_convert_type(src, tgt)
+    if a > b:  # bitcast added a trailing dim of a // b
+        r = r.reshape(r.shape[:-2] + (r.shape[-2] * r.shape[-1],))
+    return r.astype(jnp.bool_) if to == jnp.bool_ else r
+
+
+def view_dtype_scatter(out, self, src, dtype, idx):
+    return view_dtype(out, src, self.dtype)  # out is the base: its dtype is the target
+
+
 def permute_back(src, dims):
     inv = [0] * len(dims)
     for i, d in enumerate(dims):

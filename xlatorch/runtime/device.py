@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from xlatorch.runtime import dynamic, rng
+from xlatorch.runtime import dynamic, rng, views
 from xlatorch.runtime.dispatch import RUNTIME_OPS, SHIMS, call, convert_value, node
 from xlatorch.runtime.tensor import XlaTensor, value_of, wrap, write
 from xlatorch.runtime.transfer import to_cpu, to_device
@@ -156,6 +156,14 @@ def install(specs: dict) -> None:
     )
     SHIMS.pop(aten._to_copy.default, None)
     dynamic.install()  # nonzero, masked_select, boolean-mask indexing, resize_
+    views.install()  # t_, transpose_, squeeze_, unsqueeze_, as_strided_
+
+
+def check_runtime(listed) -> None:
+    """Every op ops.yaml routes to the runtime has a handler (a registry/runtime mismatch is a bug)."""
+    missing = [str(op) for op in listed if op not in RUNTIME_OPS and op not in SHIMS]
+    if missing:
+        raise AssertionError(f"ops.yaml says 'dispatch: runtime' but no handler is installed: {missing}")
 
 
 __all__ = ["register", "install", "call"]

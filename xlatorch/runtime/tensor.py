@@ -8,6 +8,7 @@ lazily when the storage changes and inverted (scatter) when the view is written.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import sys
 import threading
@@ -117,6 +118,29 @@ class XlaTensor(torch.Tensor):
         from xlatorch.runtime.transfer import to_cpu
 
         return (_rebuild_xla, (to_cpu(self), self.requires_grad))
+
+    def __deepcopy__(self, memo):
+        # A new storage holding a (lazy) clone; Python attributes (``_is_param``, the
+        # user's own) are deep-copied, the aliasing fields are not.
+        if id(self) in memo:
+            return memo[id(self)]
+        with torch.no_grad():
+            new = torch.ops.aten.clone.default(self)
+        new.requires_grad_(self.requires_grad)
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            if k not in ("_st", "_vw", "_vc"):
+                setattr(new, k, copy.deepcopy(v, memo))
+        return new
+
+    def untyped_storage(self):  # type: ignore[override]
+        raise RuntimeError(
+            "xla tensors have no storage: their data lives on the device. Move the tensor "
+            "to CPU (t.cpu()) to reach its storage"
+        )
+
+    def storage(self):  # type: ignore[override]
+        return self.untyped_storage()
 
     @property
     def data(self):  # type: ignore[override]

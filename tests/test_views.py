@@ -1,0 +1,183 @@
+"""Views and in-place ops on the device behave as in eager PyTorch, without recompiles.
+
+Every case runs the same function on CPU and on the device and compares every
+tensor it returns (base and views alike): shape, dtype and values, exactly.
+"""
+
+import copy
+
+import pytest
+import torch
+
+import xlatorch.core.xla_model as xm
+import xlatorch.debug.metrics as met
+
+aten = torch.ops.aten
+
+
+def _base(dev):
+    return torch.arange(24.0, device=dev).reshape(4, 6)
+
+
+def _out_arg(dev):
+    x = _base(dev)
+    torch.add(x[0], x[2], out=x[1])
+    y = torch.empty(0, device=dev)
+    torch.mul(x, 2, out=y)  # out= resizes
+    return [x, y]
+
+
+def _copy_from_cpu_into_slice(dev):
+    x = _base(dev)
+    x[1:, 2:4].copy_(torch.full((3, 2), 7.0))  # a CPU source
+    x[0].copy_(torch.tensor(5.0))  # a broadcast 0-d source
+    return [x]
+
+
+def _inplace_views(dev):
+    x = _base(dev)
+    flat = x.view(24)
+    x.t_()
+    x[0].add_(100)  # through the rebound view: flat sees it
+    y = _base(dev)
+    y.unsqueeze_(0).squeeze_(0).transpose_(0, 1).squeeze_()
+    z = _base(dev)[:1]
+    z.squeeze_(0)
+    w = _base(dev)
+    w.as_strided_((3, 2), (6, 1))
+    w.mul_(-1)
+    return [x, flat, y, z, w]
+
+
+CASES = {
+    "select_add_": lambda d: [(x := _base(d)), x[0].add_(1)],
+    "slice_setitem": lambda d: [(x := _base(d)), x.__setitem__((slice(None), slice(1, 3)), torch.ones(4, 2, device=d))],
+    "t_mul_": lambda d: [(x := _base(d)), x.t().mul_(2)],
+    "flat_view_setitem": lambda d: [(x := _base(d)), x.view(-1).__setitem__(3, 0)],
+    "diagonal_zero_": lambda d: [(x := _base(d)), x.diagonal().zero_()],
+    "diagonal_offset_fill_": lambda d: [(x := _base(d)), x.diagonal(1).fill_(-5)],
+    "views_of_views": lambda d: [(x := _base(d)), (v := x[1:].t()[2:]), v.mul_(3), x.view(2, 12)[1, ::5]],
+    "sibling_views": lambda d: [(x := _base(d)), (r := x[:, 2]), x[1].fill_(-1), r],
+    "split_add_": lambda d: [(x := _base(d)), x.split(2)[1].add_(5), x.split([1, 5], 1)[1][0].neg_()],
+    "chunk_unbind": lambda d: [(x := _base(d)), x.chunk(3, 1)[2].zero_(), x.unbind(0)[3].sub_(1)],
+    "movedim_narrow_select": lambda d: [(x := _base(d)), x.movedim(0, 1)[0].add_(9), x.narrow(0, 1, 2).mul_(3),
+                                        x.select(1, -1).div_(2)],
+    "unfold_write": lambda d: [(x := _base(d)), x.unfold(1, 2, 2).add_(100), x.unfold(0, 2, 2)[1].mul_(-1)],
+    "permute_expand_read": lambda d: [(x := _base(d).reshape(2, 3, 4)), x.permute(2, 0, 1).add_(1),
+                                      x[0, 0].expand(3, 4) * 2],
+    "as_strided_write": lambda d: [(x := _base(d)), x.as_strided((2, 2), (6, 1), 1).mul_(0)],
+    "view_dtype": lambda d: [(x := _base(d)), (v := x.view(torch.int32)), v.bitwise_and_(0x7FFFFF00),
+                             x.view(torch.int64), x.view(torch.int16)],
+    "view_dtype_bool": lambda d: [torch.arange(8, device=d).view(torch.uint8)[:16].view(torch.bool)],
+    "real_view": lambda d: [(x := torch.ones(3, 2, device=d)), torch.view_as_complex(x).mul_(2j)],
+    "out_arguments": _out_arg,
+    "copy_from_cpu_into_slice": _copy_from_cpu_into_slice,
+    "inplace_view_ops": _inplace_views,
+    "detach_alias_write": lambda d: [(x := _base(d)), x.detach()[2].fill_(8), x.data[:, 0].fill_(-8)],
+}
+
+
+def _compare(cpu, dev):
+    for i, (c, x) in enumerate(zip(cpu, dev)):
+        if not isinstance(c, torch.Tensor):
+            continue
+        got = x.cpu()
+        assert (got.shape, got.dtype) == (c.shape, c.dtype), f"output {i}: {got.shape} {got.dtype} vs eager"
+        assert torch.equal(got, c), f"output {i}:\n{got}\nvs eager\n{c}"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_view_mutation_matches_eager(name):
+    cpu = CASES[name](torch.device("cpu"))
+    dev = CASES[name](xm.xla_device())
+    _compare(cpu, dev)
+    assert not [k for k in met.counter_names() if k.startswith("aten::")], met.counter_names()
+
+
+def test_mutations_in_a_loop_do_not_recompile():
+    """The same mutating step over new data compiles once."""
+
+    def step(x, y):
+        x[0].add_(y[0])
+        x[:, 1:3] = y[:, :2]
+        x.t().mul_(2)
+        x.view(-1)[3] = 0
+        x.diagonal().zero_()
+        v = x.clone()
+        v.unsqueeze_(0).squeeze_(0).t_()
+        x.split(2)[1].sub_(1)
+        return x, v
+
+    results = []
+    for i in range(4):
+        x = torch.full((4, 6), float(i), device="xla")
+        y = torch.arange(24.0, device="xla").reshape(4, 6) * i
+        results.append(step(x, y))
+        xm.mark_step()
+    assert met.counter_value("UncachedCompile") == 1, met.metrics_report()
+    for i, (x, v) in enumerate(results):
+        ex, ev = step(torch.full((4, 6), float(i)), torch.arange(24.0).reshape(4, 6) * i)
+        assert torch.equal(x.cpu(), ex) and torch.equal(v.cpu(), ev)
+
+
+def test_inplace_view_ops_keep_autograd():
+    w = torch.randn(4, 6)
+    for dev in ("cpu", "xla"):
+        leaf = w.to(dev).detach().requires_grad_()
+        x = leaf * 1
+        x.t_()
+        x.unsqueeze_(0)
+        x[0, 1].mul_(3)
+        (x * torch.arange(24.0, device=dev).reshape(1, 6, 4)).sum().backward()
+        if dev == "cpu":
+            expected = leaf.grad
+        else:
+            assert torch.allclose(leaf.grad.cpu(), expected)
+
+
+def test_write_through_broadcast_expand_is_pytorch_error():
+    for dev in ("cpu", "xla"):
+        x = torch.zeros(1, 3, device=dev)
+        with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
+            x.expand(4, 3).add_(1)
+    x = torch.zeros(2, 3, device="xla")
+    x.expand(2, 3).add_(1)  # a non-broadcasting expand is an ordinary view
+    assert torch.equal(x.cpu(), torch.ones(2, 3))
+
+
+def test_documented_differences():
+    x = torch.randn(3, 4, device="xla")
+    # Always contiguous, no storage.
+    t = x.t()
+    assert t.is_contiguous() and t.stride() == (3, 1)
+    with pytest.raises(RuntimeError, match="no storage"):
+        x.untyped_storage()
+    # Moving a view to CPU copies its data and drops the view relationship.
+    v = x[0]
+    c = v.cpu()
+    c.add_(1)
+    assert torch.equal(v.cpu() + 1, c) and not torch.equal(x[0].cpu(), c)
+    # copy.copy is a deep copy; view() is the shallow alias.
+    cp = copy.copy(x)
+    cp.add_(1)
+    assert torch.equal(cp.cpu(), x.cpu() + 1)
+    al = x.view(12)
+    al.add_(1)
+    assert torch.equal(al.cpu().view(3, 4), x.cpu())
+
+
+def test_deepcopy_of_a_module_on_the_device():
+    m = torch.nn.Linear(3, 2).to("xla")
+    m.weight.tag = ["mine"]
+    m2 = copy.deepcopy(m)
+    assert isinstance(m2.weight, torch.nn.Parameter) and m2.weight.requires_grad and m2.weight.tag == ["mine"]
+    assert torch.equal(m2.weight.cpu(), m.weight.cpu())
+    with torch.no_grad():
+        m2.weight.add_(1)
+    assert torch.equal(m2.weight.cpu(), m.weight.cpu() + 1)
+
+
+def test_arange_runs_on_the_device():
+    for args in [(5,), (5.0,), (2, 9), (1.5, 4.0), (0, 10, 3)]:
+        assert torch.equal(torch.arange(*args, device="xla").cpu(), torch.arange(*args))
+    assert not [k for k in met.counter_names() if k.startswith("aten::")], met.counter_names()
