@@ -1,7 +1,7 @@
 """What the OpInfo conformance suite cannot check for pointwise ops, reductions and random ops.
 
 Random ops: shapes, dtypes, ranges and moments, fresh values every step without a
-recompile, and reproducibility under ``torch.manual_seed``. Pointwise edge cases
+recompile (seeding: tests/test_rng.py). Pointwise edge cases
 (NaN, infinities, signed zeros, out-of-range shifts) that OpInfo samples rarely hit.
 """
 
@@ -96,15 +96,6 @@ def test_random_values_change_every_step_without_recompiling():
     assert not torch.equal(seen[0][1], seen[1][1])
     assert (met.counter_value("UncachedCompile") or 0) <= 1
     assert met.counter_value("CachedCompile") >= 2
-
-
-def test_manual_seed_reproduces():
-    torch.manual_seed(1234)
-    a = torch.rand(8, device="xla").cpu()
-    b = torch.randperm(8, device="xla").cpu()
-    torch.manual_seed(1234)
-    assert torch.equal(torch.rand(8, device="xla").cpu(), a)
-    assert torch.equal(torch.randperm(8, device="xla").cpu(), b)
 
 
 _NAN, _INF = math.nan, math.inf
