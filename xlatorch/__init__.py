@@ -29,6 +29,8 @@ _DECOMPS.update({op: torch._decomp.decomposition_table[op] for op in _table.DECO
 _device.install(_table.SPECS)
 _device.register(_table.FACTORIES)
 
+from xlatorch.runtime import serialization as _serialization  # noqa: E402,F401  (torch.load of device tensors)
+
 __version__ = "0.1.0"
 
 
