@@ -30,6 +30,8 @@ _device.install(_table.SPECS)
 _device.check_runtime(_table.RUNTIME)
 _device.register(_table.FACTORIES)
 
+from xlatorch.runtime import serialization as _serialization  # noqa: E402,F401  (torch.load of device tensors)
+
 __version__ = "0.1.0"
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import tempfile
 
 import jax
 import torch
@@ -79,12 +78,6 @@ def optimizer_step(optimizer, barrier: bool = False, optimizer_args: dict | None
     return loss
 
 
-def _to_cpu(data):
-    from torch.utils._pytree import tree_map
-
-    return tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, data)
-
-
 def is_master_ordinal(local: bool = True) -> bool:
     """True in the process with ordinal 0 (local to this host, or global)."""
     from xlatorch import runtime as xr
@@ -111,28 +104,27 @@ def xrt_world_size(defval: int = 1) -> int:
 
 
 def save(data, file_or_path, master_only: bool = True, global_master: bool = False) -> None:
-    """Move every tensor in ``data`` to CPU and ``torch.save`` it from the master ordinal only.
+    """``torch.save`` of ``data`` with every device tensor moved to CPU, from the master only.
 
-    The write is atomic: a temporary file in the same directory, fsync, rename.
+    Tensors are found wherever ``torch.save`` finds them (dicts, state dicts, lists,
+    tuples, namedtuples, objects). Each storage is downloaded once and device tensors
+    that alias (views, ``detach``, tied weights) are saved as CPU tensors that alias, as
+    eager PyTorch saves them; the file loads anywhere, without xlatorch. Every process
+    syncs what is pending (one graph cut, the same on every replica); only the master
+    ordinal (local, or global with ``global_master``) writes unless ``master_only`` is
+    False. To a path the write is atomic (temporary file beside it, fsync, rename, fsync
+    of the directory): a crash leaves the previous file intact, never a partial one.
     """
-    cpu = _to_cpu(data)
+    from xlatorch.runtime.serialization import atomic_write, cpu_pickle_module
+
+    _sync("save")
     if master_only and not is_master_ordinal(local=not global_master):
         return
-    if not isinstance(file_or_path, (str, os.PathLike)):
-        torch.save(cpu, file_or_path)
-        return
-    path = os.fspath(file_or_path)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(os.path.abspath(path)))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(cpu, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    pickle_module = cpu_pickle_module()
+    if isinstance(file_or_path, (str, os.PathLike)):
+        atomic_write(file_or_path, lambda f: torch.save(data, f, pickle_module=pickle_module))
+    else:
+        torch.save(data, file_or_path, pickle_module=pickle_module)
 
 
 def set_rng_state(seed: int, device=None) -> None:

@@ -1,5 +1,5 @@
 """``xr``: the runtime API (``torch_xla.runtime``). The rest of this package is the
-hand-written runtime: tensors, IR, dispatch, graph cutting, transfers, RNG."""
+hand-written runtime: tensors, IR, dispatch, graph cutting, transfers, RNG, serialization."""
 
 from __future__ import annotations
 

@@ -114,10 +114,11 @@ class XlaTensor(torch.Tensor):
         return True
 
     def __reduce_ex__(self, proto):
-        # Saved as CPU data plus a marker; loads back onto the xla device.
-        from xlatorch.runtime.transfer import to_cpu
+        # The storage's CPU data (once per pickle) plus this tensor's view steps: loads
+        # back onto the xla device, aliasing what it aliased (runtime/serialization.py).
+        from xlatorch.runtime.serialization import reduce_tensor
 
-        return (_rebuild_xla, (to_cpu(self), self.requires_grad))
+        return reduce_tensor(self)
 
     def __deepcopy__(self, memo):
         # A new storage holding a (lazy) clone; Python attributes (``_is_param``, the
@@ -159,6 +160,7 @@ class XlaTensor(torch.Tensor):
 
 
 def _rebuild_xla(cpu, requires_grad):
+    # A CPU tensor moved to the device. Also loads files written before view steps were saved.
     t = cpu.to(DEVICE)
     if requires_grad:
         t.requires_grad_()
