@@ -53,4 +53,23 @@ def sync(wait: bool = False) -> None:
     mark_step(wait=wait)
 
 
-__all__ = ["device", "sync"]
+def launch(fn, args=(), start_method: str = "spawn", debug_single_process: bool = False) -> None:
+    """Run ``fn(index, *args)`` on every device of the job (``index``: the global ordinal).
+
+    Started by ``torchrun`` or with ``XLATORCH_RANK`` set: joins that job and calls ``fn``
+    in this process. Otherwise spawns one process per device (``xmp.spawn``);
+    ``debug_single_process`` runs one replica in this process.
+    """
+    import os
+
+    from xlatorch.distributed import xla_multiprocessing as xmp
+    from xlatorch.runtime import distributed
+
+    if "XLATORCH_RANK" in os.environ or {"RANK", "WORLD_SIZE", "MASTER_ADDR"} <= set(os.environ):
+        distributed.initialize()
+        fn(distributed.global_ordinal(), *args)
+        return
+    xmp.spawn(fn, args=args, nprocs=1 if debug_single_process else None, start_method=start_method)
+
+
+__all__ = ["device", "sync", "launch"]

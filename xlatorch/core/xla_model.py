@@ -16,7 +16,11 @@ __all__ = [
     "xla_device", "get_xla_supported_devices", "xla_device_hw", "mark_step", "wait_device_ops",
     "optimizer_step", "save", "is_master_ordinal", "get_ordinal", "get_local_ordinal",
     "xrt_world_size", "set_rng_state", "get_rng_state", "master_print",
+    "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "reduce_gradients", "rendezvous", "mesh_reduce",
+    "REDUCE_SUM", "REDUCE_MUL", "REDUCE_AND", "REDUCE_OR", "REDUCE_MIN", "REDUCE_MAX",
 ]  # fmt: skip
+
+REDUCE_SUM, REDUCE_MUL, REDUCE_AND, REDUCE_OR, REDUCE_MIN, REDUCE_MAX = "sum", "mul", "and", "or", "min", "max"
 
 
 def get_xla_supported_devices(devkind: str | None = None, max_devices: int | None = None) -> list[str]:
@@ -141,3 +145,60 @@ def master_print(*args, fd=None, **kwargs) -> None:
     """``print`` on the master ordinal only."""
     if is_master_ordinal(local=False):
         print(*args, file=fd, **kwargs)
+
+
+def all_reduce(reduce_type: str, inputs, scale: float = 1.0, groups=None, pin_layout: bool = True):
+    """Reduce ``inputs`` across replicas inside the step's computation.
+
+    A tensor gives a new tensor; a list of tensors is updated in place (and returned).
+    """
+    from xlatorch.runtime.collectives import all_reduce as ar
+
+    return ar(reduce_type, inputs, scale=scale, groups=groups)
+
+
+def all_gather(value, dim: int = 0, groups=None, output=None, pin_layout: bool = True):
+    """Every replica's ``value`` concatenated along ``dim``, in ordinal order."""
+    from xlatorch.runtime.collectives import all_gather as ag
+
+    return ag(value, dim=dim, groups=groups, output=output)
+
+
+def reduce_scatter(reduce_type: str, input, scale: float, scatter_dim: int, shard_count: int, groups=None,
+                   output=None, pin_layout: bool = True):  # fmt: skip
+    """Reduce across replicas and keep this replica's slice along ``scatter_dim``."""
+    from xlatorch.runtime.collectives import reduce_scatter as rs
+
+    return rs(reduce_type, input, scale, scatter_dim, shard_count, groups=groups, output=output)
+
+
+def all_to_all(value, split_dimension: int, concat_dimension: int, split_count: int, groups=None,
+               pin_layout: bool = True):  # fmt: skip
+    """Block i of ``value`` (split along ``split_dimension``) goes to replica i; arrivals are concatenated."""
+    from xlatorch.runtime.collectives import all_to_all as a2a
+
+    return a2a(value, split_dimension, concat_dimension, split_count, groups=groups)
+
+
+def reduce_gradients(optimizer, groups=None, pin_layout: bool = True) -> None:
+    """Average every gradient of ``optimizer``'s parameters across replicas (one all-reduce node)."""
+    from xlatorch.runtime.distributed import reduce_gradients as rg
+
+    rg(optimizer, groups=groups, pin_layout=pin_layout)
+
+
+def rendezvous(tag: str, payload: bytes = b"", replicas: list | None = None) -> list[bytes]:
+    """Block until every replica reaches ``tag``; returns each replica's ``payload`` by ordinal."""
+    from xlatorch.runtime.distributed import rendezvous as rdv
+
+    return rdv(tag, payload, replicas or None)
+
+
+def mesh_reduce(tag: str, data, reduce_fn):
+    """``reduce_fn`` of every replica's ``data`` (tensors travel as CPU tensors, through the host)."""
+    from torch.utils._pytree import tree_map
+
+    from xlatorch.runtime.distributed import exchange
+
+    cpu = tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, data)
+    return reduce_fn(exchange(tag, cpu))

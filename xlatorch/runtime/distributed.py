@@ -1,22 +1,162 @@
-"""Replica-level operations. One process, one replica until multi-process lands (issue 5)."""
+"""The replica world: joining JAX's distributed runtime, ordinals, rendezvous.
+
+One process drives one device and is one replica. Processes join through
+``jax.distributed.initialize`` (the PJRT coordination service; collectives over gloo
+on CPU, NCCL on GPU, ICI on TPU), after which the global device mesh spans every
+process and graphs containing collectives run as one SPMD program on it
+(``runtime/collectives.py``, ``runtime/graph.py``).
+
+The job is described by environment variables, set by ``xmp.spawn`` for the
+processes it starts, or by the user / cluster for multi-host jobs:
+
+- ``XLATORCH_COORDINATOR`` host:port of process 0's coordination service
+- ``XLATORCH_WORLD_SIZE`` number of processes in the job
+- ``XLATORCH_RANK`` this process's global ordinal
+- ``XLATORCH_LOCAL_RANK`` / ``XLATORCH_LOCAL_WORLD_SIZE`` ordinal and count on this host
+
+or by ``torchrun`` (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``).
+"""
 
 from __future__ import annotations
 
+import base64
+import os
+import pickle
+
+__all__ = [
+    "initialize", "shutdown", "is_initialized", "world_size", "global_ordinal", "local_ordinal", "local_world_size",
+    "rendezvous", "RendezvousTimeout", "reduce_gradients",
+]  # fmt: skip
+
+_world = {"size": 1, "rank": 0, "local_rank": 0, "local_size": 1, "joined": False}
+_rdv_counts: dict[str, int] = {}
+
+
+def _env_int(name: str, default: int) -> int:
+    v = os.environ.get(name)
+    return default if v in (None, "") else int(v)
+
+
+def initialize() -> None:
+    """Join the job described by the environment (a no-op in a one-process job).
+
+    Must run before the process first touches its device: JAX's backend is
+    created once, and a joined process sees the global mesh.
+    """
+    if _world["joined"]:
+        return
+    _from_torchrun()
+    size = _env_int("XLATORCH_WORLD_SIZE", 1)
+    rank = _env_int("XLATORCH_RANK", 0)
+    _world.update(size=size, rank=rank, local_rank=_env_int("XLATORCH_LOCAL_RANK", rank),
+                  local_size=_env_int("XLATORCH_LOCAL_WORLD_SIZE", size), joined=True)  # fmt: skip
+    if size == 1:
+        return
+    import jax
+
+    if jax.config.jax_platforms in (None, "", "cpu") or os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    coordinator = os.environ["XLATORCH_COORDINATOR"]
+    timeout = _env_int("XLATORCH_INIT_TIMEOUT", 120)
+    jax.distributed.initialize(coordinator, num_processes=size, process_id=rank, initialization_timeout=timeout)
+
+
+def _from_torchrun() -> None:
+    """Processes started by ``torchrun`` join through its variables; the coordinator listens on
+    ``MASTER_PORT + 1`` (``MASTER_PORT`` itself is torch.distributed's store)."""
+    env = os.environ
+    if "XLATORCH_WORLD_SIZE" in env or not {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"} <= set(env):
+        return
+    env["XLATORCH_COORDINATOR"] = f"{env['MASTER_ADDR']}:{int(env['MASTER_PORT']) + 1}"
+    env["XLATORCH_WORLD_SIZE"] = env["WORLD_SIZE"]
+    env["XLATORCH_RANK"] = env["RANK"]
+    env["XLATORCH_LOCAL_RANK"] = env.get("LOCAL_RANK", env["RANK"])
+    env["XLATORCH_LOCAL_WORLD_SIZE"] = env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])
+
+
+def shutdown() -> None:
+    """Leave the job: waits until every process has arrived (JAX's shutdown barrier)."""
+    if _world["size"] > 1 and _world["joined"]:
+        import jax
+
+        jax.distributed.shutdown()
+
+
+def is_initialized() -> bool:
+    return _world["joined"]
+
 
 def world_size() -> int:
-    return 1
+    """Number of replicas (processes) in the job."""
+    return _world["size"]
 
 
 def global_ordinal() -> int:
-    return 0
+    """This process's replica index in the job."""
+    return _world["rank"]
 
 
 def local_ordinal() -> int:
-    return 0
+    """This process's replica index on its host."""
+    return _world["local_rank"]
+
+
+def local_world_size() -> int:
+    return _world["local_size"]
+
+
+class RendezvousTimeout(RuntimeError):
+    """Not every replica reached a rendezvous in time."""
+
+
+def _client():
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
+def rendezvous(tag: str, payload: bytes = b"", replicas=None, timeout: float | None = None) -> list[bytes]:
+    """Wait until every replica reaches ``tag``; returns every replica's ``payload``, by ordinal.
+
+    Uses the coordination service's key-value store (host side, no device work).
+    Raises ``RendezvousTimeout`` naming the tag and the missing replicas after
+    ``timeout`` seconds (default ``$XLATORCH_RENDEZVOUS_TIMEOUT`` or 300).
+    """
+    n = world_size()
+    if n == 1:
+        return [payload]
+    if timeout is None:
+        timeout = float(os.environ.get("XLATORCH_RENDEZVOUS_TIMEOUT", 300))
+    count = _rdv_counts[tag] = _rdv_counts.get(tag, 0) + 1
+    key = f"xlatorch/rendezvous/{tag}/{count}"
+    client = _client()
+    client.key_value_set(f"{key}/{global_ordinal()}", base64.b64encode(payload).decode())
+    ranks = range(n) if not replicas else replicas
+    out = []
+    for r in ranks:
+        try:
+            v = client.blocking_key_value_get(f"{key}/{r}", int(timeout * 1000))
+        except Exception as e:
+            raise RendezvousTimeout(
+                f"xlatorch: rendezvous '{tag}' timed out after {timeout:g}s: replica {r} of {n} did not arrive "
+                f"({type(e).__name__})"
+            ) from None
+        out.append(base64.b64decode(v))
+    return out
+
+
+def exchange(tag: str, obj) -> list:
+    """Every replica's ``obj`` (picklable), by ordinal."""
+    return [pickle.loads(b) for b in rendezvous(tag, pickle.dumps(obj))]
 
 
 def reduce_gradients(optimizer, groups=None, pin_layout: bool = True) -> None:
-    """Average gradients across replicas; with a single replica they are already the average."""
+    """Average the gradients of ``optimizer``'s parameters across replicas (an IR all-reduce)."""
     if world_size() == 1:
         return
-    raise NotImplementedError("multi-replica gradient reduction lands with multi-process training")
+    from xlatorch.runtime.collectives import all_reduce
+
+    grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    if grads:
+        count = len(groups[0]) if groups else world_size()
+        all_reduce("sum", grads, scale=1.0 / count, groups=groups)

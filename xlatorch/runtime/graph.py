@@ -255,13 +255,86 @@ def _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate):
     # Donation is per data parameter: buffers no live tensor holds any more.
     donate_mask = set(donate)
     kept = [i for i in range(len(data)) if i not in donate_mask]
-    jitted = jax.jit(lambda d, k, packed_args: fn(_merge(d, k, donate_mask), packed_args), donate_argnums=(0,))
-    compiled = jitted.lower([data_avals[i] for i in donate], [data_avals[i] for i in kept], packed_avals).compile()
+    args = ([data_avals[i] for i in donate], [data_avals[i] for i in kept], packed_avals)
+
+    def body(d, k, packed_args):
+        return fn(_merge(d, k, donate_mask), packed_args)
+
+    from xlatorch.runtime.collectives import SPECS as COLLECTIVES
+
+    if any(n.spec in COLLECTIVES for n in nodes):
+        return _compile_spmd(body, args, [r.aval for r in _roots(nodes, leaves, root_refs)], donate, kept)
+    compiled = jax.jit(body, donate_argnums=(0,)).lower(*args).compile()
 
     def call(arrays, packed_vals):
         return compiled([arrays[i] for i in donate], [arrays[i] for i in kept], packed_vals)
 
     return Executable(call, tuple(packed))
+
+
+def _roots(nodes, leaves, root_refs):
+    return [leaves[-1 - r] if r < 0 else nodes[r // 4096].outs[r % 4096] for r in root_refs]
+
+
+def _compile_spmd(body, args, out_avals, donate, kept):
+    """A graph with collectives: one SPMD program over the global mesh, one device per replica.
+
+    Each replica's local array is its block of a global array split along axis 0
+    (0-d values travel as shape (1,)); inside ``shard_map`` the blocks are the local
+    values again, so the lowering is the same as for a one-replica graph.
+    """
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from xlatorch.runtime.collectives import AXIS
+    from xlatorch.runtime.transfer import jax_device
+
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    mesh = Mesh(np.array(devices), (AXIS,))
+    spec = PartitionSpec(AXIS)
+    sharding = NamedSharding(mesh, spec)
+    n = len(devices)
+    local = jax_device()
+
+    def block(a):  # the local block's aval (0-d travels as (1,))
+        return a.shape or (1,)
+
+    def glob(shape):
+        return (shape[0] * n,) + tuple(shape[1:])
+
+    flat_in = [a for group in args for a in group]
+    in_shapes = [a.shape for a in flat_in]
+    out_shapes = [tuple(shape) for shape, _ in out_avals]
+
+    def spmd_body(d, k, p):
+        unblock = iter(in_shapes)
+        d, k, p = ([x.reshape(next(unblock)) for x in group] for group in (d, k, p))
+        outs = body(d, k, p)
+        return tuple(o.reshape(block(o)) for o in outs)
+
+    from jax import shard_map
+
+    mapped = shard_map(spmd_body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
+    global_args = [[jax.ShapeDtypeStruct(glob(block(a)), a.dtype, sharding=sharding) for a in group]
+                   for group in args]  # fmt: skip
+    compiled = jax.jit(mapped, donate_argnums=(0,)).lower(*global_args).compile()
+
+    def to_global(x):
+        if isinstance(x, np.ndarray):
+            x = jax.device_put(x, local)
+        if x.ndim == 0:
+            x = x.reshape(1)
+        return jax.make_array_from_single_device_arrays(glob(x.shape), sharding, [x])
+
+    def call(arrays, packed_vals):
+        outs = compiled([to_global(arrays[i]) for i in donate], [to_global(arrays[i]) for i in kept],
+                        [to_global(p) for p in packed_vals])  # fmt: skip
+        res = []
+        for o, shape in zip(outs, out_shapes):
+            x = o.addressable_shards[0].data
+            res.append(x.reshape(shape) if x.shape != shape else x)
+        return res
+
+    return Executable(call, None)
 
 
 def _merge(donated, kept, mask):

@@ -20,6 +20,9 @@ def jax_device():
     """The JAX device backing ``xla:0`` (the first local device of the default backend)."""
     global _device
     if _device is None:
+        from xlatorch.runtime import distributed
+
+        distributed.initialize()  # join the job the environment describes (a no-op alone)
         _device = jax.local_devices()[0]
     return _device
 

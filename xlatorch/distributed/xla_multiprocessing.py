@@ -1,0 +1,189 @@
+"""``xmp``: start one process per device and join them into one job (``torch_xla``'s
+``xla_multiprocessing``).
+
+``spawn(fn, args, nprocs)`` starts ``nprocs`` processes on this host, each joining
+JAX's distributed runtime (process 0 hosts the coordination service on a free
+loopback port) before calling ``fn(index, *args)``. If a worker raises or dies, the
+others are stopped and ``spawn`` raises ``WorkerError`` carrying the worker's index
+and traceback.
+
+Multi-host: run ``spawn`` on every host with the same ``nprocs`` and set
+``XLATORCH_COORDINATOR`` (host:port reachable by every host, on host 0),
+``XLATORCH_NUM_HOSTS`` and ``XLATORCH_HOST_INDEX``; global ordinals are
+``host_index * nprocs + local index``, and ``fn`` receives the global ordinal.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+
+__all__ = ["spawn", "WorkerError", "MpModelWrapper", "MpSerialExecutor"]
+
+
+class WorkerError(RuntimeError):
+    """A spawned worker raised or died; ``index`` is its local index."""
+
+    def __init__(self, index: int, message: str):
+        super().__init__(message)
+        self.index = index
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_nprocs() -> int:
+    """Processes per host: ``$CPU_NUM_DEVICES`` on CPU, else the local device count."""
+    n = os.environ.get("CPU_NUM_DEVICES")
+    if n:
+        return int(n)
+    import jax
+
+    return jax.local_device_count()
+
+
+def _worker(index: int, fn, args, env: dict, conn) -> None:
+    """The body of a spawned process: join the job, run ``fn``, report a failure to the parent."""
+    os.environ.update(env)
+    try:
+        from xlatorch.runtime import distributed
+
+        distributed.initialize()
+        fn(distributed.global_ordinal(), *args)
+        distributed.shutdown()  # a barrier: process 0 hosts the coordination service
+    except BaseException as e:  # noqa: BLE001 (reported to the parent, which raises)
+        try:
+            conn.send((type(e).__name__, traceback.format_exc()))
+        finally:
+            conn.close()
+        sys.stderr.flush()
+        os._exit(1)
+    conn.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # the job is over; skip teardown of the runtime's background threads
+
+
+def _job_env(nprocs: int) -> list[dict]:
+    hosts = int(os.environ.get("XLATORCH_NUM_HOSTS", "1"))
+    host = int(os.environ.get("XLATORCH_HOST_INDEX", "0"))
+    coordinator = os.environ.get("XLATORCH_COORDINATOR") or f"127.0.0.1:{_free_port()}"
+    if hosts > 1 and not os.environ.get("XLATORCH_COORDINATOR"):
+        raise RuntimeError("xlatorch: a multi-host job (XLATORCH_NUM_HOSTS > 1) needs XLATORCH_COORDINATOR")
+    return [
+        {
+            "XLATORCH_COORDINATOR": coordinator,
+            "XLATORCH_WORLD_SIZE": str(hosts * nprocs),
+            "XLATORCH_RANK": str(host * nprocs + i),
+            "XLATORCH_LOCAL_RANK": str(i),
+            "XLATORCH_LOCAL_WORLD_SIZE": str(nprocs),
+        }
+        for i in range(nprocs)
+    ]
+
+
+def spawn(fn, args=(), nprocs: int | None = None, join: bool = True, daemon: bool = False,
+          start_method: str = "spawn"):  # fmt: skip
+    """Run ``fn(index, *args)`` in ``nprocs`` processes joined into one job; wait for all of them.
+
+    ``nprocs=None`` uses ``$CPU_NUM_DEVICES`` on CPU, else the local device count.
+    Raises ``WorkerError`` (index, traceback) as soon as any worker fails; the
+    others are terminated, so nothing hangs and no process is left behind.
+    """
+    n = nprocs or default_nprocs()
+    if n == 1 and int(os.environ.get("XLATORCH_NUM_HOSTS", "1")) == 1:
+        fn(0, *args)  # one replica: run in this process, as torch_xla does
+        return None
+    ctx = multiprocessing.get_context(start_method)
+    procs, conns = [], []
+    for i, env in enumerate(_job_env(n)):
+        recv, send = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_worker, args=(i, fn, args, env, send), daemon=daemon, name=f"xlatorch-worker-{i}")
+        p.start()
+        send.close()
+        procs.append(p)
+        conns.append(recv)
+    if not join:
+        return procs
+    _join(procs, conns)
+    return None
+
+
+def _join(procs, conns) -> None:
+    alive = {p.sentinel: i for i, p in enumerate(procs)}
+    try:
+        while alive:
+            for s in multiprocessing.connection.wait(list(alive)):
+                i = alive.pop(s)
+                p = procs[i]
+                p.join()
+                if p.exitcode != 0:
+                    raise WorkerError(i, _failure(i, p.exitcode, conns[i]))
+    finally:
+        _stop(procs)
+
+
+def _failure(i: int, code: int, conn) -> str:
+    if conn.poll(1.0):
+        try:
+            kind, tb = conn.recv()
+            return f"xlatorch worker {i} raised {kind}:\n{tb}"
+        except EOFError:
+            pass
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = str(-code)
+        return f"xlatorch worker {i} died with signal {name}"
+    return f"xlatorch worker {i} exited with code {code}"
+
+
+def _stop(procs, grace: float = 3.0) -> None:
+    """Terminate workers still running (a failed job), then kill those that ignore it."""
+    running = [p for p in procs if p.is_alive()]
+    for p in running:
+        p.terminate()
+    deadline = time.monotonic() + grace
+    for p in running:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+class MpModelWrapper:
+    """torch_xla's wrapper sharing one model's weights across spawned processes.
+
+    With ``spawn`` start method each process unpickles its own copy; ``to(device)``
+    moves it to the process's device.
+    """
+
+    def __init__(self, model):
+        self._model = model
+
+    def to(self, device):
+        return self._model.to(device)
+
+
+class MpSerialExecutor:
+    """Runs a function in each local process one at a time (torch_xla API)."""
+
+    def run(self, fn):
+        from xlatorch.runtime import distributed
+
+        result = None
+        for turn in range(distributed.local_world_size()):
+            if turn == distributed.local_ordinal():
+                result = fn()
+            distributed.rendezvous(f"xlatorch.serial.{turn}")
+        return result
