@@ -1,0 +1,144 @@
+"""Functions run by spawned workers in tests/test_distributed.py (importable by child processes).
+
+Each writes what it computed to ``<out>/rank<ordinal>.pt``; the test compares.
+"""
+
+import os
+import signal
+import time
+
+import torch
+
+import xlatorch.core.xla_model as xm
+import xlatorch.debug.metrics as met
+import xlatorch.distributed.parallel_loader as pl
+import xlatorch.runtime as xr
+from examples.models import MNISTNet
+from examples.train_mnist import synthetic_mnist
+
+
+def _dump(out, obj):
+    torch.save(obj, os.path.join(out, f"rank{xr.global_ordinal()}.pt"))
+
+
+def collectives(index, out):
+    d = xm.xla_device()
+    n, r = xr.world_size(), xr.global_ordinal()
+    x = (torch.arange(24.0).reshape(4, 6) + 100 * r).to(d)
+    i = (torch.arange(8).reshape(2, 4) % (r + 2)).to(d)
+    b = (torch.arange(4) % (r + 2) == 0).to(d)
+    lst = [x.clone(), (x * 2).clone()]
+    xm.all_reduce(xm.REDUCE_SUM, lst, scale=0.5)
+    res = {
+        "sum": xm.all_reduce(xm.REDUCE_SUM, x),
+        "sum_scaled": xm.all_reduce(xm.REDUCE_SUM, x, scale=1.0 / n),
+        "mul": xm.all_reduce(xm.REDUCE_MUL, x / 50),
+        "min": xm.all_reduce(xm.REDUCE_MIN, i),
+        "max": xm.all_reduce(xm.REDUCE_MAX, i),
+        "and": xm.all_reduce(xm.REDUCE_AND, b),
+        "or": xm.all_reduce(xm.REDUCE_OR, b),
+        "list0": lst[0],
+        "list1": lst[1],
+        "gather0": xm.all_gather(x, dim=0),
+        "gather1": xm.all_gather(x, dim=1),
+        "scatter0": xm.reduce_scatter(xm.REDUCE_SUM, x, 1.0, 0, n),
+        "scatter1": xm.reduce_scatter(xm.REDUCE_SUM, x, 0.5, 1, n),
+        "a2a": xm.all_to_all(x, 0, 1, n),
+        "scalar": xm.all_reduce(xm.REDUCE_SUM, x.sum()),
+    }
+    executes = (met.metric_data("ExecuteTime") or (0,))[0]
+    xm.mark_step()
+    res = {k: v.cpu() for k, v in res.items()}
+    res["executions"] = (met.metric_data("ExecuteTime") or (0,))[0] - executes
+    res["rendezvous"] = xm.rendezvous("payloads", f"from {r}".encode())
+    res["mesh_reduce"] = xm.mesh_reduce("sum", torch.tensor([r + 1.0]), lambda xs: torch.stack(xs).sum())
+    _dump(out, res)
+
+
+class MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def data(steps, per_replica, replicas):
+    """Per step, one batch per replica (x, y); replica r's batch is rows [r*per:(r+1)*per]."""
+    g = torch.Generator().manual_seed(5)
+    xs = torch.randn(steps, per_replica * replicas, 8, generator=g)
+    ys = torch.randint(0, 3, (steps, per_replica * replicas), generator=g)
+    return xs, ys
+
+
+def data_parallel(index, out, steps, per_replica):
+    n, r = xr.world_size(), xr.global_ordinal()
+    torch.manual_seed(0)
+    model = MLP().to(xm.xla_device())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    xs, ys = data(steps, per_replica, n)
+    losses = []
+    for s in range(steps):
+        x = xs[s, r * per_replica:(r + 1) * per_replica].to(xm.xla_device())
+        y = ys[s, r * per_replica:(r + 1) * per_replica].to(xm.xla_device())
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        xm.optimizer_step(opt)
+        xm.mark_step()
+        losses.append(loss)
+    _dump(out, {"params": {k: v.cpu() for k, v in model.state_dict().items()},
+                "losses": [v.item() for v in losses],
+                "compiles": met.counter_value("UncachedCompile"),
+                "all_reduce": met.counter_value("xla::all_reduce")})  # fmt: skip
+
+
+def mnist(index, out, batches):
+    """The guides' multiprocessing MNIST loop (random data), through MpDeviceLoader."""
+    torch.manual_seed(1)
+    device = xm.xla_device()
+    train_loader = torch.utils.data.DataLoader(synthetic_mnist(batches * 16, seed=2), batch_size=16)
+    model = MNISTNet().to(device)
+    loss_fn = torch.nn.NLLLoss()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5)
+    mp_loader = pl.MpDeviceLoader(train_loader, device)
+    losses, seen = [], []
+    model.train()
+    for _ in range(3):  # epochs over the same few batches: the loss must fall
+        for data, target in mp_loader:
+            optimizer.zero_grad()
+            output = model(data)
+            loss = loss_fn(output, target)
+            loss.backward()
+            xm.optimizer_step(optimizer)
+            losses.append(loss)
+            seen.append(target)
+    _dump(out, {"params": {k: v.cpu() for k, v in model.state_dict().items()},
+                "losses": [v.item() for v in losses], "targets": [t.cpu() for t in seen],
+                "len": len(mp_loader), "compiles": met.counter_value("UncachedCompile")})  # fmt: skip
+
+
+def raises(index):
+    if index == 1:
+        time.sleep(0.5)
+        raise ValueError("worker one is broken")
+    xm.rendezvous("never-completes")  # blocks: replica 1 never arrives
+
+
+def killed(index):
+    if index == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t = torch.ones(3, device=xm.xla_device())
+    xm.all_reduce(xm.REDUCE_SUM, t).cpu()  # blocks in the collective: replica 1 is gone
+    time.sleep(60)
+
+
+def late(index):
+    if index == 0:
+        xr_timeout = 2.0
+        from xlatorch.runtime.distributed import rendezvous
+
+        rendezvous("late", timeout=xr_timeout)
+    else:
+        time.sleep(8)

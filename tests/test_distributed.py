@@ -1,0 +1,191 @@
+"""Multi-process jobs: two real processes joined through JAX's distributed runtime (gloo on CPU).
+
+Workers live in tests/mp_workers.py; each saves what it computed, and the test
+compares against NumPy / single-process PyTorch references here.
+"""
+
+import multiprocessing
+import time
+
+import mp_workers
+import numpy as np
+import pytest
+import torch
+
+import xlatorch
+import xlatorch.core.xla_model as xm
+import xlatorch.debug.metrics as met
+import xlatorch.distributed.parallel_loader as pl
+import xlatorch.distributed.xla_multiprocessing as xmp
+from xlatorch.distributed.xla_multiprocessing import WorkerError
+
+N = 2
+
+
+def _load(out, n=N):
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(n)]
+
+
+def test_collectives_match_numpy(tmp_path):
+    xmp.spawn(mp_workers.collectives, args=(str(tmp_path),), nprocs=N)
+    res = _load(tmp_path)
+    xs = [np.arange(24.0).reshape(4, 6) + 100 * r for r in range(N)]
+    ints = [np.arange(8).reshape(2, 4) % (r + 2) for r in range(N)]
+    bools = [np.arange(4) % (r + 2) == 0 for r in range(N)]
+    total = sum(xs)
+    expect = {
+        "sum": total,
+        "sum_scaled": total / N,
+        "mul": np.prod([x / 50 for x in xs], axis=0),
+        "min": np.minimum.reduce(ints),
+        "max": np.maximum.reduce(ints),
+        "and": np.logical_and.reduce(bools),
+        "or": np.logical_or.reduce(bools),
+        "list0": total * 0.5,
+        "list1": total,  # (2x summed) * 0.5
+        "gather0": np.concatenate(xs, 0),
+        "gather1": np.concatenate(xs, 1),
+        "scalar": total.sum(),
+    }
+    for r, got in enumerate(res):
+        for k, v in expect.items():
+            np.testing.assert_allclose(got[k].numpy(), v, rtol=1e-6, err_msg=f"replica {r}: {k}")
+        np.testing.assert_allclose(got["scatter0"].numpy(), np.split(total, N, 0)[r])
+        np.testing.assert_allclose(got["scatter1"].numpy(), np.split(total * 0.5, N, 1)[r])
+        np.testing.assert_allclose(got["a2a"].numpy(), np.concatenate([np.split(x, N, 0)[r] for x in xs], 1))
+        assert got["executions"] == 1  # every collective ran inside one computation
+        assert got["rendezvous"] == [f"from {i}".encode() for i in range(N)]
+        assert got["mesh_reduce"].item() == sum(range(1, N + 1))
+
+
+def test_data_parallel_equals_one_process_on_the_whole_batch(tmp_path):
+    steps, per = 4, 6
+    xmp.spawn(mp_workers.data_parallel, args=(str(tmp_path), steps, per), nprocs=N)
+    res = _load(tmp_path)
+    # Reference: one CPU process, the concatenated batch (the mean loss's gradient is the replicas' average).
+    torch.manual_seed(0)
+    model = mp_workers.MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    xs, ys = mp_workers.data(steps, per, N)
+    for s in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(xs[s]), ys[s]).backward()
+        opt.step()
+    for k, v in model.state_dict().items():
+        assert torch.equal(res[0]["params"][k], res[1]["params"][k]), f"replicas differ in {k}"
+        torch.testing.assert_close(res[0]["params"][k], v, rtol=1e-5, atol=1e-6)
+    for r in res:
+        assert r["all_reduce"] == steps and r["compiles"] <= 2
+
+
+@pytest.mark.parametrize("entry", ["spawn", "launch"])
+def test_guide_mnist_with_two_processes(tmp_path, entry):
+    batches = 4
+    if entry == "spawn":
+        xmp.spawn(mp_workers.mnist, args=(str(tmp_path), batches), nprocs=N)
+    else:
+        import os
+
+        os.environ["CPU_NUM_DEVICES"] = str(N)
+        try:
+            xlatorch.launch(mp_workers.mnist, args=(str(tmp_path), batches))
+        finally:
+            del os.environ["CPU_NUM_DEVICES"]
+    res = _load(tmp_path)
+    for r in res:
+        assert r["len"] == batches // N
+        assert r["losses"][-1] < r["losses"][0], r["losses"]
+        assert r["compiles"] <= 3
+    for k in res[0]["params"]:
+        assert torch.equal(res[0]["params"][k], res[1]["params"][k]), f"replicas differ in {k}"
+    # Each replica saw a distinct shard: batch i went to replica i % 2.
+    full = torch.utils.data.DataLoader(mp_workers.synthetic_mnist(batches * 16, seed=2), batch_size=16)
+    batches_t = [t for _, t in full]
+    for r in range(N):
+        assert all(torch.equal(a, b) for a, b in zip(res[r]["targets"], batches_t[r::N]))
+
+
+def _assert_no_children():
+    deadline = time.monotonic() + 5
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not multiprocessing.active_children()
+
+
+def test_a_worker_that_raises_stops_the_job():
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match="worker 1 raised ValueError") as e:
+        xmp.spawn(mp_workers.raises, nprocs=N)
+    assert e.value.index == 1 and "worker one is broken" in str(e.value) and "mp_workers.py" in str(e.value)
+    assert time.monotonic() - t0 < 60
+    _assert_no_children()
+
+
+def test_a_killed_worker_stops_the_job():
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match="worker 1 died with signal SIGKILL"):
+        xmp.spawn(mp_workers.killed, nprocs=N)
+    assert time.monotonic() - t0 < 60
+    _assert_no_children()
+
+
+def test_rendezvous_timeout_is_a_clear_error():
+    with pytest.raises(WorkerError, match="rendezvous 'late' timed out after 2s: replica 1 of 2 did not arrive"):
+        xmp.spawn(mp_workers.late, nprocs=N)
+    _assert_no_children()
+
+
+# --- one process -------------------------------------------------------------------------------
+
+
+def test_single_replica_api():
+    assert xm.is_master_ordinal() and xm.is_master_ordinal(local=False)
+    t = torch.arange(4.0, device="xla")
+    assert torch.equal(xm.all_reduce(xm.REDUCE_SUM, t, scale=2.0).cpu(), torch.arange(4.0) * 2)
+    assert torch.equal(xm.all_gather(t).cpu(), torch.arange(4.0))
+    assert xm.rendezvous("alone", b"x") == [b"x"]
+    assert xm.mesh_reduce("alone", 3, sum) == 3
+
+
+def _loader(n=10, bs=2):
+    ds = torch.utils.data.TensorDataset(torch.arange(n * 3.0).reshape(n, 3), torch.arange(n))
+    return torch.utils.data.DataLoader(ds, batch_size=bs)
+
+
+def test_mp_device_loader_prefetches_and_steps():
+    loader = _loader()
+    mp = pl.MpDeviceLoader(loader, xm.xla_device())
+    assert len(mp) == 5
+    seen = []
+    for x, y in mp:
+        assert x.device.type == "xla" and y.device.type == "xla"
+        seen.append((x * 2).sum())
+    assert [v.item() for v in seen] == [(b[0] * 2).sum().item() for b in loader]
+    assert met.counter_value("MarkStep") >= 6  # one per batch and one at the end
+
+
+def test_parallel_loader_old_api_and_early_stop():
+    loader = _loader(n=200, bs=1)
+    para = pl.ParallelLoader(loader, [xm.xla_device()])
+    it = para.per_device_loader(xm.xla_device())
+    assert len(it) == 200
+    for i, _batch in enumerate(it):
+        if i == 3:
+            break
+    para.close()
+    assert not para._thread.is_alive()
+
+
+def test_loader_error_is_raised_in_the_loop():
+    class Bad(torch.utils.data.Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            if i == 2:
+                raise IndexError("bad sample 2")
+            return torch.ones(2)
+
+    with pytest.raises(RuntimeError, match="bad sample 2"):
+        for _ in pl.MpDeviceLoader(torch.utils.data.DataLoader(Bad(), batch_size=1), "xla"):
+            pass
