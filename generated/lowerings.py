@@ -1540,11 +1540,11 @@ def view_as_real(out, self):
 
 
 def view_as_real__scatter(out, self, src, idx):
-    return lax.complex(src[..., 0], src[..., 1])
+    return L.shape.complex_of_pairs(src)
 
 
 def view_as_complex(out, self):
-    return lax.complex(self[..., 0], self[..., 1])
+    return L.shape.complex_of_pairs(self)
 
 
 def view_as_complex__scatter(out, self, src, idx):

@@ -25,6 +25,8 @@ def _scale(y, n, normalization):
 def fft_r2c(out, self, dim, normalization, onesided):
     """aten._fft_r2c: real -> complex (the last transformed dim halved when ``onesided``)."""
     axes = _axes(self, dim)
+    if self.dtype in (jnp.bfloat16, jnp.float16):  # a precision mode's storage: XLA's FFT needs float32
+        self = self.astype(jnp.float32)
     y = jnp.fft.rfftn(self, axes=axes) if onesided else jnp.fft.fftn(self, axes=axes)
     return _scale(y, math.prod(self.shape[a] for a in axes), normalization).astype(out.dtype)
 

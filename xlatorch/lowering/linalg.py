@@ -6,9 +6,29 @@ getrf), ``info`` is 0 (errors are not checked on the device).
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 import jax.scipy.linalg as jsl
 from jax import lax
+
+_LOW = (jnp.bfloat16, jnp.float16)
+
+
+def _lapack(fn):
+    """Run a factorization or solve in float32 when its inputs are stored in bfloat16/float16.
+
+    LAPACK (and JAX's linalg) has no low-precision kernels, and PyTorch rejects bfloat16 and
+    float16 here; such inputs only arrive from float32/float64 tensors that a precision mode
+    (XLA_USE_BF16, XLA_DOWNCAST_BF16) stores as bfloat16. Results are rounded back to the
+    storage dtype when the node's outputs are cast to their avals.
+    """
+
+    @functools.wraps(fn)
+    def run(out, *args, **kwargs):
+        return fn(out, *(a.astype(jnp.float32) if getattr(a, "dtype", None) in _LOW else a for a in args), **kwargs)
+
+    return run
 
 
 def _scalars(out, beta, alpha):
@@ -71,6 +91,7 @@ def _perm_sign(piv):
     return jnp.where(swaps % 2 == 0, 1, -1)
 
 
+@_lapack
 def linalg_det(out, A):
     """aten._linalg_det: (det, LU, pivots)."""
     lu, piv = _lu(A)
@@ -78,6 +99,7 @@ def linalg_det(out, A):
     return jnp.prod(diag, axis=-1) * _perm_sign(piv).astype(lu.dtype), lu, piv
 
 
+@_lapack
 def linalg_slogdet(out, A):
     """aten._linalg_slogdet: (sign, logabsdet, LU, pivots)."""
     lu, piv = _lu(A)
@@ -88,12 +110,14 @@ def linalg_slogdet(out, A):
     return sign, logabs, lu, piv
 
 
+@_lapack
 def lu_factor_ex(out, A, pivot=True, check_errors=False):
     """aten.linalg_lu_factor_ex: (LU, pivots, info) with partial pivoting."""
     lu, piv = _lu(A)
     return lu, piv, jnp.zeros(out[2].shape, jnp.int32)
 
 
+@_lapack
 def solve_triangular(out, self, B, upper, left=True, unitriangular=False):
     """aten.linalg_solve_triangular: X with self @ X = B (or X @ self = B)."""
     shape = jnp.broadcast_shapes(self.shape[:-2], B.shape[:-2])
@@ -102,6 +126,7 @@ def solve_triangular(out, self, B, upper, left=True, unitriangular=False):
     return lax.linalg.triangular_solve(a, b, left_side=left, lower=not upper, unit_diagonal=unitriangular)
 
 
+@_lapack
 def triangular_solve(out, self, A, upper=True, transpose=False, unitriangular=False):
     """aten.triangular_solve: (solution of op(A) X = self, A)."""
     shape = jnp.broadcast_shapes(A.shape[:-2], self.shape[:-2])
@@ -112,6 +137,7 @@ def triangular_solve(out, self, A, upper=True, transpose=False, unitriangular=Fa
     return x, a
 
 
+@_lapack
 def cholesky_ex(out, self, upper=False, check_errors=False):
     """aten.linalg_cholesky_ex: (L or U, info)."""
     low = jnp.linalg.cholesky(self)
@@ -120,6 +146,7 @@ def cholesky_ex(out, self, upper=False, check_errors=False):
     return res, info
 
 
+@_lapack
 def cholesky_solve(out, self, input2, upper=False):
     """aten.cholesky_solve: X with (L L^H) X = self."""
     shape = jnp.broadcast_shapes(input2.shape[:-2], self.shape[:-2])
@@ -128,12 +155,14 @@ def cholesky_solve(out, self, input2, upper=False):
     return jsl.cho_solve((c, not upper), b)
 
 
+@_lapack
 def cholesky_inverse(out, self, upper=False):
     """aten.cholesky_inverse: (L L^H)^-1."""
     eye = jnp.broadcast_to(jnp.eye(self.shape[-1], dtype=self.dtype), self.shape)
     return jsl.cho_solve((self, not upper), eye)
 
 
+@_lapack
 def linalg_qr(out, A, mode="reduced"):
     """aten.linalg_qr (reduced/complete/r; Householder, LAPACK's signs)."""
     if mode == "r":
@@ -141,11 +170,13 @@ def linalg_qr(out, A, mode="reduced"):
     return jnp.linalg.qr(A, mode=mode)
 
 
+@_lapack
 def inv_ex(out, A, check_errors=False):
     """aten.linalg_inv_ex: (inverse, info)."""
     return jnp.linalg.inv(A), jnp.zeros(out[1].shape, jnp.int32)
 
 
+@_lapack
 def solve_ex(out, A, B, left=True, check_errors=False):
     """aten._linalg_solve_ex: (X, LU, pivots, info); B may be a (batched) vector."""
     lu, piv = _lu(A)
@@ -163,12 +194,14 @@ def solve_ex(out, A, B, left=True, check_errors=False):
     return x, lu, piv, jnp.zeros(out[3].shape, jnp.int32)
 
 
+@_lapack
 def eigh(out, A, UPLO="L", compute_v=True):
     """aten._linalg_eigh: ascending eigenvalues and eigenvectors (sign convention may differ)."""
     w, v = jnp.linalg.eigh(A, UPLO=UPLO, symmetrize_input=False)
     return w, v if compute_v else jnp.zeros(out[1].shape, out[1].dtype)
 
 
+@_lapack
 def svd(out, A, full_matrices=False, compute_uv=True, driver=None):
     """aten._linalg_svd: (U, S, Vh) (singular-vector signs may differ from LAPACK's)."""
     if not compute_uv:
@@ -193,6 +226,7 @@ def diag_embed(out, self, offset=0, dim1=-2, dim2=-1):
     return jnp.moveaxis(res, (-2, -1), (dim1 % len(out.shape), dim2 % len(out.shape)))
 
 
+@_lapack
 def lu_solve(out, LU, pivots, B, left=True, adjoint=False):
     """aten.linalg_lu_solve: X with A X = B (A^H if ``adjoint``; X A = B if not ``left``)."""
     shape = jnp.broadcast_shapes(LU.shape[:-2], B.shape[:-2])

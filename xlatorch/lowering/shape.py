@@ -142,3 +142,14 @@ def index_tensor(out, self, indices):
         else:
             idx.append(i)
     return self[tuple(idx)]
+
+
+def complex_of_pairs(x):
+    """The complex values whose (real, imag) pairs are ``x``'s last dim (``view_as_complex``).
+
+    ``lax.complex`` takes float32/float64 only: a float32 tensor that a precision mode
+    stores as bfloat16 is widened first (exactly; the complex dtypes are never narrowed).
+    """
+    if x.dtype in (jnp.bfloat16, jnp.float16):
+        x = x.astype(jnp.float32)
+    return lax.complex(x[..., 0], x[..., 1])

@@ -1,12 +1,29 @@
-"""PyTorch <-> JAX dtype mapping. int64/float64 are exact: JAX x64 is enabled at import."""
+"""PyTorch <-> JAX dtype mapping. int64/float64 are exact: JAX x64 is enabled at import.
+
+The precision mode is read once, at import, from the environment (torch_xla's and
+lazy_tensor_core's spellings, parsed like their ``GetEnvBool``):
+
+- ``XLA_USE_BF16`` / ``LTC_USE_BF16``: float32 and float64 are stored (and computed) as
+  bfloat16 on the device.
+- ``XLA_DOWNCAST_BF16`` / ``LTC_DOWNCAST_BF16``: float32 is stored as bfloat16 and
+  float64 as float32. (``USE_BF16`` wins for float64 when both are set, as in torch_xla.)
+
+Tensors keep reporting their PyTorch dtype in every mode: IR avals and meta-kernel
+inference use torch dtypes; only ``to_jax`` (the device's storage dtype) changes, and
+transfers convert between the two.
+"""
 
 from __future__ import annotations
+
+import os
+import re
 
 import jax.numpy as jnp
 import numpy as np
 import torch
 
-TORCH_TO_JAX: dict[torch.dtype, np.dtype] = {
+# The dtype that represents each PyTorch dtype exactly (host arrays, CPU tensors).
+EXACT: dict[torch.dtype, np.dtype] = {
     torch.float32: jnp.dtype(jnp.float32),
     torch.float64: jnp.dtype(jnp.float64),
     torch.bfloat16: jnp.dtype(jnp.bfloat16),
@@ -20,15 +37,58 @@ TORCH_TO_JAX: dict[torch.dtype, np.dtype] = {
     torch.complex64: jnp.dtype(jnp.complex64),
     torch.complex128: jnp.dtype(jnp.complex128),
 }
-JAX_TO_TORCH = {v: k for k, v in TORCH_TO_JAX.items()}
+JAX_TO_TORCH = {v: k for k, v in EXACT.items()}
+
+
+def env_flag(*names: str) -> bool:
+    """Whether any of the environment variables is set true: "true" or "false" (any case),
+    else C's ``atoi(value) != 0``, as torch_xla's ``sys_util::GetEnvBool`` reads them."""
+    for name in names:
+        v = os.environ.get(name)
+        if v is None:
+            continue
+        if v.lower() == "true":
+            return True
+        if v.lower() == "false":
+            continue
+        m = re.match(r"\s*([+-]?\d+)", v)
+        if m and int(m.group(1)) != 0:
+            return True
+    return False
+
+
+def storage_map(use_bf16: bool, downcast_bf16: bool) -> dict[torch.dtype, torch.dtype]:
+    """PyTorch dtype -> the PyTorch dtype of its device storage, for the dtypes a mode
+    narrows (torch_xla's ``MaybeDowncastToXlaDeviceType``: ``USE_BF16`` wins for float64)."""
+    if use_bf16:
+        return {torch.float32: torch.bfloat16, torch.float64: torch.bfloat16}
+    if downcast_bf16:
+        return {torch.float32: torch.bfloat16, torch.float64: torch.float32}
+    return {}
+
+
+USE_BF16 = env_flag("XLA_USE_BF16", "LTC_USE_BF16")
+DOWNCAST_BF16 = env_flag("XLA_DOWNCAST_BF16", "LTC_DOWNCAST_BF16")
+STORAGE = storage_map(USE_BF16, DOWNCAST_BF16)
+
+# The JAX dtype that stores each PyTorch dtype on the device: what every lowering,
+# parameter aval and upload uses. A plain dict, so the mode costs nothing per lookup.
+TORCH_TO_JAX: dict[torch.dtype, np.dtype] = {dt: EXACT[STORAGE.get(dt, dt)] for dt in EXACT}
 
 # Python scalars enter graphs as 0-d parameters of these dtypes; ops cast them to
 # their computation dtype, exactly as PyTorch casts a scalar argument.
 PY_SCALAR_DTYPE = {bool: torch.bool, int: torch.int64, float: torch.float64, complex: torch.complex128}
 
+# The JAX dtype a Python number (a weakly typed scalar) is packed as. A float is rounded
+# to the device's precision where it meets a float tensor (weak typing), so it is packed
+# no narrower than float32: an integer op given 301.0 must still see 301, not bf16's 300.
+PY_SCALAR_JAX: dict[torch.dtype, np.dtype] = dict(TORCH_TO_JAX)
+if TORCH_TO_JAX[torch.float64] == jnp.bfloat16:
+    PY_SCALAR_JAX[torch.float64] = jnp.dtype(jnp.float32)
+
 
 def to_jax(dtype: torch.dtype) -> np.dtype:
-    """The JAX dtype that stores a PyTorch dtype; a clear error for unsupported ones."""
+    """The JAX dtype that stores a PyTorch dtype on the device; a clear error for unsupported ones."""
     try:
         return TORCH_TO_JAX[dtype]
     except KeyError:
@@ -36,4 +96,5 @@ def to_jax(dtype: torch.dtype) -> np.dtype:
 
 
 def to_torch(dtype) -> torch.dtype:
+    """The PyTorch dtype a JAX dtype represents exactly."""
     return JAX_TO_TORCH[jnp.dtype(dtype)]

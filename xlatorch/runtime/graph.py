@@ -17,7 +17,7 @@ import numpy as np
 
 from xlatorch.debug import metrics
 from xlatorch.debug.metrics import COUNTERS
-from xlatorch.runtime.dtypes import to_jax
+from xlatorch.runtime.dtypes import PY_SCALAR_JAX, to_jax
 from xlatorch.runtime.failure import FailedValueError, failed_value, is_failed
 from xlatorch.runtime.ir import Data, Out, Scalar, operands
 from xlatorch.runtime.tensor import PENDING
@@ -230,7 +230,7 @@ def wait() -> None:
 
 def _pack(leaves):
     """Host scalars grouped by dtype into one array each: one transfer per dtype, not per scalar."""
-    groups: dict = {}  # dtype -> (group index, values)
+    groups: dict = {}  # packed dtype -> (group index, values)
     kinds = []
     nd = 0
     for v in leaves:
@@ -238,11 +238,13 @@ def _pack(leaves):
             kinds.append(("d", nd))
             nd += 1
         else:
-            gi, vals = groups.setdefault(v.aval[1], (len(groups), []))
             # Python numbers are weakly typed, as in PyTorch: 2.5 * float32 stays float32.
+            # A precision mode may pack them wider than 0-d tensors of their dtype.
+            dt = to_jax(v.aval[1]) if v.tensor else PY_SCALAR_JAX[v.aval[1]]
+            gi, vals = groups.setdefault(dt, (len(groups), []))
             kinds.append((gi, len(vals), not v.tensor))
             vals.append(v.value)
-    packed = [np.asarray(vals, dtype=to_jax(dt)) for dt, (_, vals) in groups.items()]
+    packed = [np.asarray(vals, dtype=dt) for dt, (_, vals) in groups.items()]
     return packed, kinds
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from xlatorch.debug import metrics
-from xlatorch.runtime.dtypes import to_jax
+from xlatorch.runtime.dtypes import EXACT, TORCH_TO_JAX, to_jax
 from xlatorch.runtime.ir import Data, Out
 from xlatorch.runtime.tensor import XlaTensor, value_of
 
@@ -28,14 +28,20 @@ def jax_device():
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    """The host array the device stores for ``t``, in its storage dtype.
+
+    A precision mode rounds float32/float64 here, on the host, so only the narrow data is
+    transferred; with numpy (ml_dtypes): round to nearest even like PyTorch, but NaN keeps
+    its sign (PyTorch's vectorised float -> bfloat16 makes every NaN negative).
+    """
     t = t.detach().contiguous()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(to_jax(torch.bfloat16))
-    return t.numpy()
+    a = t.view(torch.int16).numpy().view(EXACT[torch.bfloat16]) if t.dtype == torch.bfloat16 else t.numpy()
+    want = TORCH_TO_JAX[t.dtype]
+    return a if a.dtype == want else a.astype(want)
 
 
 def to_device(t: torch.Tensor) -> Data:
-    """Upload a CPU tensor; counted in ``TransferToDeviceTime``."""
+    """Upload a CPU tensor, stored in the device's dtype for it; counted in ``TransferToDeviceTime``."""
     to_jax(t.dtype)  # a clear error for unsupported dtypes
     with metrics.timed("TransferToDeviceTime"):
         arr = jax.device_put(_to_numpy(t.cpu()), jax_device())
@@ -43,7 +49,11 @@ def to_device(t: torch.Tensor) -> Data:
 
 
 def _from_array(arr, dtype: torch.dtype) -> torch.Tensor:
-    a = np.array(arr, copy=True)  # never alias a device buffer that may be donated later
+    """A new CPU tensor of ``dtype`` from device data (widened if a precision mode narrowed it)."""
+    a = np.asarray(arr)
+    want = EXACT[dtype]
+    # Always a new host array: never alias a device buffer that may be donated later.
+    a = a.astype(want) if a.dtype != want else a.copy()
     if dtype == torch.bfloat16:
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(a)
