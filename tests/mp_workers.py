@@ -142,3 +142,30 @@ def late(index):
         rendezvous("late", timeout=xr_timeout)
     else:
         time.sleep(8)
+
+
+def ddp(index, out, steps, per_replica):
+    """torch.distributed with the xla backend and DistributedDataParallel."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    import xlatorch.distributed.xla_backend  # noqa: F401 (registers the backend)
+
+    dist.init_process_group("xla", init_method="xla://")
+    n, r = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(r)  # different initial weights: DDP broadcasts replica 0's
+    model = DistributedDataParallel(MLP().to(xm.xla_device()), gradient_as_bucket_view=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    xs, ys = data(steps, per_replica, n)
+    compiles = []
+    for s in range(steps):
+        x = xs[s, r * per_replica:(r + 1) * per_replica].to(xm.xla_device())
+        y = ys[s, r * per_replica:(r + 1) * per_replica].to(xm.xla_device())
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        xm.mark_step()
+        compiles.append(met.counter_value("UncachedCompile"))
+    dist.barrier()
+    _dump(out, {"params": {k: v.cpu() for k, v in model.module.state_dict().items()}, "compiles": compiles})
+    dist.destroy_process_group()

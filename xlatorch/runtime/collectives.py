@@ -22,7 +22,7 @@ from xlatorch.runtime.distributed import world_size
 from xlatorch.runtime.ir import Node, hash_arg
 from xlatorch.runtime.tensor import XlaTensor, value_of, wrap, write
 
-__all__ = ["AXIS", "SPECS", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "REDUCE_TYPES"]
+__all__ = ["AXIS", "SPECS", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "REDUCE_TYPES"]
 
 AXIS = "replicas"
 REDUCE_TYPES = ("sum", "mul", "and", "or", "min", "max")
@@ -64,7 +64,14 @@ def _combine(stacked, reduce_type):
     return stacked.astype(bool).any(0).astype(stacked.dtype) if stacked.dtype != jnp.bool_ else stacked.any(0)
 
 
+def _opaque(x):
+    """``x`` hidden from XLA's simplifier: an all-reduce of a constant (a replica contributing
+    zeros) would otherwise be folded away on that replica only, and the others would wait."""
+    return lax.optimization_barrier(x)
+
+
 def _reduce_one(x, reduce_type, groups):
+    x = _opaque(x)
     if groups is None and x.dtype != jnp.bool_:
         if reduce_type == "sum":
             return lax.psum(x, AXIS)
@@ -87,7 +94,7 @@ def _emit_all_reduce(out, xs, reduce_type, scale, groups):
 
 
 def _emit_all_gather(out, x, dim, groups):
-    stacked = lax.all_gather(x, AXIS)
+    stacked = lax.all_gather(_opaque(x), AXIS)
     if groups is not None:
         stacked = jnp.take(stacked, _members(groups, stacked.shape[0])[lax.axis_index(AXIS)], axis=0)
     d = dim % max(x.ndim, 1)
@@ -109,8 +116,12 @@ def _emit_reduce_scatter(out, xs, reduce_type, scale, dim, shard_count, groups):
     return res
 
 
+def _emit_broadcast(out, x, root):
+    return lax.all_gather(_opaque(x), AXIS)[root]
+
+
 def _emit_all_to_all(out, x, split_dimension, concat_dimension, split_count):
-    return lax.all_to_all(x, AXIS, split_dimension % x.ndim, concat_dimension % x.ndim, tiled=True)
+    return lax.all_to_all(_opaque(x), AXIS, split_dimension % x.ndim, concat_dimension % x.ndim, tiled=True)
 
 
 def _spec(name, emit, arg_names, returns):
@@ -125,7 +136,8 @@ _REDUCE_SCATTER = _spec("xla::reduce_scatter", _emit_reduce_scatter,
                         ["inputs", "reduce_type", "scale", "dim", "shard_count", "groups"], 1)  # fmt: skip
 _ALL_TO_ALL = _spec("xla::all_to_all", _emit_all_to_all,
                     ["input", "split_dimension", "concat_dimension", "split_count"], 0)  # fmt: skip
-SPECS = frozenset({_ALL_REDUCE, _ALL_GATHER, _REDUCE_SCATTER, _ALL_TO_ALL})
+_BROADCAST = _spec("xla::broadcast", _emit_broadcast, ["input", "root"], 0)
+SPECS = frozenset({_ALL_REDUCE, _ALL_GATHER, _REDUCE_SCATTER, _ALL_TO_ALL, _BROADCAST})
 
 
 def _node(spec, vals, avals) -> Node:
@@ -237,3 +249,13 @@ def all_to_all(value, split_dimension: int, concat_dimension: int, split_count: 
     shape[s] //= split_count
     shape[c] *= split_count
     return wrap(_node(_ALL_TO_ALL, (value_of(t), s, c, split_count), [(tuple(shape), t.dtype)]).outs[0])
+
+
+def broadcast(value, root: int = 0):
+    """Replica ``root``'s ``value`` on every replica (same shape and dtype everywhere)."""
+    t = _device_tensor(value, "broadcast")
+    if not 0 <= root < world_size():
+        raise ValueError(f"xlatorch: broadcast root {root} is not an ordinal of the {world_size()} replicas")
+    if world_size() == 1:
+        return t.clone()
+    return wrap(_node(_BROADCAST, (value_of(t), int(root)), [(tuple(t.shape), t.dtype)]).outs[0])

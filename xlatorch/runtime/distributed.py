@@ -24,7 +24,8 @@ import os
 import pickle
 
 __all__ = [
-    "initialize", "shutdown", "is_initialized", "world_size", "global_ordinal", "local_ordinal", "local_world_size",
+    "initialize", "shutdown", "is_initialized", "coordinator_address", "world_size", "global_ordinal",
+    "local_ordinal", "local_world_size",
     "rendezvous", "RendezvousTimeout", "reduce_gradients",
 ]  # fmt: skip
 
@@ -72,6 +73,19 @@ def _from_torchrun() -> None:
     env["XLATORCH_RANK"] = env["RANK"]
     env["XLATORCH_LOCAL_RANK"] = env.get("LOCAL_RANK", env["RANK"])
     env["XLATORCH_LOCAL_WORLD_SIZE"] = env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])
+
+
+def coordinator_address() -> tuple[str, int]:
+    """(host, port) of the job's coordination service (``127.0.0.1`` and a free port alone)."""
+    addr = os.environ.get("XLATORCH_COORDINATOR")
+    if not addr:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            addr = os.environ["XLATORCH_COORDINATOR"] = f"127.0.0.1:{s.getsockname()[1]}"
+    host, port = addr.rsplit(":", 1)
+    return host, int(port)
 
 
 def shutdown() -> None:

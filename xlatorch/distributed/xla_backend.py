@@ -1,0 +1,145 @@
+"""The ``xla`` backend of ``torch.distributed`` (so ``DistributedDataParallel`` runs on xla tensors).
+
+``import xlatorch.distributed.xla_backend`` registers the backend and the ``xla://``
+init method; then, in every process of an ``xmp.spawn`` / ``xlatorch.launch`` job::
+
+    dist.init_process_group("xla", init_method="xla://")
+    model = DDP(model.to(xm.xla_device()), gradient_as_bucket_view=True)
+
+Each collective becomes the same IR node as ``xm.all_reduce`` & co, so DDP's gradient
+all-reduces join the step's one computation; the returned work is already complete
+(the value is lazy, like every xla tensor). The c10d store that ``init_process_group``
+needs is a ``TCPStore`` held by process 0 on the coordinator's host, port + 1.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import (
+    AllgatherOptions,
+    AllreduceCoalescedOptions,
+    AllreduceOptions,
+    AllToAllOptions,
+    BarrierOptions,
+    BroadcastOptions,
+    ReduceOp,
+    ReduceScatterOptions,
+    _create_work_from_future,
+)
+from torch.futures import Future
+
+from xlatorch.runtime import collectives, distributed
+
+__all__ = ["ProcessGroupXla"]
+
+_REDUCE = {ReduceOp.SUM: "sum", ReduceOp.PRODUCT: "mul", ReduceOp.MIN: "min", ReduceOp.MAX: "max",
+           ReduceOp.BAND: "and", ReduceOp.BOR: "or", ReduceOp.AVG: "sum"}  # fmt: skip
+
+
+# Defaults for Python callers (c10d always passes options).
+_ALLREDUCEOPTIONS = AllreduceOptions()
+_ALLREDUCECOALESCEDOPTIONS = AllreduceCoalescedOptions()
+_BROADCASTOPTIONS = BroadcastOptions()
+_ALLGATHEROPTIONS = AllgatherOptions()
+_REDUCESCATTEROPTIONS = ReduceScatterOptions()
+_ALLTOALLOPTIONS = AllToAllOptions()
+_BARRIEROPTIONS = BarrierOptions()
+
+
+def _done(result):
+    fut = Future()
+    fut.set_result(result)
+    return _create_work_from_future(fut)
+
+
+class ProcessGroupXla(dist.ProcessGroup):
+    """A process group over every replica of the job; collectives are lazy IR nodes."""
+
+    def __init__(self, prefix_store, rank: int, size: int, timeout):
+        super().__init__(rank, size)
+        self._rank, self._size = rank, size
+
+    def getBackendName(self) -> str:
+        return "xla"
+
+    def _reduce_args(self, op):
+        op = getattr(op, "op", op)
+        if op not in _REDUCE:
+            raise NotImplementedError(f"xlatorch: the xla backend does not support reduce op {op}")
+        return _REDUCE[op], (1.0 / self._size if op == ReduceOp.AVG else 1.0)
+
+    def allreduce(self, tensors, opts=_ALLREDUCEOPTIONS):
+        if isinstance(opts, ReduceOp):
+            opts = AllreduceOptions(reduceOp=opts)
+        kind, scale = self._reduce_args(opts.reduceOp)
+        collectives.all_reduce(kind, list(tensors), scale=scale)
+        return _done(tensors)
+
+    def allreduce_coalesced(self, tensors, opts=_ALLREDUCECOALESCEDOPTIONS):
+        kind, scale = self._reduce_args(opts.reduceOp)
+        collectives.all_reduce(kind, list(tensors), scale=scale)
+        return _done(tensors)
+
+    def broadcast(self, tensors, opts=_BROADCASTOPTIONS):
+        for t in tensors:
+            t.copy_(collectives.broadcast(t, opts.rootRank))
+        return _done(tensors)
+
+    def allgather(self, output_tensors, input_tensors, opts=_ALLGATHEROPTIONS):
+        for outs, t in zip(output_tensors, input_tensors):
+            gathered = collectives.all_gather(t.unsqueeze(0), dim=0)
+            for i, o in enumerate(outs):
+                o.copy_(gathered[i])
+        return _done(output_tensors)
+
+    def _allgather_base(self, output, input, opts=_ALLGATHEROPTIONS):
+        output.copy_(collectives.all_gather(input, dim=0))
+        return _done(output)
+
+
+
+    def reduce_scatter(self, output_tensors, input_lists, opts=_REDUCESCATTEROPTIONS):
+        kind, scale = self._reduce_args(opts.reduceOp)
+        for out, ins in zip(output_tensors, input_lists):
+            full = torch.cat([t.unsqueeze(0) for t in ins])
+            out.copy_(collectives.reduce_scatter(kind, full, scale, 0, self._size).squeeze(0))
+        return _done(output_tensors)
+
+    def _reduce_scatter_base(self, output, input, opts=_REDUCESCATTEROPTIONS):
+        kind, scale = self._reduce_args(opts.reduceOp)
+        output.copy_(collectives.reduce_scatter(kind, input, scale, 0, self._size))
+        return _done(output)
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=_ALLTOALLOPTIONS):
+        if output_split_sizes or input_split_sizes:
+            raise NotImplementedError("xlatorch: all_to_all with uneven splits is not supported")
+        output.copy_(collectives.all_to_all(input, 0, 0, self._size))
+        return _done(output)
+
+    def barrier(self, opts=_BARRIEROPTIONS):
+        distributed.rendezvous("xlatorch.c10d.barrier")
+        return _done(None)
+
+    def size(self) -> int:
+        return self._size
+
+
+def _create(prefix_store, rank, size, timeout):
+    return ProcessGroupXla(prefix_store, rank, size, timeout)
+
+
+def _xla_rendezvous(url: str, timeout: timedelta = timedelta(minutes=5), **kwargs):
+    """``init_method="xla://"``: rank and world size from the job, a TCPStore held by process 0."""
+    distributed.initialize()
+    host, port = distributed.coordinator_address()
+    rank, size = distributed.global_ordinal(), distributed.world_size()
+    store = dist.TCPStore(host, port + 1, size, is_master=rank == 0, timeout=timeout)
+    yield store, rank, size
+
+
+if "xla" not in dist.Backend.backend_list:
+    dist.Backend.register_backend("xla", _create, devices=["xla"])
+    dist.register_rendezvous_handler("xla", _xla_rendezvous)
