@@ -106,12 +106,14 @@ def mnist(index, out, batches):
     losses, seen = [], []
     model.train()
     for _ in range(3):  # epochs over the same few batches: the loss must fall
-        for data, target in mp_loader:
+        for batch_idx, (data, target) in enumerate(mp_loader):
             optimizer.zero_grad()
             output = model(data)
             loss = loss_fn(output, target)
             loss.backward()
             xm.optimizer_step(optimizer)
+            if batch_idx % 2 == 0 and xm.is_master_ordinal(local=False):
+                print(f"Process {index} Loss: {loss.item():.6f}")  # a host read on the master only
             losses.append(loss)
             seen.append(target)
     _dump(out, {"params": {k: v.cpu() for k, v in model.state_dict().items()},
