@@ -54,7 +54,11 @@ def mark_step(wait: bool = False, reset_scope: bool = True) -> None:
     Runs asynchronously unless ``wait``. Appends metrics to ``$XLA_METRICS_FILE`` if set.
     """
     COUNTERS["MarkStep"] += 1
-    _sync("mark_step")
+    from xlatorch.runtime.distributed import thread_replicas
+    from xlatorch.runtime.ir import current_device
+
+    # Under dp.DataParallel each thread steps its own device.
+    _sync("mark_step", current_device() if thread_replicas() else None)
     if wait:
         wait_device_ops()
     metrics.write_step_metrics()

@@ -41,43 +41,44 @@ def _is_sharded(loader) -> bool:
     )
 
 
-def _shard(loader):
-    """This replica's batches: every ``world_size``-th, in whole rounds only."""
+def _rounds(loader, per_round: int):
+    """This process's batches, ``per_round`` at a time: round r holds the batches its
+    replicas (``per_round`` local devices) take; whole rounds only."""
     n, rank = _world()
-    if n == 1 or _is_sharded(loader):
-        yield from loader
-        return
+    if n > 1 and _is_sharded(loader):
+        n = 1  # the sampler already gives this process its own part
+    size, mine = n * per_round, rank * per_round
     it = iter(loader)
     while True:
-        mine = None
-        for i in range(n):
+        group = []
+        for _ in range(size):
             try:
-                b = next(it)
+                group.append(next(it))
             except StopIteration:
                 return
-            if i == rank:
-                mine = b
-        yield mine
+        yield group[mine:mine + per_round]
 
 
-def _shard_len(loader) -> int:
+def _shard_len(loader, per_round: int = 1) -> int:
     n, _ = _world()
-    return len(loader) if n == 1 or _is_sharded(loader) else len(loader) // n
+    if n > 1 and _is_sharded(loader):
+        n = 1
+    return len(loader) // (n * per_round)
 
 
-def _to_device(batch, device):
+def _to_device(batch, dev: int):
     from xlatorch.runtime.tensor import wrap
     from xlatorch.runtime.transfer import to_device
 
-    return tree_map(lambda t: wrap(to_device(t)) if isinstance(t, torch.Tensor) else t, batch)
+    return tree_map(lambda t: wrap(to_device(t, dev)) if isinstance(t, torch.Tensor) else t, batch)
 
 
 class PerDeviceLoader:
     """Iterates one device's batches; calls ``mark_step`` between batches."""
 
-    def __init__(self, parallel: ParallelLoader, device):
+    def __init__(self, parallel: ParallelLoader, slot: int):
         self._parallel = parallel
-        self._device = device
+        self._slot = slot
         self._since_step = parallel._batches_per_execution  # a mark_step before the first batch
 
     def __iter__(self):
@@ -89,7 +90,7 @@ class PerDeviceLoader:
         if self._since_step >= self._parallel._batches_per_execution:
             self._since_step = 0
             xm.mark_step()
-        item = self._parallel._next()
+        item = self._parallel._next(self._slot)
         if item is _END:
             xm.mark_step()
             raise StopIteration
@@ -99,7 +100,7 @@ class PerDeviceLoader:
     next = __next__
 
     def __len__(self) -> int:
-        return _shard_len(self._parallel._loader)
+        return _shard_len(self._parallel._loader, len(self._parallel._devices))
 
     def close(self) -> None:
         self._parallel.close()
@@ -109,7 +110,8 @@ class PerDeviceLoader:
 
 
 class ParallelLoader:
-    """Prefetches ``loader``'s batches to ``devices`` (one device per process here).
+    """Prefetches ``loader``'s batches to ``devices`` (this process's device, or the local
+    devices of ``dp.DataParallel``: batch ``i`` of each round goes to device ``i``).
 
     ``per_device_loader(device)`` gives the iterator for a device. The prefetch thread
     stops when the data ends, when ``close()`` is called, or when the per-device
@@ -120,51 +122,60 @@ class ParallelLoader:
     def __init__(self, loader, devices, batchdim: int = 0, batches_per_execution: int = 1,
                  loader_prefetch_size: int = 8, device_prefetch_size: int = 4,
                  host_to_device_transfer_threads: int = 1, input_sharding=None):  # fmt: skip
-        devices = [torch.device(d) for d in devices]
-        if len(devices) != 1:
-            raise ValueError(f"xlatorch: ParallelLoader drives this process's one device, got {devices}")
+        from xlatorch.runtime.ir import device_index
+
+        self._devices = [torch.device(d) for d in devices]
+        if not self._devices:
+            raise ValueError("xlatorch: ParallelLoader needs at least one device")
+        self._index = [device_index(d) if len(self._devices) == 1 else (d.index or 0) for d in self._devices]
         self._loader = loader
-        self._device = devices[0]
         self._batches_per_execution = batches_per_execution
-        self._queue: queue.Queue = queue.Queue(maxsize=max(1, device_prefetch_size))
+        self._queues = [queue.Queue(maxsize=max(1, device_prefetch_size)) for _ in self._devices]
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._worker, name="xlatorch-prefetch", daemon=True)
         self._thread.start()
 
     def per_device_loader(self, device) -> PerDeviceLoader:
-        if torch.device(device) != self._device:
-            raise ValueError(f"xlatorch: this ParallelLoader feeds {self._device}, not {device}")
-        return PerDeviceLoader(self, self._device)
+        device = torch.device(device)
+        for slot, d in enumerate(self._devices):
+            if d == device or (len(self._devices) == 1 and d.type == device.type):
+                return PerDeviceLoader(self, slot)
+        raise ValueError(f"xlatorch: this ParallelLoader feeds {self._devices}, not {device}")
 
     def per_device_samples(self) -> int:
-        return _shard_len(self._loader)
+        return _shard_len(self._loader, len(self._devices))
 
-    def _put(self, item) -> bool:
+    def _put(self, slot: int, item) -> bool:
         while not self._stop.is_set():
             try:
-                self._queue.put(item, timeout=0.1)
+                self._queues[slot].put(item, timeout=0.1)
                 return True
             except queue.Full:
                 continue
         return False
 
     def _worker(self) -> None:
+        n = len(self._devices)
         try:
-            for batch in _shard(self._loader):
-                if self._stop.is_set() or not self._put(_to_device(batch, self._device)):
-                    return
-        except BaseException as e:  # noqa: BLE001 (re-raised in the consuming thread)
-            self._put(e)
+            for group in _rounds(self._loader, n):
+                for slot, batch in enumerate(group):
+                    if self._stop.is_set() or not self._put(slot, _to_device(batch, self._index[slot])):
+                        return
+        except BaseException as e:  # noqa: BLE001 (re-raised in the consuming threads)
+            for slot in range(n):
+                self._put(slot, e)
             return
-        self._put(_END)
+        for slot in range(n):
+            self._put(slot, _END)
 
-    def _next(self):
+    def _next(self, slot: int):
+        q = self._queues[slot]
         while True:
             try:
-                item = self._queue.get(timeout=0.1)
+                item = q.get(timeout=0.1)
                 break
             except queue.Empty:
-                if not self._thread.is_alive() and self._queue.empty():
+                if not self._thread.is_alive() and q.empty():
                     return _END
         if isinstance(item, BaseException):
             self.close()

@@ -16,6 +16,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from xlatorch.debug.metrics import COUNTERS
+from xlatorch.runtime.ir import device_index
 from xlatorch.runtime.tensor import XlaTensor, wrap, write
 
 __all__ = ["run_on_cpu", "ORIGINS", "user_frame"]
@@ -74,7 +75,9 @@ def run_on_cpu(func, args, kwargs):
     cargs = tree_map(down, args)
     ckwargs = tree_map(down, kwargs)
     to_xla = bool(xla_in)
+    dev = xla_in[0][0]._st.dev if xla_in else None  # results go to the inputs' local device
     if _is_xla_device(ckwargs.get("device")):
+        dev = device_index(torch.device(ckwargs["device"]))
         ckwargs["device"] = "cpu"
         to_xla = True
     res = func(*cargs, **ckwargs)
@@ -86,7 +89,7 @@ def run_on_cpu(func, args, kwargs):
             src = cargs[i] if i < len(cargs) else ckwargs.get(arg.name)
             dst = args[i] if i < len(args) else kwargs.get(arg.name)
             if type(dst) is XlaTensor:
-                write(dst, to_device(src))
+                write(dst, to_device(src, dst._st.dev))
                 mutated[id(src)] = dst
 
     def up(r):
@@ -94,7 +97,7 @@ def run_on_cpu(func, args, kwargs):
             if id(r) in mutated:
                 return mutated[id(r)]
             if to_xla:
-                return wrap(to_device(r))
+                return wrap(to_device(r, dev))
         return r
 
     return tree_map(up, res)

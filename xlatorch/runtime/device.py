@@ -12,8 +12,9 @@ import torch
 
 from xlatorch.runtime import dynamic, rng, views
 from xlatorch.runtime.dispatch import RUNTIME_OPS, SHIMS, call, convert_value, node
+from xlatorch.runtime.ir import device_index
 from xlatorch.runtime.tensor import XlaTensor, value_of, wrap, write
-from xlatorch.runtime.transfer import to_cpu, to_device
+from xlatorch.runtime.transfer import to_cpu, to_device, to_other_device
 
 aten = torch.ops.aten
 
@@ -35,7 +36,9 @@ class _DeviceModule:
 
     @staticmethod
     def device_count() -> int:
-        return 1
+        from xlatorch.runtime.transfer import local_device_count
+
+        return local_device_count()
 
     @staticmethod
     def _is_in_bad_fork() -> bool:
@@ -104,9 +107,11 @@ def _to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None, non
     if not _xla_target(device):
         cpu = to_cpu(self)
         return cpu.to(device=device, dtype=dtype or cpu.dtype)
+    dev = device_index(torch.device(device) if device is not None else None)
     if type(self) is not XlaTensor:
-        return wrap(to_device(self.to(dtype=dtype or self.dtype)))
-    return wrap(convert_value(value_of(self), dtype or self.dtype))
+        return wrap(to_device(self.to(dtype=dtype or self.dtype), dev))
+    v = value_of(self) if device is None or self._st.dev == dev else to_other_device(self, dev)
+    return wrap(convert_value(v, dtype or self.dtype))
 
 
 def _fit(v, dst: XlaTensor):
@@ -123,9 +128,9 @@ def _copy_(self, src, non_blocking=False):
         self.copy_(to_cpu(src))
         return self
     if type(src) is XlaTensor:
-        v = value_of(src)
+        v = value_of(src) if src._st.dev == self._st.dev else to_other_device(src, self._st.dev)
     else:
-        v = to_device(src)
+        v = to_device(src, self._st.dev)
     write(self, _fit(v, self))
     return self
 

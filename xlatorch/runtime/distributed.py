@@ -100,18 +100,37 @@ def is_initialized() -> bool:
     return _world["joined"]
 
 
+_threads = {"count": 0}  # > 0 while dp.DataParallel runs one replica per local device in threads
+
+
+def set_thread_replicas(count: int) -> None:
+    """``dp.DataParallel``: ``count`` replicas are this process's first ``count`` local devices,
+    one thread each (0: back to one replica per process)."""
+    _threads["count"] = count
+
+
+def thread_replicas() -> int:
+    return _threads["count"]
+
+
 def world_size() -> int:
-    """Number of replicas (processes) in the job."""
-    return _world["size"]
+    """Number of replicas in the job: processes, or the devices of ``dp.DataParallel``."""
+    return _threads["count"] or _world["size"]
 
 
 def global_ordinal() -> int:
-    """This process's replica index in the job."""
+    """This replica's index in the job (under ``dp.DataParallel``, this thread's device)."""
+    if _threads["count"]:
+        from xlatorch.runtime.ir import current_device
+
+        return current_device()
     return _world["rank"]
 
 
 def local_ordinal() -> int:
-    """This process's replica index on its host."""
+    """This replica's index on its host."""
+    if _threads["count"]:
+        return global_ordinal()
     return _world["local_rank"]
 
 

@@ -31,11 +31,16 @@ warnings.filterwarnings("ignore", message="Some donated buffers were not usable"
 
 
 class Executable:
-    __slots__ = ("compiled", "scalar_dtypes")
+    """A compiled graph: ``compiled(arrays, packed)`` runs it for this process's device; a
+    graph whose collectives span several local devices (``threads`` > 1) runs once for all
+    of them through ``run_all([(arrays, packed) per device])``."""
 
-    def __init__(self, compiled, scalar_dtypes):
+    __slots__ = ("compiled", "run_all", "threads")
+
+    def __init__(self, compiled, run_all=None, threads=0):
         self.compiled = compiled
-        self.scalar_dtypes = scalar_dtypes
+        self.run_all = run_all
+        self.threads = threads
 
 
 class _Ref:
@@ -141,43 +146,72 @@ def _weak(v):
     return _convert_element_type(v, weak_type=True)
 
 
-def sync(reason: str = "mark_step") -> None:
-    """Materialise every live pending tensor with one (cached) XLA execution."""
-    storages = [st for st in PENDING.values() if type(st.value) is Out]
+def _sid(st) -> int:
+    return st.sid
+
+
+def sync(reason: str = "mark_step", dev: int | None = None) -> None:
+    """Materialise every live pending tensor (of local device ``dev``, default: all devices),
+    with one (cached) XLA execution per device."""
+    # Creation order: the same for every replica running the same program whichever way it
+    # reached this sync (a replicated graph must be the same program on every replica).
+    storages = sorted((st for st in PENDING.values() if type(st.value) is Out), key=_sid)
+    if dev is None:
+        devs = {st.dev for st in storages}
+        if len(devs) > 1:
+            for d in sorted(devs):
+                sync(reason, d)
+            return
+        everything = True
+    else:
+        everything = all(st.dev == dev for st in storages)
+        storages = [st for st in storages if st.dev == dev]
     if not storages:
-        PENDING.clear()
+        if everything:
+            PENDING.clear()
         return
     t0 = time.perf_counter_ns()
     roots = [st.value for st in storages]
     nodes, leaves, enc, root_refs = _collect(roots)
     storages, failed = _split_failed(storages, nodes)
     if failed is not None:  # run what does not depend on the failure, then report it
-        sync(reason)
+        sync(reason, dev)
         raise FailedValueError(f"xlatorch: a tensor's value could not be computed: {failed}") from failed
     data = [v for v in leaves if type(v) is Data]
     # Donate buffers no live tensor holds any more, when an output can reuse them.
     out_avals = {r.aval for r in roots}
     donate = tuple(i for i, v in enumerate(data) if v.holders == 0 and v.aval in out_avals)
-    key = (tuple(enc), root_refs, tuple(v.sig for v in leaves), donate)
+    gdev = storages[0].dev
+    key = (tuple(enc), root_refs, tuple(v.sig for v in leaves), donate, gdev)
     exe = CACHE.get(key)
     packed, leaf_kinds = _pack(leaves)
     try:
         if exe is None:
             COUNTERS["UncachedCompile"] += 1
             with metrics.timed("CompileTime"):
-                exe = _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate)
+                exe = _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, gdev)
             CACHE[key] = exe
         else:
             COUNTERS["CachedCompile"] += 1
         metrics.add_sample("TensorsGraphSize", len(nodes))
         with metrics.timed("ExecuteTime"):
-            outs = exe.compiled([d.array for d in data], packed)
+            arrays = [d.array for d in data]
+            if exe.threads:
+                from xlatorch.runtime.replication import run_replicated
+
+                outs = run_replicated(exe, gdev, arrays, packed)
+            else:
+                outs = exe.compiled(arrays, packed)
     except Exception as e:
         _fail(storages, e)
         raise
     for st, arr in zip(storages, outs):
-        st.set(Data(arr, st.value.aval))
-    PENDING.clear()
+        st.set(Data(arr, st.value.aval, gdev))
+    if everything:
+        PENDING.clear()
+    else:
+        for st in storages:
+            PENDING.pop(st.sid, None)
     _last[:] = outs
     global _last_sync
     now = time.perf_counter_ns()
@@ -248,11 +282,18 @@ def _pack(leaves):
     return packed, kinds
 
 
-def _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate):
+def _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, dev=0):
     plan = _plan(nodes, leaves)
     fn = _lower_fn(plan, leaf_kinds, root_refs)
-    data_avals = [jax.ShapeDtypeStruct(d.aval[0], to_jax(d.aval[1])) for d in data]
-    packed_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in packed]
+    placed = None
+    if dev:  # a local device other than the default one (dp.DataParallel)
+        from jax.sharding import SingleDeviceSharding
+
+        from xlatorch.runtime.transfer import jax_device
+
+        placed = SingleDeviceSharding(jax_device(dev))
+    data_avals = [jax.ShapeDtypeStruct(d.aval[0], to_jax(d.aval[1]), sharding=placed) for d in data]
+    packed_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed) for a in packed]
 
     # Donation is per data parameter: buffers no live tensor holds any more.
     donate_mask = set(donate)
@@ -266,12 +307,21 @@ def _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate):
 
     if any(n.spec in COLLECTIVES for n in nodes):
         return _compile_spmd(body, args, [r.aval for r in _roots(nodes, leaves, root_refs)], donate, kept)
-    compiled = jax.jit(body, donate_argnums=(0,)).lower(*args).compile()
+    out_shardings = None if placed is None else placed
+    compiled = jax.jit(body, donate_argnums=(0,), out_shardings=out_shardings).lower(*args).compile()
+    if placed is not None:
+        local = placed._device
+
+        def call(arrays, packed_vals):
+            packed_vals = [jax.device_put(p, local) for p in packed_vals]
+            return compiled([arrays[i] for i in donate], [arrays[i] for i in kept], packed_vals)
+
+        return Executable(call)
 
     def call(arrays, packed_vals):
         return compiled([arrays[i] for i in donate], [arrays[i] for i in kept], packed_vals)
 
-    return Executable(call, tuple(packed))
+    return Executable(call)
 
 
 def _roots(nodes, leaves, root_refs):
@@ -279,23 +329,31 @@ def _roots(nodes, leaves, root_refs):
 
 
 def _compile_spmd(body, args, out_avals, donate, kept):
-    """A graph with collectives: one SPMD program over the global mesh, one device per replica.
+    """A graph with collectives: one SPMD program over the replicas' devices.
 
-    Each replica's local array is its block of a global array split along axis 0
-    (0-d values travel as shape (1,)); inside ``shard_map`` the blocks are the local
-    values again, so the lowering is the same as for a one-replica graph.
+    Replicas are processes (one device each, the job's global mesh) or, under
+    ``dp.DataParallel``, this process's local devices. Each replica's array is its block
+    of a global array split along axis 0 (0-d values travel as shape (1,)); inside
+    ``shard_map`` the blocks are the local values again, so the lowering is the same as
+    for a one-replica graph.
     """
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+    from xlatorch.runtime import distributed
     from xlatorch.runtime.collectives import AXIS
-    from xlatorch.runtime.transfer import jax_device
+    from xlatorch.runtime.transfer import jax_device, local_device_count
 
-    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    threads = distributed.thread_replicas()
+    if threads:
+        devices = [jax_device(i) for i in range(local_device_count())][:threads]
+        local = devices
+    else:
+        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+        local = [jax_device()]
     mesh = Mesh(np.array(devices), (AXIS,))
     spec = PartitionSpec(AXIS)
     sharding = NamedSharding(mesh, spec)
     n = len(devices)
-    local = jax_device()
 
     def block(a):  # the local block's aval (0-d travels as (1,))
         return a.shape or (1,)
@@ -320,23 +378,34 @@ def _compile_spmd(body, args, out_avals, donate, kept):
                    for group in args]  # fmt: skip
     compiled = jax.jit(mapped, donate_argnums=(0,)).lower(*global_args).compile()
 
-    def to_global(x):
-        if isinstance(x, np.ndarray):
-            x = jax.device_put(x, local)
-        if x.ndim == 0:
-            x = x.reshape(1)
-        return jax.make_array_from_single_device_arrays(glob(x.shape), sharding, [x])
+    def to_global(parts):
+        """One global array from each local replica's block."""
+        blocks = []
+        for x, dev in zip(parts, local):
+            if isinstance(x, np.ndarray):
+                x = jax.device_put(x, dev)
+            blocks.append(x.reshape(1) if x.ndim == 0 else x)
+        return jax.make_array_from_single_device_arrays(glob(blocks[0].shape), sharding, blocks)
 
-    def call(arrays, packed_vals):
-        outs = compiled([to_global(arrays[i]) for i in donate], [to_global(arrays[i]) for i in kept],
-                        [to_global(p) for p in packed_vals])  # fmt: skip
-        res = []
+    def run_all(contribs):
+        """[(arrays, packed) per local replica] -> [outputs per local replica]."""
+        cols = lambda idx, j: [c[j][i] for c in contribs for i in [idx]]  # noqa: E731
+        g_don = [to_global(cols(i, 0)) for i in donate]
+        g_kept = [to_global(cols(i, 0)) for i in kept]
+        g_packed = [to_global(cols(i, 1)) for i in range(len(contribs[0][1]))]
+        outs = compiled(g_don, g_kept, g_packed)
+        res = [[] for _ in contribs]
         for o, shape in zip(outs, out_shapes):
-            x = o.addressable_shards[0].data
-            res.append(x.reshape(shape) if x.shape != shape else x)
+            shards = {s.device: s.data for s in o.addressable_shards}
+            for r, dev in enumerate(local):
+                x = shards[dev]
+                res[r].append(x.reshape(shape) if x.shape != shape else x)
         return res
 
-    return Executable(call, None)
+    def call(arrays, packed_vals):
+        return run_all([(arrays, packed_vals)])[0]
+
+    return Executable(call, run_all, threads)
 
 
 def _merge(donated, kept, mask):

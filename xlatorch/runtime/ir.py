@@ -8,7 +8,53 @@ over new data (or new scalar values) hashes the same and reuses its executable.
 
 from __future__ import annotations
 
-__all__ = ["Data", "Scalar", "Node", "Out", "Value", "VALUE_TYPES", "hash_arg", "operands"]
+import threading
+
+__all__ = ["Data", "Scalar", "Node", "Out", "Value", "VALUE_TYPES", "hash_arg", "operands", "current_device",
+           "enable_multi_device", "device_index"]  # fmt: skip
+
+# Local device placement. With one device (the common case) every value lives on device 0
+# and nothing below looks further. With several (``dp.DataParallel``), a node lives on its
+# first operand's device, and a node without operands (a factory) on the device of the
+# thread that built it.
+_multi = False
+_thread = threading.local()
+
+
+def enable_multi_device() -> None:
+    global _multi
+    _multi = True
+
+
+def current_device() -> int:
+    """The local device index new values go to in this thread (``dp.DataParallel`` sets it)."""
+    return getattr(_thread, "device", 0)
+
+
+def set_current_device(index: int) -> None:
+    _thread.device = index
+
+
+def _node_device(args) -> int:
+    for a in args:
+        t = type(a)
+        if t is Data or t is Out:
+            return a.dev
+        if t is tuple:
+            for x in a:
+                if type(x) is Data or type(x) is Out:
+                    return x.dev
+        elif getattr(a, "type", None) == "xla" and getattr(a, "index", None):  # a torch.device
+            return a.index
+    return current_device()
+
+
+def device_index(device) -> int:
+    """The local device a ``torch.device('xla', i)`` names. Device tensors all report ``xla:0``
+    to PyTorch (its autograd engine supports one device of a Python backend), so index 0
+    (or none) means this thread's device; ``xla:i`` for i > 0 names device i."""
+    index = getattr(device, "index", None) if device is not None else None
+    return index or current_device()
 
 
 class Data:
@@ -18,13 +64,14 @@ class Data:
     to zero, a step that reads it may donate its buffer.
     """
 
-    __slots__ = ("array", "aval", "sig", "hash", "holders")
+    __slots__ = ("array", "aval", "sig", "hash", "holders", "dev")
 
-    def __init__(self, array, aval):
+    def __init__(self, array, aval, dev=0):
         self.array = array
         self.aval = self.sig = aval
         self.hash = hash(aval)
         self.holders = 0
+        self.dev = dev
 
 
 class Scalar:
@@ -53,7 +100,7 @@ class Node:
     cannot: ``hash(-1) == hash(-2)``, so dims -1 and -2 would share an executable.)
     """
 
-    __slots__ = ("spec", "args", "info", "hash", "key", "outs")
+    __slots__ = ("spec", "args", "info", "hash", "key", "outs", "dev")
 
     def __init__(self, spec, args, info, h, key):
         self.spec = spec
@@ -61,6 +108,7 @@ class Node:
         self.info = info
         self.hash = h
         self.key = key
+        self.dev = _node_device(args) if _multi else 0
         self.outs = tuple(None if aval is None else Out(self, i, aval) for i, aval in enumerate(info.avals))
 
 
@@ -74,6 +122,10 @@ class Out:
         self.idx = idx
         self.aval = self.sig = aval
         self.hash = hash((node.hash, idx))
+
+    @property
+    def dev(self) -> int:
+        return self.node.dev
 
 
 Value = Data | Scalar | Out

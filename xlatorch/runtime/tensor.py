@@ -33,11 +33,12 @@ _ids = itertools.count()
 class Storage:
     """The mutable cell shared by a tensor and all its aliases and views."""
 
-    __slots__ = ("value", "gen", "sid", "__weakref__")
+    __slots__ = ("value", "gen", "sid", "dev", "__weakref__")
 
     def __init__(self, value):
         self.gen = 0
         self.sid = next(_ids)
+        self.dev = getattr(value, "dev", 0)  # the local device index (see ir.current_device)
         self.value = None
         self.set(value)
 

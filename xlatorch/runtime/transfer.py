@@ -8,23 +8,27 @@ import torch
 
 from xlatorch.debug import metrics
 from xlatorch.runtime.dtypes import EXACT, TORCH_TO_JAX, to_jax
-from xlatorch.runtime.ir import Data, Out
+from xlatorch.runtime.ir import Data, Out, current_device
 from xlatorch.runtime.tensor import XlaTensor, value_of
 
 __all__ = ["to_device", "to_cpu", "jax_device"]
 
-_device = None
+_devices: list = []
 
 
-def jax_device():
-    """The JAX device backing ``xla:0`` (the first local device of the default backend)."""
-    global _device
-    if _device is None:
+def jax_device(dev: int = 0):
+    """The JAX device backing local device ``dev`` (``xla:0`` is the first local device)."""
+    if not _devices:
         from xlatorch.runtime import distributed
 
         distributed.initialize()  # join the job the environment describes (a no-op alone)
-        _device = jax.local_devices()[0]
-    return _device
+        _devices.extend(jax.local_devices())
+    return _devices[dev]
+
+
+def local_device_count() -> int:
+    jax_device()
+    return len(_devices)
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
@@ -40,12 +44,21 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
     return a if a.dtype == want else a.astype(want)
 
 
-def to_device(t: torch.Tensor) -> Data:
-    """Upload a CPU tensor, stored in the device's dtype for it; counted in ``TransferToDeviceTime``."""
+def to_device(t: torch.Tensor, dev: int | None = None) -> Data:
+    """Upload a CPU tensor (to local device ``dev``, default: this thread's), stored in the
+    device's dtype for it; counted in ``TransferToDeviceTime``."""
     to_jax(t.dtype)  # a clear error for unsupported dtypes
+    if dev is None:
+        dev = current_device()
     with metrics.timed("TransferToDeviceTime"):
-        arr = jax.device_put(_to_numpy(t.cpu()), jax_device())
-    return Data(arr, (tuple(t.shape), t.dtype))
+        arr = jax.device_put(_to_numpy(t.cpu()), jax_device(dev))
+    return Data(arr, (tuple(t.shape), t.dtype), dev)
+
+
+def to_other_device(t: XlaTensor, dev: int) -> Data:
+    """``t``'s value as device data on local device ``dev`` (a sync if pending, then one copy)."""
+    v = materialized(t)
+    return Data(jax.device_put(v.array, jax_device(dev)), v.aval, dev)
 
 
 def _from_array(arr, dtype: torch.dtype) -> torch.Tensor:
@@ -76,7 +89,7 @@ def _base_to_cpu(st) -> torch.Tensor:
     if type(st.value) is Out:
         from xlatorch.runtime.graph import sync
 
-        sync("to_cpu")
+        sync("to_cpu", st.dev)
         if type(st.value) is Out:  # a value whose earlier sync failed: raise its error
             sync_value(st.value)
     v = st.value
@@ -85,12 +98,14 @@ def _base_to_cpu(st) -> torch.Tensor:
 
 
 def materialized(t: XlaTensor):
-    """The tensor's device data, running its graph if needed."""
+    """The tensor's device data, running its graph if needed (a view: a copy of its elements)."""
+    if t._vw is not None:  # a view's value is derived from its base on every read: copy it out
+        t = torch.ops.aten.clone.default(t)
     v = value_of(t)
     if type(v) is not Data:
         from xlatorch.runtime.graph import sync
 
-        sync("materialize")
+        sync("materialize", t._st.dev)
         v = value_of(t)
         if type(v) is Out:
             sync_value(v)

@@ -1,0 +1,58 @@
+"""Collectives between threads: ``dp.DataParallel`` runs one replica per local device, each
+in its own thread, and a step holding a collective must run as one SPMD execution.
+
+Each replica's k-th replicated execution is round k. A thread deposits its inputs
+for its round and waits; the last to arrive runs the program once for every device
+and hands each thread its outputs. If a replica thread fails, ``abort`` wakes the
+others with an error instead of leaving them waiting.
+"""
+
+from __future__ import annotations
+
+import threading
+
+__all__ = ["run_replicated", "reset", "abort"]
+
+_cond = threading.Condition()
+_rounds: dict[int, dict] = {}
+_counts: dict[int, int] = {}
+_state = {"error": None}
+
+
+def reset() -> None:
+    with _cond:
+        _rounds.clear()
+        _counts.clear()
+        _state["error"] = None
+
+
+def abort(error: BaseException) -> None:
+    """Wake every waiting replica with ``error`` (a replica thread died)."""
+    with _cond:
+        _state["error"] = error
+        _cond.notify_all()
+
+
+def run_replicated(exe, dev: int, arrays, packed):
+    """This replica's outputs of ``exe``, run once all ``exe.threads`` replicas have arrived."""
+    n = exe.threads
+    with _cond:
+        k = _counts.get(dev, 0)
+        _counts[dev] = k + 1
+        rnd = _rounds.setdefault(k, {"inputs": {}, "outputs": None, "error": None})
+        rnd["inputs"][dev] = (arrays, packed)
+        if len(rnd["inputs"]) == n:
+            try:
+                outs = exe.run_all([rnd["inputs"][d] for d in range(n)])
+                rnd["outputs"] = dict(enumerate(outs))
+            except BaseException as e:  # noqa: BLE001 (every replica raises it)
+                rnd["error"] = e
+            del _rounds[k]
+            _cond.notify_all()
+        while rnd["outputs"] is None and rnd["error"] is None:
+            if _state["error"] is not None:
+                raise RuntimeError("xlatorch: another DataParallel replica failed") from _state["error"]
+            _cond.wait(timeout=1.0)
+        if rnd["error"] is not None:
+            raise rnd["error"]
+        return rnd["outputs"][dev]
