@@ -54,6 +54,7 @@ def test_collectives_match_numpy(tmp_path):
         np.testing.assert_allclose(got["scatter1"].numpy(), np.split(total * 0.5, N, 1)[r])
         np.testing.assert_allclose(got["a2a"].numpy(), np.concatenate([np.split(x, N, 0)[r] for x in xs], 1))
         assert got["executions"] == 1  # every collective ran inside one computation
+        assert [b.tolist() for b in got["sampled"]] == [[r, r + 2], [r + 4, r + 6]]  # the sampler's shard
         assert got["rendezvous"] == [f"from {i}".encode() for i in range(N)]
         assert got["mesh_reduce"].item() == sum(range(1, N + 1))
 

@@ -28,9 +28,10 @@ _END = object()
 
 
 def _world():
+    """Processes shard the batches; the local devices of one process split its share."""
     from xlatorch.runtime import distributed
 
-    return distributed.world_size(), distributed.global_ordinal()
+    return distributed.process_world()
 
 
 def _is_sharded(loader) -> bool:
@@ -46,7 +47,7 @@ def _rounds(loader, per_round: int):
     replicas (``per_round`` local devices) take; whole rounds only."""
     n, rank = _world()
     if n > 1 and _is_sharded(loader):
-        n = 1  # the sampler already gives this process its own part
+        n, rank = 1, 0  # the sampler already gives this process its own part
     size, mine = n * per_round, rank * per_round
     it = iter(loader)
     while True:

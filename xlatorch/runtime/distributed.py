@@ -113,6 +113,11 @@ def thread_replicas() -> int:
     return _threads["count"]
 
 
+def process_world() -> tuple[int, int]:
+    """(number of processes in the job, this process's index), whatever threads run inside."""
+    return _world["size"], _world["rank"]
+
+
 def world_size() -> int:
     """Number of replicas in the job: processes, or the devices of ``dp.DataParallel``."""
     return _threads["count"] or _world["size"]
