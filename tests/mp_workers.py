@@ -69,6 +69,13 @@ class MLP(torch.nn.Module):
         return self.net(x)
 
 
+def batch(xs, ys, step, per_replica):
+    """This replica's part of ``step``'s batch, on its device."""
+    r = xr.global_ordinal()
+    rows = slice(r * per_replica, (r + 1) * per_replica)
+    return xs[step, rows].to(xm.xla_device()), ys[step, rows].to(xm.xla_device())
+
+
 def data(steps, per_replica, replicas):
     """Per step, one batch per replica (x, y); replica r's batch is rows [r*per:(r+1)*per]."""
     g = torch.Generator().manual_seed(5)
@@ -78,15 +85,14 @@ def data(steps, per_replica, replicas):
 
 
 def data_parallel(index, out, steps, per_replica):
-    n, r = xr.world_size(), xr.global_ordinal()
+    n = xr.world_size()
     torch.manual_seed(0)
     model = MLP().to(xm.xla_device())
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     xs, ys = data(steps, per_replica, n)
     losses = []
     for s in range(steps):
-        x = xs[s, r * per_replica:(r + 1) * per_replica].to(xm.xla_device())
-        y = ys[s, r * per_replica:(r + 1) * per_replica].to(xm.xla_device())
+        x, y = batch(xs, ys, s, per_replica)
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(x), y)
         loss.backward()
@@ -166,8 +172,7 @@ def ddp(index, out, steps, per_replica):
     xs, ys = data(steps, per_replica, n)
     compiles = []
     for s in range(steps):
-        x = xs[s, r * per_replica:(r + 1) * per_replica].to(xm.xla_device())
-        y = ys[s, r * per_replica:(r + 1) * per_replica].to(xm.xla_device())
+        x, y = batch(xs, ys, s, per_replica)
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()

@@ -63,8 +63,15 @@ def test_data_parallel_equals_one_process_on_the_whole_batch(tmp_path):
     steps, per = 4, 6
     xmp.spawn(mp_workers.data_parallel, args=(str(tmp_path), steps, per), nprocs=N)
     res = _load(tmp_path)
-    # Reference: one CPU process, the concatenated batch (the mean loss's gradient is the replicas' average).
-    torch.manual_seed(0)
+    _assert_equals_one_process(res, steps, per)
+    for r in res:
+        assert r["all_reduce"] == steps and r["compiles"] <= 2
+
+
+def _assert_equals_one_process(res, steps, per):
+    """Replicas hold identical parameters, equal to one CPU process trained on the
+    concatenated batch (the mean loss's gradient is the replicas' average)."""
+    torch.manual_seed(0)  # replica 0's initial weights
     model = mp_workers.MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     xs, ys = mp_workers.data(steps, per, N)
@@ -75,25 +82,13 @@ def test_data_parallel_equals_one_process_on_the_whole_batch(tmp_path):
     for k, v in model.state_dict().items():
         assert torch.equal(res[0]["params"][k], res[1]["params"][k]), f"replicas differ in {k}"
         torch.testing.assert_close(res[0]["params"][k], v, rtol=1e-5, atol=1e-6)
-    for r in res:
-        assert r["all_reduce"] == steps and r["compiles"] <= 2
 
 
 def test_ddp_with_the_xla_backend(tmp_path):
     steps, per = 6, 6
     xmp.spawn(mp_workers.ddp, args=(str(tmp_path), steps, per), nprocs=N)
     res = _load(tmp_path)
-    torch.manual_seed(0)  # replica 0's initial weights, broadcast by DDP
-    model = mp_workers.MLP()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    xs, ys = mp_workers.data(steps, per, N)
-    for s in range(steps):
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(xs[s]), ys[s]).backward()
-        opt.step()
-    for k, v in model.state_dict().items():
-        assert torch.equal(res[0]["params"][k], res[1]["params"][k]), f"replicas differ in {k}"
-        torch.testing.assert_close(res[0]["params"][k], v, rtol=1e-5, atol=1e-6)
+    _assert_equals_one_process(res, steps, per)  # DDP broadcast replica 0's initial weights
     for r in res:  # DDP rebuilds its buckets after the first step; then the step is cached
         assert r["compiles"][-1] == r["compiles"][2], r["compiles"]
 

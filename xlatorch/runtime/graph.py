@@ -285,13 +285,14 @@ def _pack(leaves):
 def _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, dev=0):
     plan = _plan(nodes, leaves)
     fn = _lower_fn(plan, leaf_kinds, root_refs)
-    placed = None
+    local = placed = None
     if dev:  # a local device other than the default one (dp.DataParallel)
         from jax.sharding import SingleDeviceSharding
 
         from xlatorch.runtime.transfer import jax_device
 
-        placed = SingleDeviceSharding(jax_device(dev))
+        local = jax_device(dev)
+        placed = SingleDeviceSharding(local)
     data_avals = [jax.ShapeDtypeStruct(d.aval[0], to_jax(d.aval[1]), sharding=placed) for d in data]
     packed_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed) for a in packed]
 
@@ -307,10 +308,8 @@ def _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, dev=0):
 
     if any(n.spec in COLLECTIVES for n in nodes):
         return _compile_spmd(body, args, [r.aval for r in _roots(nodes, leaves, root_refs)], donate, kept)
-    out_shardings = None if placed is None else placed
-    compiled = jax.jit(body, donate_argnums=(0,), out_shardings=out_shardings).lower(*args).compile()
-    if placed is not None:
-        local = placed._device
+    compiled = jax.jit(body, donate_argnums=(0,), out_shardings=placed).lower(*args).compile()
+    if local is not None:
 
         def call(arrays, packed_vals):
             packed_vals = [jax.device_put(p, local) for p in packed_vals]
@@ -389,10 +388,12 @@ def _compile_spmd(body, args, out_avals, donate, kept):
 
     def run_all(contribs):
         """[(arrays, packed) per local replica] -> [outputs per local replica]."""
-        cols = lambda idx, j: [c[j][i] for c in contribs for i in [idx]]  # noqa: E731
-        g_don = [to_global(cols(i, 0)) for i in donate]
-        g_kept = [to_global(cols(i, 0)) for i in kept]
-        g_packed = [to_global(cols(i, 1)) for i in range(len(contribs[0][1]))]
+        def column(which, i):  # input i of every replica (which: 0 data, 1 packed scalars)
+            return to_global([c[which][i] for c in contribs])
+
+        g_don = [column(0, i) for i in donate]
+        g_kept = [column(0, i) for i in kept]
+        g_packed = [column(1, i) for i in range(len(contribs[0][1]))]
         outs = compiled(g_don, g_kept, g_packed)
         res = [[] for _ in contribs]
         for o, shape in zip(outs, out_shapes):
