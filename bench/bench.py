@@ -1,5 +1,6 @@
-"""Steady-state step time of the three programs: xlatorch vs PyTorch eager on CPU, and
-tracing cost per op, measured in one process. Not a test: it prints ratios.
+"""Steady-state step time of the three programs: xlatorch vs PyTorch eager on CPU and vs the
+same program written in JAX (``bench/jax_programs.py``, the limit), and tracing cost per op,
+measured in one process. Not a test: it prints ratios.
 
 Usage: python -m bench.bench [--steps N] [--small] [--programs mnist,mlp,gpt]
 """
@@ -55,9 +56,10 @@ def run_xla(p, steps):
     model, opt, batches = _setup(p, xm.xla_device())
     met.clear_all()
     first = time.perf_counter()
-    _step(p, model, opt, batches[0])
+    loss = _step(p, model, opt, batches[0])
     xm.mark_step(wait=True)
     first = time.perf_counter() - first
+    first_loss = loss.item()
     _step(p, model, opt, batches[1])
     xm.mark_step(wait=True)
     compiles_before = met.counter_value("UncachedCompile") or 0
@@ -75,9 +77,37 @@ def run_xla(p, steps):
         first=first,
         trace_us_per_op=statistics.median(trace) / nodes * 1e6,
         graph_nodes=int(nodes),
+        first_loss=first_loss,
         steady_compiles=(met.counter_value("UncachedCompile") or 0) - compiles_before,
         fallbacks=met.executed_fallback_ops(),
     )
+
+
+def run_jax(name, p, steps):
+    """The same program written in JAX (bench/jax_programs.py): the limit, zero tracing cost."""
+    import jax
+
+    from bench import jax_programs as J
+
+    torch.manual_seed(0)
+    params, buffers = J.split_buffers(name, J.params_of(p.make_model()))
+    gen = torch.Generator().manual_seed(1)
+    batches = [J.to_jax_batch(p.make_batch(gen)) for _ in range(4)]
+    init, step = J.make_step(name)
+    state = init(params)
+    t = time.perf_counter()
+    params, state, loss = step(params, buffers, state, *batches[0])
+    first_loss = float(loss)
+    first = time.perf_counter() - t
+    params, state, loss = step(params, buffers, state, *batches[1])
+    jax.block_until_ready(loss)
+    times = []
+    for i in range(steps):
+        t = time.perf_counter()
+        params, state, loss = step(params, buffers, state, *batches[i % 4])
+        jax.block_until_ready((params, loss))
+        times.append(time.perf_counter() - t)
+    return dict(step=statistics.median(times), first=first, first_loss=first_loss)
 
 
 def main() -> None:
@@ -88,18 +118,27 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results.jsonl"))
     a = ap.parse_args()
     progs = programs(small=a.small)
-    print(f"{'program':8} {'eager ms':>9} {'xla ms':>8} {'xla/eager':>9} {'first s':>8} {'trace us/op':>11} "
-          f"{'nodes':>6} {'compiles':>8} fallbacks")  # fmt: skip
+    import importlib.util
+
+    if importlib.util.find_spec("torch_xla") is not None:
+        print("torch_xla is importable, but its column is not implemented yet", flush=True)
+    print(f"{'program':8} {'eager ms':>9} {'jax ms':>7} {'xla ms':>7} {'xla/jax':>7} {'xla/eager':>9} "
+          f"{'first s':>7} {'jax 1st':>7} {'trace us/op':>11} {'nodes':>5} {'compiles':>8} {'loss xla/jax':>13} "
+          f"fallbacks")  # fmt: skip
     for name in a.programs.split(","):
         p = progs[name]
         eager, _ = run_eager(p, a.steps)
+        j = run_jax(name, p, a.steps)
         x = run_xla(p, a.steps)
-        row = dict(program=name, small=a.small, eager_ms=eager * 1e3, xla_ms=x["step"] * 1e3,
-                   ratio=x["step"] / eager, first_s=x["first"], **{k: x[k] for k in
-                   ("trace_us_per_op", "graph_nodes", "steady_compiles", "fallbacks")}, time=time.time())  # fmt: skip
-        print(f"{name:8} {row['eager_ms']:9.2f} {row['xla_ms']:8.2f} {row['ratio']:9.2f} {row['first_s']:8.2f} "
-              f"{row['trace_us_per_op']:11.1f} {row['graph_nodes']:6d} {row['steady_compiles']:8d} {row['fallbacks']}",
-              flush=True)  # fmt: skip
+        row = dict(program=name, small=a.small, eager_ms=eager * 1e3, jax_ms=j["step"] * 1e3, xla_ms=x["step"] * 1e3,
+                   ratio=x["step"] / eager, ratio_jax=x["step"] / j["step"], first_s=x["first"],
+                   jax_first_s=j["first"], first_loss=x["first_loss"], jax_first_loss=j["first_loss"],
+                   **{k: x[k] for k in ("trace_us_per_op", "graph_nodes", "steady_compiles", "fallbacks")},
+                   time=time.time())  # fmt: skip
+        print(f"{name:8} {row['eager_ms']:9.2f} {row['jax_ms']:7.2f} {row['xla_ms']:7.2f} {row['ratio_jax']:7.2f} "
+              f"{row['ratio']:9.2f} {row['first_s']:7.2f} {row['jax_first_s']:7.2f} {row['trace_us_per_op']:11.1f} "
+              f"{row['graph_nodes']:5d} {row['steady_compiles']:8d} "
+              f"{row['first_loss']:6.3f}/{row['jax_first_loss']:<6.3f} {row['fallbacks']}", flush=True)  # fmt: skip
         with open(a.out, "a") as f:
             f.write(json.dumps(row) + "\n")
 
