@@ -1,10 +1,17 @@
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The persistent compilation cache of a test run lives and dies with it (subprocesses share it).
+if "XLATORCH_CACHE_DIR" not in os.environ:
+    os.environ["XLATORCH_CACHE_DIR"] = tempfile.mkdtemp(prefix="xlatorch-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["XLATORCH_CACHE_DIR"], True)
 
 import xlatorch  # noqa: E402,F401
 import xlatorch.debug.metrics as met  # noqa: E402
