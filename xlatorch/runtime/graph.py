@@ -189,7 +189,7 @@ def sync(reason: str = "mark_step", dev: int | None = None) -> None:
         if exe is None:
             COUNTERS["UncachedCompile"] += 1
             with metrics.timed("CompileTime"):
-                exe = _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, gdev, key)
+                exe = _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, gdev)
             CACHE[key] = exe
         else:
             COUNTERS["CachedCompile"] += 1
@@ -282,7 +282,7 @@ def _pack(leaves):
     return packed, kinds
 
 
-def _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, dev=0, key=None):
+def _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, dev=0):
     plan = _plan(nodes, leaves)
     fn = _lower_fn(plan, leaf_kinds, root_refs)
     local = placed = None
@@ -308,13 +308,7 @@ def _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, dev=0, 
 
     if any(n.spec in COLLECTIVES for n in nodes):
         return _compile_spmd(body, args, [r.aval for r in _roots(nodes, leaves, root_refs)], donate, kept)
-    jitted = jax.jit(body, donate_argnums=(0,), out_shardings=placed)
-    if local is None and key is not None:  # the default device: executables are kept on disk too
-        from xlatorch.runtime.compile_cache import compile_cached
-
-        compiled = compile_cached(jitted, args, key)
-    else:
-        compiled = jitted.lower(*args).compile()
+    compiled = jax.jit(body, donate_argnums=(0,), out_shardings=placed).lower(*args).compile()
     if local is not None:
 
         def call(arrays, packed_vals):
