@@ -112,3 +112,28 @@ def test_guide_data_parallel_over_two_local_devices():
     assert out["fallbacks"] == []
     assert out["cpu"] == [["cpu", 8]]  # device_ids=[]: one run on native CPU over every batch
     assert "DataParallel replica 1" in out["error"] and "replica one is broken" in out["error"]
+
+
+_PLACEMENT = r"""
+import json, torch
+import xlatorch.core.xla_model as xm
+a = torch.arange(4.0).to(xm.xla_device(1))
+b = (a * 2 + 1).sum()
+c = torch.arange(4.0, device="xla") * 3
+xm.mark_step()
+e = torch.ones(4, device="xla")
+e.copy_(a)  # device 1 -> device 0
+print(json.dumps(dict(b=b.item(), c=c.tolist(), e=e.tolist(), devs=[t._st.dev for t in (a, b, c, e)],
+                      arrays=[str(list(t._st.value.array.devices())[0]) for t in (a, c)])))
+"""
+
+
+def test_explicit_placement_on_a_second_local_device():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", PYTHONPATH=ROOT)
+    r = subprocess.run([sys.executable, "-c", _PLACEMENT], capture_output=True, text=True, cwd=ROOT, env=env,
+                       timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["b"] == 16.0 and out["c"] == [0.0, 3.0, 6.0, 9.0] and out["e"] == [0.0, 1.0, 2.0, 3.0]
+    assert out["devs"] == [1, 1, 0, 0]
+    assert out["arrays"][0] != out["arrays"][1]  # the buffers really live on two devices

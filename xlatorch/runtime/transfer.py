@@ -8,7 +8,7 @@ import torch
 
 from xlatorch.debug import metrics
 from xlatorch.runtime.dtypes import EXACT, TORCH_TO_JAX, to_jax
-from xlatorch.runtime.ir import Data, Out, current_device
+from xlatorch.runtime.ir import Data, Out, current_device, enable_multi_device
 from xlatorch.runtime.tensor import XlaTensor, value_of
 
 __all__ = ["to_device", "to_cpu", "jax_device"]
@@ -23,6 +23,8 @@ def jax_device(dev: int = 0):
 
         distributed.initialize()  # join the job the environment describes (a no-op alone)
         _devices.extend(jax.local_devices())
+        if len(_devices) > 1:  # several local devices: nodes track which one they live on
+            enable_multi_device()
     return _devices[dev]
 
 
