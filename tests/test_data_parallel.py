@@ -85,12 +85,17 @@ def dataset():
     return torch.utils.data.TensorDataset(torch.randn(48, 8, generator=g), torch.randint(0, 3, (48,), generator=g))
 
 
-def test_guide_data_parallel_over_two_local_devices():
+def _run_on_two_devices(script: str) -> dict:
+    """Run ``script`` in a process with two local devices; the JSON of its last line."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", PYTHONPATH=ROOT)
-    r = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, cwd=ROOT, env=env,
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, env=env,
                        timeout=300)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_guide_data_parallel_over_two_local_devices():
+    out = _run_on_two_devices(_SCRIPT)
     assert out["devices"] == ["xla:0", "xla:1"]
     for epoch in out["results"]:
         assert [(o, n) for o, n, _ in epoch] == [(0, 2), (1, 2)]  # ordinal and world size per replica
@@ -129,11 +134,7 @@ print(json.dumps(dict(b=b.item(), c=c.tolist(), e=e.tolist(), devs=[t._st.dev fo
 
 
 def test_explicit_placement_on_a_second_local_device():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", PYTHONPATH=ROOT)
-    r = subprocess.run([sys.executable, "-c", _PLACEMENT], capture_output=True, text=True, cwd=ROOT, env=env,
-                       timeout=300)  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out = _run_on_two_devices(_PLACEMENT)
     assert out["b"] == 16.0 and out["c"] == [0.0, 3.0, 6.0, 9.0] and out["e"] == [0.0, 1.0, 2.0, 3.0]
     assert out["devs"] == [1, 1, 0, 0]
     assert out["arrays"][0] != out["arrays"][1]  # the buffers really live on two devices
