@@ -18,6 +18,7 @@ import weakref
 import torch
 
 from xlatorch.debug.metrics import COUNTERS
+from xlatorch.runtime import ir
 from xlatorch.runtime.ir import Data
 
 __all__ = ["XlaTensor", "Storage", "wrap", "value_of", "write", "PENDING"]
@@ -38,7 +39,7 @@ class Storage:
     def __init__(self, value):
         self.gen = 0
         self.sid = next(_ids)
-        self.dev = getattr(value, "dev", 0)  # the local device index (see ir.current_device)
+        self.dev = value.dev if ir._multi else 0  # the local device index (see ir.current_device)
         self.value = None
         self.set(value)
 
