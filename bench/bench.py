@@ -75,6 +75,7 @@ def run_xla(p, steps):
     return dict(
         step=statistics.median(step_times),
         first=first,
+        trace_ms=statistics.median(trace) * 1e3,
         trace_us_per_op=statistics.median(trace) / nodes * 1e6,
         graph_nodes=int(nodes),
         first_loss=first_loss,
@@ -123,8 +124,8 @@ def main() -> None:
     if importlib.util.find_spec("torch_xla") is not None:
         print("torch_xla is importable, but its column is not implemented yet", flush=True)
     print(f"{'program':8} {'eager ms':>9} {'jax ms':>7} {'xla ms':>7} {'xla/jax':>7} {'xla/eager':>9} "
-          f"{'first s':>7} {'jax 1st':>7} {'trace us/op':>11} {'nodes':>5} {'compiles':>8} {'loss xla/jax':>13} "
-          f"fallbacks")  # fmt: skip
+          f"{'first s':>7} {'jax 1st':>7} {'trace ms':>8} {'trace us/op':>11} {'nodes':>5} {'compiles':>8} "
+          f"{'loss xla/jax':>13} fallbacks")  # fmt: skip
     for name in a.programs.split(","):
         p = progs[name]
         eager, _ = run_eager(p, a.steps)
@@ -133,10 +134,11 @@ def main() -> None:
         row = dict(program=name, small=a.small, eager_ms=eager * 1e3, jax_ms=j["step"] * 1e3, xla_ms=x["step"] * 1e3,
                    ratio=x["step"] / eager, ratio_jax=x["step"] / j["step"], first_s=x["first"],
                    jax_first_s=j["first"], first_loss=x["first_loss"], jax_first_loss=j["first_loss"],
-                   **{k: x[k] for k in ("trace_us_per_op", "graph_nodes", "steady_compiles", "fallbacks")},
+                   **{k: x[k] for k in ("trace_ms", "trace_us_per_op", "graph_nodes", "steady_compiles", "fallbacks")},
                    time=time.time())  # fmt: skip
         print(f"{name:8} {row['eager_ms']:9.2f} {row['jax_ms']:7.2f} {row['xla_ms']:7.2f} {row['ratio_jax']:7.2f} "
-              f"{row['ratio']:9.2f} {row['first_s']:7.2f} {row['jax_first_s']:7.2f} {row['trace_us_per_op']:11.1f} "
+              f"{row['ratio']:9.2f} {row['first_s']:7.2f} {row['jax_first_s']:7.2f} {row['trace_ms']:8.2f} "
+              f"{row['trace_us_per_op']:11.1f} "
               f"{row['graph_nodes']:5d} {row['steady_compiles']:8d} "
               f"{row['first_loss']:6.3f}/{row['jax_first_loss']:<6.3f} {row['fallbacks']}", flush=True)  # fmt: skip
         with open(a.out, "a") as f:
