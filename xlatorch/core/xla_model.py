@@ -10,6 +10,8 @@ import torch
 from xlatorch.debug import metrics
 from xlatorch.debug.metrics import COUNTERS
 from xlatorch.runtime import rng
+from xlatorch.runtime.collectives import all_gather, all_reduce, all_to_all, reduce_scatter
+from xlatorch.runtime.distributed import reduce_gradients, rendezvous
 from xlatorch.runtime.graph import sync as _sync
 
 __all__ = [
@@ -77,8 +79,6 @@ def optimizer_step(optimizer, barrier: bool = False, optimizer_args: dict | None
 
     With ``barrier=True`` the step is also a graph cut (``mark_step``).
     """
-    from xlatorch.runtime.distributed import reduce_gradients
-
     reduce_gradients(optimizer, groups=groups, pin_layout=pin_layout)
     loss = optimizer.step(**(optimizer_args or {}))
     if barrier:
@@ -149,53 +149,6 @@ def master_print(*args, fd=None, **kwargs) -> None:
     """``print`` on the master ordinal only."""
     if is_master_ordinal(local=False):
         print(*args, file=fd, **kwargs)
-
-
-def all_reduce(reduce_type: str, inputs, scale: float = 1.0, groups=None, pin_layout: bool = True):
-    """Reduce ``inputs`` across replicas inside the step's computation.
-
-    A tensor gives a new tensor; a list of tensors is updated in place (and returned).
-    """
-    from xlatorch.runtime.collectives import all_reduce as ar
-
-    return ar(reduce_type, inputs, scale=scale, groups=groups)
-
-
-def all_gather(value, dim: int = 0, groups=None, output=None, pin_layout: bool = True):
-    """Every replica's ``value`` concatenated along ``dim``, in ordinal order."""
-    from xlatorch.runtime.collectives import all_gather as ag
-
-    return ag(value, dim=dim, groups=groups, output=output)
-
-
-def reduce_scatter(reduce_type: str, input, scale: float, scatter_dim: int, shard_count: int, groups=None,
-                   output=None, pin_layout: bool = True):  # fmt: skip
-    """Reduce across replicas and keep this replica's slice along ``scatter_dim``."""
-    from xlatorch.runtime.collectives import reduce_scatter as rs
-
-    return rs(reduce_type, input, scale, scatter_dim, shard_count, groups=groups, output=output)
-
-
-def all_to_all(value, split_dimension: int, concat_dimension: int, split_count: int, groups=None,
-               pin_layout: bool = True):  # fmt: skip
-    """Block i of ``value`` (split along ``split_dimension``) goes to replica i; arrivals are concatenated."""
-    from xlatorch.runtime.collectives import all_to_all as a2a
-
-    return a2a(value, split_dimension, concat_dimension, split_count, groups=groups)
-
-
-def reduce_gradients(optimizer, groups=None, pin_layout: bool = True) -> None:
-    """Average every gradient of ``optimizer``'s parameters across replicas (one all-reduce node)."""
-    from xlatorch.runtime.distributed import reduce_gradients as rg
-
-    rg(optimizer, groups=groups, pin_layout=pin_layout)
-
-
-def rendezvous(tag: str, payload: bytes = b"", replicas: list | None = None) -> list[bytes]:
-    """Block until every replica reaches ``tag``; returns each replica's ``payload`` by ordinal."""
-    from xlatorch.runtime.distributed import rendezvous as rdv
-
-    return rdv(tag, payload, replicas or None)
 
 
 def mesh_reduce(tag: str, data, reduce_fn):

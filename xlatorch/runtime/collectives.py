@@ -8,6 +8,8 @@ replica axis ``AXIS``: XLA's own collectives, no host round trip.
 
 Replica ``groups`` (lists of ordinals partitioning the world) are lowered with one
 all-gather plus a static membership table, which works for every reduce type.
+``pin_layout`` is accepted for torch_xla's signatures; XLA chooses layouts here.
+These functions are ``xm``'s (``core/xla_model.py`` re-exports them).
 """
 
 from __future__ import annotations
@@ -159,7 +161,7 @@ def _check_reduce_type(reduce_type: str) -> str:
     return reduce_type
 
 
-def all_reduce(reduce_type: str, inputs, scale: float = 1.0, groups=None):
+def all_reduce(reduce_type: str, inputs, scale: float = 1.0, groups=None, pin_layout: bool = True):
     """Reduce across replicas. A tensor gives a new tensor; a list is updated in place."""
     _check_reduce_type(reduce_type)
     single = isinstance(inputs, torch.Tensor)
@@ -180,7 +182,7 @@ def all_reduce(reduce_type: str, inputs, scale: float = 1.0, groups=None):
     return inputs
 
 
-def all_gather(value, dim: int = 0, groups=None, output=None):
+def all_gather(value, dim: int = 0, groups=None, output=None, pin_layout: bool = True):
     """Concatenate every replica's ``value`` along ``dim`` (ordinal order)."""
     t = _device_tensor(value, "all_gather")
     gs = _groups(groups)
@@ -199,7 +201,7 @@ def all_gather(value, dim: int = 0, groups=None, output=None):
 
 
 def reduce_scatter(reduce_type: str, input, scale: float, scatter_dim: int, shard_count: int, groups=None,
-                   output=None):  # fmt: skip
+                   output=None, pin_layout: bool = True):  # fmt: skip
     """Reduce across replicas, then keep this replica's ``1/shard_count`` slice along ``scatter_dim``."""
     _check_reduce_type(reduce_type)
     single = isinstance(input, torch.Tensor)
@@ -231,7 +233,8 @@ def reduce_scatter(reduce_type: str, input, scale: float, scatter_dim: int, shar
     return res[0] if single else res
 
 
-def all_to_all(value, split_dimension: int, concat_dimension: int, split_count: int, groups=None):
+def all_to_all(value, split_dimension: int, concat_dimension: int, split_count: int, groups=None,
+               pin_layout: bool = True):  # fmt: skip
     """Split ``value`` into ``split_count`` blocks, send block i to replica i, concatenate what arrives."""
     t = _device_tensor(value, "all_to_all")
     if _groups(groups) is not None:
