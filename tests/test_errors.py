@@ -8,6 +8,7 @@ from xlatorch._generated import dispatch as table
 
 import xlatorch.core.xla_model as xm
 from xlatorch.runtime import dispatch as D
+from xlatorch.runtime import tensor as T
 from xlatorch.runtime.failure import FailedValueError
 
 
@@ -48,7 +49,7 @@ def test_an_error_in_backward_is_raised_at_the_next_sync(monkeypatch):
         return orig(func, args, kwargs)
 
     x = torch.randn(3).to("xla").requires_grad_()
-    monkeypatch.setattr(D, "dispatch", flaky)
+    monkeypatch.setattr(T, "DISPATCH", flaky)
     (x * x).sum().backward()
     monkeypatch.undo()
     with pytest.raises(FailedValueError, match=r"aten::mul failed in a backward pass: ValueError: backward kernel"):

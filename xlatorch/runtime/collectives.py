@@ -21,7 +21,7 @@ from jax import lax
 
 from xlatorch.runtime.dispatch import STATIC, TENSOR, TENSOR_LIST, Info, OpSpec, signature
 from xlatorch.runtime.distributed import world_size
-from xlatorch.runtime.ir import Node, hash_arg
+from xlatorch.runtime.ir import Node
 from xlatorch.runtime.tensor import XlaTensor, value_of, wrap, write
 
 __all__ = ["AXIS", "SPECS", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "REDUCE_TYPES"]
@@ -146,7 +146,7 @@ def _node(spec, vals, avals) -> Node:
     from xlatorch.debug.metrics import COUNTERS
 
     COUNTERS[spec.name] += 1
-    return Node(spec, vals, Info(tuple(avals), None), hash((spec.name, hash_arg(vals))), (spec, signature(vals)))
+    return Node(spec, vals, Info(tuple(avals), None), (spec, signature(vals)))
 
 
 def _device_tensor(t, what: str) -> XlaTensor:

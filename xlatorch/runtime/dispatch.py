@@ -13,12 +13,14 @@ import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
 from xlatorch.debug.metrics import COUNTERS
+from xlatorch.runtime import tensor as _tensor_module
 from xlatorch.runtime.dtypes import PY_SCALAR_DTYPE
-from xlatorch.runtime.ir import VALUE_TYPES, Node, Scalar, hash_arg
+from xlatorch.runtime.ir import VALUE_TYPES, Node, Scalar
 from xlatorch.runtime.rng import next_key
 from xlatorch.runtime.tensor import XlaTensor, value_of, wrap, write
 
-__all__ = ["OpSpec", "Info", "dispatch", "call", "call_inplace", "call_out", "SHIMS", "RUNTIME_OPS", "DECOMPS"]
+__all__ = ["OpSpec", "Info", "dispatch", "call", "call_inplace", "call_out", "scalar", "SHIMS", "RUNTIME_OPS",
+           "DECOMPS"]  # fmt: skip
 
 # Argument kinds, from the schema's types (codegen decides; see codegen/schema.py).
 # GENERATOR is a synthetic trailing argument of random ops: a fresh seed per call.
@@ -138,6 +140,11 @@ def _not_xla(spec, t) -> RuntimeError:
     )
 
 
+def scalar(a) -> Scalar:
+    """The leaf for a Python number: a graph parameter (never a constant, see ir.Scalar)."""
+    return Scalar(a, PY_SCALAR_DTYPE[type(a)])
+
+
 def _tensor_value(spec, t):
     if type(t) is XlaTensor:
         return value_of(t)
@@ -147,25 +154,37 @@ def _tensor_value(spec, t):
         raise _not_xla(spec, t)
     if t is None:
         return None
-    return Scalar(t, PY_SCALAR_DTYPE[type(t)])  # a wrapped Python number
+    return scalar(t)  # a wrapped Python number
 
 
-def _convert(spec, args):
-    out = []
+def _prepare(spec, args):
+    """The converted arguments and their signature, in one pass: the per-op hot path."""
+    vals = []
+    sig = []
     for a, kind in zip(args, spec.kinds):
         if kind is TENSOR or kind is OPT_TENSOR:
-            out.append(_tensor_value(spec, a))
+            if type(a) is XlaTensor:
+                v = a._st.value if a._vw is None else value_of(a)
+                s = v.sig
+            else:
+                v = _tensor_value(spec, a)
+                s = None if v is None else v.sig
+        elif kind is STATIC:
+            v = s = tuple(a) if type(a) is list else a
         elif kind is SCALAR:
-            out.append(a if a is None else Scalar(a, PY_SCALAR_DTYPE[type(a)]))
-        elif kind is TENSOR_LIST:
-            out.append(tuple(_tensor_value(spec, x) for x in a))
-        elif kind is SCALAR_LIST:
-            out.append(tuple(Scalar(x, PY_SCALAR_DTYPE[type(x)]) for x in a))
-        elif kind is GENERATOR:
-            out.append(next_key())
+            v = a if a is None else scalar(a)
+            s = None if v is None else v.sig
         else:
-            out.append(tuple(a) if type(a) is list else a)
-    return tuple(out)
+            if kind is TENSOR_LIST:
+                v = tuple(_tensor_value(spec, x) for x in a)
+            elif kind is SCALAR_LIST:
+                v = tuple(scalar(x) for x in a)
+            else:  # GENERATOR
+                v = next_key()
+            s = _sig(v)
+        vals.append(v)
+        sig.append(s)
+    return tuple(vals), tuple(sig)
 
 
 def _sig(a):
@@ -178,11 +197,14 @@ def _sig(a):
 
 def node(spec: OpSpec, vals: tuple) -> Node:
     """The IR node applying ``spec`` to converted arguments ``vals``."""
-    sig = tuple(_sig(a) for a in vals)
+    return _node(spec, vals, tuple(_sig(a) for a in vals))
+
+
+def _node(spec: OpSpec, vals: tuple, sig: tuple) -> Node:
     info = spec.cache.get(sig)
     if info is None:
         info = spec.cache[sig] = _infer(spec, vals)
-    return Node(spec, vals, info, hash((spec.name, hash_arg(vals))), (spec, sig))
+    return Node(spec, vals, info, (spec, sig))
 
 
 def signature(vals: tuple) -> tuple:
@@ -232,7 +254,7 @@ def _outputs(spec, n: Node):
 
 def call(spec: OpSpec, args: tuple):
     """A functional op: one new node, new tensors for its outputs (views alias their base)."""
-    n = node(spec, _convert(spec, args))
+    n = _node(spec, *_prepare(spec, args))
     if spec.view:
         base = args[0]
         rest = n.args[1:]
@@ -252,20 +274,20 @@ def call_inplace(spec: OpSpec, args: tuple):
     """An in-place op: the lowering's result (cast to ``self``'s dtype) becomes ``self``'s value."""
     self = args[0]
     if spec.kinds[0] is TENSOR_LIST:  # _foreach_*_: one result per tensor of the list
-        n = node(spec, _convert(spec, args))
+        n = _node(spec, *_prepare(spec, args))
         for t, v in zip(self, n.outs):
             write(t, v if v.aval[1] == t.dtype else convert_value(v, t.dtype))
         return None
     if type(self) is not XlaTensor:
         raise _not_xla(spec, self)
-    n = node(spec, _convert(spec, args))
+    n = _node(spec, *_prepare(spec, args))
     write(self, n.outs[0])
     return self
 
 
 def call_out(spec: OpSpec, args: tuple, outs: tuple):
     """An ``out=`` op: compute functionally, then write each result into its ``out`` tensor."""
-    n = node(spec, _convert(spec, args))
+    n = _node(spec, *_prepare(spec, args))
     for t, v in zip(outs, n.outs):
         if type(t) is not XlaTensor:
             raise _not_xla(spec, t)
@@ -325,3 +347,6 @@ def convert_value(v, dtype: torch.dtype):
 
 def count(name: str) -> None:
     COUNTERS[name] += 1
+
+
+_tensor_module.DISPATCH = dispatch

@@ -15,7 +15,7 @@ import functools
 import torch
 
 from xlatorch.runtime.dispatch import RUNTIME_OPS, SHIMS, Info, count, signature
-from xlatorch.runtime.ir import Node, hash_arg
+from xlatorch.runtime.ir import Node
 from xlatorch.runtime.tensor import DEVICE, XlaTensor, value_of, wrap
 
 __all__ = ["install"]
@@ -34,8 +34,7 @@ def _sized_node(name: str, vals: tuple, aval) -> Node:
     from xlatorch.runtime.device import SPECS
 
     spec = SPECS[name]
-    return Node(spec, vals, Info((aval,), None), hash((spec.name, hash_arg(vals), aval)),
-                (spec, signature(vals), aval))  # fmt: skip
+    return Node(spec, vals, Info((aval,), None), (spec, signature(vals), aval))
 
 
 def nonzero(self):

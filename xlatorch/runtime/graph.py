@@ -20,7 +20,7 @@ from xlatorch.debug.metrics import COUNTERS
 from xlatorch.runtime.dtypes import PY_SCALAR_JAX, to_jax
 from xlatorch.runtime.failure import FailedValueError, failed_value, is_failed
 from xlatorch.runtime.ir import Data, Out, Scalar, operands
-from xlatorch.runtime.tensor import PENDING
+from xlatorch.runtime.tensor import PENDING, pending_storages
 
 __all__ = ["sync", "CACHE"]
 
@@ -146,16 +146,12 @@ def _weak(v):
     return _convert_element_type(v, weak_type=True)
 
 
-def _sid(st) -> int:
-    return st.sid
-
-
 def sync(reason: str = "mark_step", dev: int | None = None) -> None:
     """Materialise every live pending tensor (of local device ``dev``, default: all devices),
     with one (cached) XLA execution per device."""
     # Creation order: the same for every replica running the same program whichever way it
     # reached this sync (a replicated graph must be the same program on every replica).
-    storages = sorted((st for st in PENDING.values() if type(st.value) is Out), key=_sid)
+    storages = [st for st in pending_storages() if type(st.value) is Out]
     if dev is None:
         devs = {st.dev for st in storages}
         if len(devs) > 1:

@@ -1,16 +1,17 @@
 """The lazy IR: leaves (device data, host scalars) and nodes with their outputs.
 
 An aval is ``(shape: tuple[int, ...], dtype: torch.dtype)``. Every value carries a
-structural hash computed once, when it is created, from its op, its static
-arguments and its operands' hashes; leaves hash by aval only, so the same program
-over new data (or new scalar values) hashes the same and reuses its executable.
+signature (``sig``): its aval, or for a host scalar its kind and dtype. A node's
+``key`` is its op plus its arguments' signatures (static arguments themselves); a
+graph's cache key is its nodes' keys plus how they share operands (``graph._collect``),
+so the same program over new data (or new scalar values) reuses its executable.
 """
 
 from __future__ import annotations
 
 import threading
 
-__all__ = ["Data", "Scalar", "Node", "Out", "Value", "VALUE_TYPES", "hash_arg", "operands", "current_device",
+__all__ = ["Data", "Scalar", "Node", "Out", "Value", "VALUE_TYPES", "operands", "current_device",
            "enable_multi_device", "device_index"]  # fmt: skip
 
 # Local device placement. With one device (the common case) every value lives on device 0
@@ -64,12 +65,11 @@ class Data:
     to zero, a step that reads it may donate its buffer.
     """
 
-    __slots__ = ("array", "aval", "sig", "hash", "holders", "dev")
+    __slots__ = ("array", "aval", "sig", "holders", "dev")
 
     def __init__(self, array, aval, dev=0):
         self.array = array
         self.aval = self.sig = aval
-        self.hash = hash(aval)
         self.holders = 0
         self.dev = dev
 
@@ -77,18 +77,19 @@ class Data:
 class Scalar:
     """A leaf holding a host scalar that enters the graph as a 0-d parameter.
 
-    Scalars are parameters, never constants: a learning rate that changes every
-    step must not change the graph's hash.
+    Scalars are parameters, never constants: a learning rate that changes every step
+    must not change the graph's key. (torch_xla bakes in 0 and 1; measured here, that
+    gained nothing measurable in the bench's step time, and it recompiles a loop
+    whose values pass through 0 or 1, such as a warm-up from ``lr=0``.)
     """
 
-    __slots__ = ("value", "aval", "tensor", "sig", "hash")
+    __slots__ = ("value", "aval", "tensor", "sig")
 
     def __init__(self, value, dtype, tensor=False):
         self.value = value
         self.aval = ((), dtype)
         self.tensor = tensor  # a 0-d CPU tensor (promotes as a tensor, not as a number)
         self.sig = ("t" if tensor else "s", dtype)
-        self.hash = hash(self.sig)
 
 
 class Node:
@@ -96,32 +97,34 @@ class Node:
     replaced by values, and ``info`` (output avals and computation dtype).
 
     ``key`` identifies the node in a graph's cache key: the spec and its arguments'
-    signatures, with static arguments themselves, compared by equality. (``hash`` alone
-    cannot: ``hash(-1) == hash(-2)``, so dims -1 and -2 would share an executable.)
+    signatures, with static arguments themselves, compared by equality (not by hash:
+    ``hash(-1) == hash(-2)``, and dims -1 and -2 must not share an executable).
     """
 
-    __slots__ = ("spec", "args", "info", "hash", "key", "outs", "dev")
+    __slots__ = ("spec", "args", "info", "key", "outs", "dev")
 
-    def __init__(self, spec, args, info, h, key):
+    def __init__(self, spec, args, info, key):
         self.spec = spec
         self.args = args
         self.info = info
-        self.hash = h
         self.key = key
         self.dev = _node_device(args) if _multi else 0
-        self.outs = tuple(None if aval is None else Out(self, i, aval) for i, aval in enumerate(info.avals))
+        avals = info.avals
+        if len(avals) == 1 and avals[0] is not None:  # the common case, without a genexpr
+            self.outs = (Out(self, 0, avals[0]),)
+        else:
+            self.outs = tuple(None if aval is None else Out(self, i, aval) for i, aval in enumerate(avals))
 
 
 class Out:
     """Output ``idx`` of ``node``: a pending value."""
 
-    __slots__ = ("node", "idx", "aval", "sig", "hash")
+    __slots__ = ("node", "idx", "aval", "sig")
 
     def __init__(self, node, idx, aval):
         self.node = node
         self.idx = idx
         self.aval = self.sig = aval
-        self.hash = hash((node.hash, idx))
 
     @property
     def dev(self) -> int:
@@ -130,15 +133,6 @@ class Out:
 
 Value = Data | Scalar | Out
 VALUE_TYPES = (Data, Scalar, Out)
-
-
-def hash_arg(a) -> object:
-    """What an argument contributes to its node's hash: a value's hash, else itself."""
-    if isinstance(a, VALUE_TYPES):
-        return a.hash
-    if type(a) is tuple:
-        return tuple(hash_arg(x) for x in a)
-    return a
 
 
 def operands(args) -> list:

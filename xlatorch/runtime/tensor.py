@@ -21,14 +21,28 @@ from xlatorch.debug.metrics import COUNTERS
 from xlatorch.runtime import ir
 from xlatorch.runtime.ir import Data
 
-__all__ = ["XlaTensor", "Storage", "wrap", "value_of", "write", "PENDING"]
+__all__ = ["XlaTensor", "Storage", "wrap", "value_of", "write", "PENDING", "pending_storages"]
 
 DEVICE = torch.device("xla", 0)
 
-# Storages whose value is pending, in the order they first became pending in this
-# step. The order is the program's order, so the same step builds the same graph.
-PENDING: weakref.WeakValueDictionary[int, Storage] = weakref.WeakValueDictionary()
+# Storages whose value is pending: storage id -> weak reference. A plain dict of weak
+# references without callbacks (a storage's ``__del__`` removes its entry) costs a
+# fraction of a WeakValueDictionary on the per-op path.
+PENDING: dict[int, weakref.ref] = {}
 _ids = itertools.count()
+_weakref = weakref.ref
+DISPATCH = None  # dispatch.dispatch, set when that module loads (it imports this one)
+
+
+def pending_storages() -> list:
+    """The live storages whose value is pending, by creation order (``sid``)."""
+    live = [st for st in (r() for r in PENDING.values()) if st is not None and type(st.value) is not Data]
+    live.sort(key=_sid)
+    return live
+
+
+def _sid(st) -> int:
+    return st.sid
 
 
 class Storage:
@@ -37,11 +51,14 @@ class Storage:
     __slots__ = ("value", "gen", "sid", "dev", "__weakref__")
 
     def __init__(self, value):
-        self.gen = 0
-        self.sid = next(_ids)
+        self.gen = 1
+        self.sid = sid = next(_ids)
         self.dev = value.dev if ir._multi else 0  # the local device index (see ir.current_device)
-        self.value = None
-        self.set(value)
+        self.value = value
+        if type(value) is Data:
+            value.holders += 1
+        else:
+            PENDING[sid] = _weakref(self)
 
     def set(self, value) -> None:
         old = self.value
@@ -52,11 +69,13 @@ class Storage:
         if type(value) is Data:
             value.holders += 1
         elif self.sid not in PENDING:
-            PENDING[self.sid] = self
+            PENDING[self.sid] = _weakref(self)
 
     def __del__(self):
         if type(self.value) is Data:
             self.value.holders -= 1
+        else:
+            PENDING.pop(self.sid, None)
 
 
 class XlaTensor(torch.Tensor):
@@ -72,10 +91,8 @@ class XlaTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        from xlatorch.runtime.dispatch import dispatch
-
         try:
-            return dispatch(func, args, kwargs or {})
+            return DISPATCH(func, args, kwargs or {})
         except Exception as e:
             if threading.current_thread() is threading.main_thread():
                 raise
