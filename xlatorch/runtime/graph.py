@@ -17,6 +17,7 @@ import numpy as np
 
 from xlatorch.debug import metrics
 from xlatorch.debug.metrics import COUNTERS
+from xlatorch.runtime import failure
 from xlatorch.runtime.dtypes import PY_SCALAR_JAX, to_jax
 from xlatorch.runtime.failure import FailedValueError, failed_value, is_failed
 from xlatorch.runtime.ir import Data, Out, Scalar, operands
@@ -53,22 +54,15 @@ class _Ref:
 
 
 def _collect(roots):
-    """Post-order nodes, leaves in first-use order, and the sharing-aware encoding."""
+    """Post-order nodes, leaves in first-use order, the sharing-aware encoding, and whether
+    a failed value is among the nodes. Runs at every sync over the whole graph: kept tight."""
     order: dict[int, int] = {}  # id(node) -> position
     nodes = []
     leaf_pos: dict[int, int] = {}
     leaves = []
     enc = []
-
-    def ref(v):
-        if type(v) is Out:
-            return order[id(v.node)] * 4096 + v.idx
-        i = leaf_pos.get(id(v))
-        if i is None:
-            i = leaf_pos[id(v)] = len(leaves)
-            leaves.append(v)
-        return -1 - i
-
+    failed = False
+    failed_spec = failure._SPEC  # None until some value has failed
     for root in roots:
         if id(root.node) in order:
             continue
@@ -77,18 +71,39 @@ def _collect(roots):
             n, ops = stack.pop()
             if id(n) in order:
                 continue
-            if ops is not None:  # second visit: operands are done
-                enc.append((n.key, tuple(ref(v) for v in ops)))
-                order[id(n)] = len(nodes)
-                nodes.append(n)
+            if ops is None:  # first visit: operands first
+                ops = operands(n.args)
+                stack.append((n, ops))
+                for v in reversed(ops):
+                    if type(v) is Out and id(v.node) not in order:
+                        stack.append((v.node, None))
                 continue
-            ops = operands(n.args)
-            stack.append((n, ops))
-            for v in reversed(ops):
-                if type(v) is Out and id(v.node) not in order:
-                    stack.append((v.node, None))
-    root_refs = tuple(ref(r) for r in roots)
-    return nodes, leaves, enc, root_refs
+            refs = []
+            for v in ops:
+                if type(v) is Out:
+                    refs.append(order[id(v.node)] * 4096 + v.idx)
+                else:
+                    i = leaf_pos.get(id(v))
+                    if i is None:
+                        i = leaf_pos[id(v)] = len(leaves)
+                        leaves.append(v)
+                    refs.append(-1 - i)
+            enc.append((n.key, tuple(refs)))
+            order[id(n)] = len(nodes)
+            nodes.append(n)
+            if n.spec is failed_spec:
+                failed = True
+    root_refs = []
+    for r in roots:
+        if type(r) is Out:
+            root_refs.append(order[id(r.node)] * 4096 + r.idx)
+        else:
+            i = leaf_pos.get(id(r))
+            if i is None:
+                i = leaf_pos[id(r)] = len(leaves)
+                leaves.append(r)
+            root_refs.append(-1 - i)
+    return nodes, leaves, enc, tuple(root_refs), failed
 
 
 def _plan(nodes, leaves):
@@ -168,11 +183,12 @@ def sync(reason: str = "mark_step", dev: int | None = None) -> None:
         return
     t0 = time.perf_counter_ns()
     roots = [st.value for st in storages]
-    nodes, leaves, enc, root_refs = _collect(roots)
-    storages, failed = _split_failed(storages, nodes)
-    if failed is not None:  # run what does not depend on the failure, then report it
-        sync(reason, dev)
-        raise FailedValueError(f"xlatorch: a tensor's value could not be computed: {failed}") from failed
+    nodes, leaves, enc, root_refs, any_failed = _collect(roots)
+    if any_failed:
+        storages, failed = _split_failed(storages, nodes)
+        if failed is not None:  # run what does not depend on the failure, then report it
+            sync(reason, dev)
+            raise FailedValueError(f"xlatorch: a tensor's value could not be computed: {failed}") from failed
     data = [v for v in leaves if type(v) is Data]
     # Donate buffers no live tensor holds any more, when an output can reuse them.
     out_avals = {r.aval for r in roots}

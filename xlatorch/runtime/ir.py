@@ -135,12 +135,16 @@ Value = Data | Scalar | Out
 VALUE_TYPES = (Data, Scalar, Out)
 
 
+_VALUE_SET = frozenset(VALUE_TYPES)
+
+
 def operands(args) -> list:
     """The values among a node's arguments, in order (tensor lists flattened)."""
     out = []
     for a in args:
-        if isinstance(a, VALUE_TYPES):
+        t = type(a)
+        if t in _VALUE_SET:
             out.append(a)
-        elif type(a) is tuple:
-            out.extend(x for x in a if isinstance(x, VALUE_TYPES))
+        elif t is tuple:
+            out.extend(x for x in a if type(x) in _VALUE_SET)
     return out
