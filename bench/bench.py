@@ -2,7 +2,11 @@
 same program written in JAX (``bench/jax_programs.py``, the limit), and tracing cost per op,
 measured in one process. Not a test: it prints ratios.
 
-Usage: python -m bench.bench [--steps N] [--small] [--programs mnist,mlp,gpt]
+"us/aten op" is the host time of a step (everything before ``mark_step``) divided by the
+ATen ops it dispatches to the device; the micro-benchmark that follows (``bench/trace_ops.py``)
+times single ops against the floor PyTorch's Python dispatch costs any backend.
+
+Usage: python -m bench.bench [--steps N] [--small] [--programs mnist,mlp,gpt] [--no-micro]
 """
 
 from __future__ import annotations
@@ -62,6 +66,8 @@ def run_xla(p, steps):
     first_loss = loss.item()
     _step(p, model, opt, batches[1])
     xm.mark_step(wait=True)
+    ops = _count_ops(lambda: _step(p, model, opt, batches[1]))
+    xm.mark_step(wait=True)
     compiles_before = met.counter_value("UncachedCompile") or 0
     trace, step_times = [], []
     for i in range(steps):
@@ -76,12 +82,32 @@ def run_xla(p, steps):
         step=statistics.median(step_times),
         first=first,
         trace_ms=statistics.median(trace) * 1e3,
-        trace_us_per_op=statistics.median(trace) / nodes * 1e6,
+        trace_us_per_op=statistics.median(trace) / ops * 1e6,
+        aten_ops=ops,
         graph_nodes=int(nodes),
         first_loss=first_loss,
         steady_compiles=(met.counter_value("UncachedCompile") or 0) - compiles_before,
         fallbacks=met.executed_fallback_ops(),
     )
+
+
+def _count_ops(fn) -> int:
+    """The number of ATen ops ``fn`` dispatches to the xla device."""
+    from xlatorch.runtime import tensor
+
+    n = [0]
+    orig = tensor.DISPATCH
+
+    def counting(func, args, kwargs):
+        n[0] += 1
+        return orig(func, args, kwargs)
+
+    tensor.DISPATCH = counting
+    try:
+        fn()
+    finally:
+        tensor.DISPATCH = orig
+    return n[0]
 
 
 def run_jax(name, p, steps):
@@ -116,6 +142,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--programs", default="mnist,mlp,gpt")
+    ap.add_argument("--no-micro", action="store_true", help="skip the per-op tracing micro-benchmark")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results.jsonl"))
     a = ap.parse_args()
     progs = programs(small=a.small)
@@ -124,7 +151,7 @@ def main() -> None:
     if importlib.util.find_spec("torch_xla") is not None:
         print("torch_xla is importable, but its column is not implemented yet", flush=True)
     print(f"{'program':8} {'eager ms':>9} {'jax ms':>7} {'xla ms':>7} {'xla/jax':>7} {'xla/eager':>9} "
-          f"{'first s':>7} {'jax 1st':>7} {'trace ms':>8} {'trace us/op':>11} {'nodes':>5} {'compiles':>8} "
+          f"{'first s':>7} {'jax 1st':>7} {'trace ms':>8} {'us/aten op':>10} {'nodes':>5} {'compiles':>8} "
           f"{'loss xla/jax':>13} fallbacks")  # fmt: skip
     for name in a.programs.split(","):
         p = progs[name]
@@ -134,15 +161,25 @@ def main() -> None:
         row = dict(program=name, small=a.small, eager_ms=eager * 1e3, jax_ms=j["step"] * 1e3, xla_ms=x["step"] * 1e3,
                    ratio=x["step"] / eager, ratio_jax=x["step"] / j["step"], first_s=x["first"],
                    jax_first_s=j["first"], first_loss=x["first_loss"], jax_first_loss=j["first_loss"],
-                   **{k: x[k] for k in ("trace_ms", "trace_us_per_op", "graph_nodes", "steady_compiles", "fallbacks")},
+                   **{k: x[k] for k in ("trace_ms", "trace_us_per_op", "aten_ops", "graph_nodes", "steady_compiles",
+                                         "fallbacks")},
                    time=time.time())  # fmt: skip
         print(f"{name:8} {row['eager_ms']:9.2f} {row['jax_ms']:7.2f} {row['xla_ms']:7.2f} {row['ratio_jax']:7.2f} "
               f"{row['ratio']:9.2f} {row['first_s']:7.2f} {row['jax_first_s']:7.2f} {row['trace_ms']:8.2f} "
-              f"{row['trace_us_per_op']:11.1f} "
+              f"{row['trace_us_per_op']:10.1f} "
               f"{row['graph_nodes']:5d} {row['steady_compiles']:8d} "
               f"{row['first_loss']:6.3f}/{row['jax_first_loss']:<6.3f} {row['fallbacks']}", flush=True)  # fmt: skip
         with open(a.out, "a") as f:
             f.write(json.dumps(row) + "\n")
+    if not a.no_micro:
+        from bench import trace_ops
+
+        print("\ntracing cost per op at steady state (bench/trace_ops.py):", flush=True)
+        res = trace_ops.measure()
+        trace_ops.report(res)
+        with open(a.out, "a") as f:
+            f.write(json.dumps(dict(micro={k: dict(xla_us=o, floor_us=fl) for k, (o, fl) in res.items()},
+                                    time=time.time())) + "\n")  # fmt: skip
 
 
 if __name__ == "__main__":
