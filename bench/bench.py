@@ -69,6 +69,7 @@ def run_xla(p, steps):
     ops = _count_ops(lambda: _step(p, model, opt, batches[1]))
     xm.mark_step(wait=True)
     compiles_before = met.counter_value("UncachedCompile") or 0
+    transfers_before = _transfers()
     trace, step_times = [], []
     for i in range(steps):
         t0 = time.perf_counter()
@@ -87,8 +88,14 @@ def run_xla(p, steps):
         graph_nodes=int(nodes),
         first_loss=first_loss,
         steady_compiles=(met.counter_value("UncachedCompile") or 0) - compiles_before,
+        steady_transfers=_transfers() - transfers_before,
         fallbacks=met.executed_fallback_ops(),
     )
+
+
+def _transfers() -> int:
+    """Host<->device transfers so far (the samples of both transfer metrics)."""
+    return sum((met.metric_data(m) or (0,))[0] for m in ("TransferToDeviceTime", "TransferFromDeviceTime"))
 
 
 def _count_ops(fn) -> int:
@@ -152,6 +159,7 @@ def main() -> None:
         print("torch_xla is importable, but its column is not implemented yet", flush=True)
     print(f"{'program':8} {'eager ms':>9} {'jax ms':>7} {'xla ms':>7} {'xla/jax':>7} {'xla/eager':>9} "
           f"{'first s':>7} {'jax 1st':>7} {'trace ms':>8} {'us/aten op':>10} {'nodes':>5} {'compiles':>8} "
+          f"{'transfers':>9} "
           f"{'loss xla/jax':>13} fallbacks")  # fmt: skip
     for name in a.programs.split(","):
         p = progs[name]
@@ -162,12 +170,12 @@ def main() -> None:
                    ratio=x["step"] / eager, ratio_jax=x["step"] / j["step"], first_s=x["first"],
                    jax_first_s=j["first"], first_loss=x["first_loss"], jax_first_loss=j["first_loss"],
                    **{k: x[k] for k in ("trace_ms", "trace_us_per_op", "aten_ops", "graph_nodes", "steady_compiles",
-                                         "fallbacks")},
+                                         "steady_transfers", "fallbacks")},
                    time=time.time())  # fmt: skip
         print(f"{name:8} {row['eager_ms']:9.2f} {row['jax_ms']:7.2f} {row['xla_ms']:7.2f} {row['ratio_jax']:7.2f} "
               f"{row['ratio']:9.2f} {row['first_s']:7.2f} {row['jax_first_s']:7.2f} {row['trace_ms']:8.2f} "
               f"{row['trace_us_per_op']:10.1f} "
-              f"{row['graph_nodes']:5d} {row['steady_compiles']:8d} "
+              f"{row['graph_nodes']:5d} {row['steady_compiles']:8d} {row['steady_transfers']:9d} "
               f"{row['first_loss']:6.3f}/{row['jax_first_loss']:<6.3f} {row['fallbacks']}", flush=True)  # fmt: skip
         with open(a.out, "a") as f:
             f.write(json.dumps(row) + "\n")
