@@ -181,3 +181,46 @@ def test_arange_runs_on_the_device():
     for args in [(5,), (5.0,), (2, 9), (1.5, 4.0), (0, 10, 3)]:
         assert torch.equal(torch.arange(*args, device="xla").cpu(), torch.arange(*args))
     assert not [k for k in met.counter_names() if k.startswith("aten::")], met.counter_names()
+
+
+def test_a_lone_view_owns_its_storage_after_a_sync():
+    """A view whose base no tensor holds any more becomes a plain tensor at the sync (its
+    value, not the base's, is computed), and reads and writes still match eager."""
+    dev = xm.xla_device()
+    base = torch.arange(24.0).reshape(4, 6)
+    x = base.to(dev) * 1
+    y, z = x.t(), x[1:3, ::2]
+    del x
+    xm.mark_step()
+    assert y._vw is not None and z._vw is not None  # two views: the base must stay
+    del z
+    t = torch.arange(24.0, device=dev).reshape(4, 6) * 2
+    lone = t[1:3].t().detach()  # detach: no PyTorch view ``_base`` keeps ``t`` alive
+    del t
+    assert lone._vw is not None
+    out = lone.cpu()  # the sync inside .cpu() re-roots the view it then reads
+    assert lone._vw is None and lone.shape == (6, 2)
+    torch.testing.assert_close(out, (torch.arange(24.0).reshape(4, 6) * 2)[1:3].t())
+    lone[0].add_(100)
+    expect = (torch.arange(24.0).reshape(4, 6) * 2)[1:3].t().clone()
+    expect[0] += 100
+    torch.testing.assert_close(lone.cpu(), expect)
+    torch.testing.assert_close(y.cpu(), base.t())
+
+
+def test_linear_weight_gradients_are_not_stored_transposed():
+    """autograd gives an nn.Linear weight's gradient as t() of an mm: after the sync the
+    gradient is a plain tensor (XLA computes it in the weight's layout) and equals eager."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    x = torch.randn(5, 8)
+    model(x).sum().backward()
+    expect = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    dev_model = copy.deepcopy(model).to(xm.xla_device())
+    dev_model(x.to(xm.xla_device())).sum().backward()
+    assert any(p.grad._vw is not None for p in dev_model.parameters())
+    xm.mark_step()
+    for p, e in zip(dev_model.parameters(), expect):
+        assert p.grad._vw is None
+        torch.testing.assert_close(p.grad.cpu(), e)

@@ -21,7 +21,7 @@ from xlatorch.runtime import failure
 from xlatorch.runtime.dtypes import PY_SCALAR_JAX, to_jax
 from xlatorch.runtime.failure import FailedValueError, failed_value, is_failed
 from xlatorch.runtime.ir import Data, Out, Scalar, operands
-from xlatorch.runtime.tensor import PENDING, pending_storages
+from xlatorch.runtime.tensor import PENDING, pending_storages, reroot_lone_views
 
 __all__ = ["sync", "CACHE"]
 
@@ -182,6 +182,7 @@ def sync(reason: str = "mark_step", dev: int | None = None) -> None:
             PENDING.clear()
         return
     t0 = time.perf_counter_ns()
+    reroot_lone_views(storages)
     roots = [st.value for st in storages]
     nodes, leaves, enc, root_refs, any_failed = _collect(roots)
     if any_failed:

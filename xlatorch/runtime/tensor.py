@@ -21,7 +21,7 @@ from xlatorch.debug.metrics import COUNTERS
 from xlatorch.runtime import ir
 from xlatorch.runtime.ir import Data
 
-__all__ = ["XlaTensor", "Storage", "wrap", "value_of", "write", "PENDING", "pending_storages"]
+__all__ = ["XlaTensor", "Storage", "wrap", "value_of", "write", "PENDING", "pending_storages", "reroot_lone_views"]
 
 DEVICE = torch.device("xla", 0)
 
@@ -46,11 +46,17 @@ def _sid(st) -> int:
 
 
 class Storage:
-    """The mutable cell shared by a tensor and all its aliases and views."""
+    """The mutable cell shared by a tensor and all its aliases and views.
 
-    __slots__ = ("value", "gen", "sid", "dev", "__weakref__")
+    ``refs`` holds weak references to the tensors made on it (some may have died or
+    moved to another storage since): a sync asks it whether one view alone can still
+    read the storage (``reroot_lone_views``).
+    """
+
+    __slots__ = ("value", "gen", "sid", "dev", "refs", "__weakref__")
 
     def __init__(self, value):
+        self.refs = []
         self.gen = 1
         self.sid = sid = next(_ids)
         self.dev = value.dev if ir._multi else 0  # the local device index (see ir.current_device)
@@ -174,6 +180,7 @@ class XlaTensor(torch.Tensor):
             )
         torch._C.TensorBase.data.__set__(self, new)
         self._st, self._vw, self._vc = new._st, new._vw, new._vc
+        new._st.refs.append(weakref.ref(self))
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -195,10 +202,43 @@ def wrap(value, st: Storage | None = None, view=None) -> XlaTensor:
     t = _new(XlaTensor, shape, dtype=dtype, device=DEVICE)
     COUNTERS["CreateXlaTensor"] += 1
     if st is None:
-        t._st, t._vw, t._vc = Storage(value), None, None
+        st = Storage(value)
+        t._st, t._vw, t._vc = st, None, None
     else:
         t._st, t._vw, t._vc = st, view, (st.gen, value)
+        if len(st.refs) >= 16:  # a long-lived storage (a weight read through .t() every step)
+            st.refs = [r for r in st.refs if _reads(r(), st)]
+    st.refs.append(_weakref(t))
     return t
+
+
+def _reads(t, st) -> bool:
+    return t is not None and t._st is st
+
+
+def reroot_lone_views(storages) -> None:
+    """Before a sync: a pending storage that only one view tensor can still read takes that
+    view's value, and the view becomes a plain tensor on it.
+
+    Nothing else can observe the rest of the base, so this changes no result; it lets XLA
+    compute the view directly instead of the base plus a copy. The case that matters: an
+    ``nn.Linear`` weight's gradient is ``t()`` of an ``mm`` (autograd's ``TBackward``), and
+    storing the ``mm`` would make XLA transpose a weight-sized buffer every step.
+    """
+    for st in storages:
+        lone = None
+        for r in st.refs:
+            t = r()
+            if _reads(t, st) and t is not lone:
+                if lone is not None:
+                    lone = None
+                    break
+                lone = t
+        if lone is not None and lone._vw is not None:
+            v = value_of(lone)
+            st.set(v)
+            lone._vw = lone._vc = None
+            st.refs = [_weakref(lone)]
 
 
 def value_of(t: XlaTensor):

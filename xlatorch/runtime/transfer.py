@@ -76,15 +76,17 @@ def _from_array(arr, dtype: torch.dtype) -> torch.Tensor:
 
 def to_cpu(t: XlaTensor) -> torch.Tensor:
     """Download a device tensor (a graph cut if it is pending); a view is applied on CPU."""
-    vw = t._vw
+    if t._vw is None:
+        return _base_to_cpu(t._st)
+    cpu = _base_to_cpu(t._st)
+    vw = t._vw  # read after the sync: it may have made a lone view a plain tensor
     if vw is not None:
         from xlatorch.runtime.dispatch import replay_on_cpu
 
-        cpu = _base_to_cpu(t._st)
         for step in vw:
             cpu = replay_on_cpu(step, cpu)
         return cpu.clone()
-    return _base_to_cpu(t._st)
+    return cpu
 
 
 def _base_to_cpu(st) -> torch.Tensor:
