@@ -8,6 +8,7 @@ import jax
 import torch
 
 from xlatorch.debug import metrics
+from xlatorch.debug import profiler as _prof
 from xlatorch.debug.metrics import COUNTERS
 from xlatorch.runtime import rng
 from xlatorch.runtime.collectives import all_gather, all_reduce, all_to_all, reduce_scatter
@@ -55,6 +56,13 @@ def mark_step(wait: bool = False, reset_scope: bool = True) -> None:
 
     Runs asynchronously unless ``wait``. Appends metrics to ``$XLA_METRICS_FILE`` if set.
     """
+    if _prof.ACTIVE:  # profiling: an xlatorch.mark_step span; steps counted for xp.trace_steps
+        _prof.mark_step(_mark_step, wait)
+    else:
+        _mark_step(wait)
+
+
+def _mark_step(wait: bool) -> None:
     COUNTERS["MarkStep"] += 1
     from xlatorch.runtime.distributed import thread_replicas
     from xlatorch.runtime.ir import current_device
