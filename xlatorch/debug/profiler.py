@@ -312,9 +312,8 @@ def trace(service_addr: str | os.PathLike, logdir: str | None = None, duration_m
     if logdir is None:
         return _Capture(service_addr, host_tracer_level=host_tracer_level, **kwargs)
     host, _, port = str(service_addr).rpartition(":")
-    if _state.server is None or host.split("//")[-1] not in ("localhost", "127.0.0.1", "") or (
-        not port.isdigit() or int(port) != _state.server_port
-    ):
+    local = host.split("//")[-1] in ("localhost", "127.0.0.1", "")
+    if _state.server is None or not local or port != str(_state.server_port):
         raise NotImplementedError(
             f"xlatorch: xp.trace samples this process through its own server (xp.start_server), "
             f"not {service_addr}; capture other processes from TensorBoard/XProf "
