@@ -55,8 +55,9 @@ def to_device(t: torch.Tensor, dev: int | None = None) -> Data:
     to_jax(t.dtype)  # a clear error for unsupported dtypes
     if dev is None:
         dev = current_device()
+    jdev = jax_device(dev)  # first: starting the runtime is not a transfer (and may start a capture)
     with (_prof.timed if _prof.ACTIVE else metrics.timed)("TransferToDeviceTime"):
-        arr = jax.device_put(_to_numpy(t.cpu()), jax_device(dev))
+        arr = jax.device_put(_to_numpy(t.cpu()), jdev)
     return Data(arr, (tuple(t.shape), t.dtype), dev)
 
 
