@@ -44,7 +44,6 @@ import threading
 import time
 
 import jax
-from jax._src.lib import _profiler
 
 from xlatorch.debug import metrics
 
@@ -57,7 +56,7 @@ __all__ = [
 # server may start one. graph.sync, mark_step and transfers read it once each.
 ACTIVE = False
 
-_is_enabled = _profiler.TraceMe.is_enabled  # is a capture running (cheaper than a span)
+_is_enabled = jax.profiler.TraceAnnotation.is_enabled  # is a capture running (~30 ns; a span ~400 ns)
 _tls = threading.local()  # per thread: ``window`` (the open xlatorch.trace span), ``depth``
 _lock = threading.RLock()
 
