@@ -49,7 +49,7 @@ from xlatorch.debug import metrics
 
 __all__ = [
     "start_trace", "stop_trace", "trace", "trace_detached", "trace_steps", "Trace", "StepTrace",
-    "start_server", "stop_server", "ACTIVE",
+    "start_server", "stop_server",
 ]  # fmt: skip
 
 # True while the runtime should emit spans: a trace is running or scheduled, or a profiler
@@ -65,7 +65,7 @@ class _State:
     log_dir: str | None = None  # of the running capture
     server = None
     server_port: int | None = None
-    schedule: tuple | None = None  # (log_dir, start step, stop step) of trace_steps
+    schedule: tuple | None = None  # trace_steps' (log_dir, start step, stop step, options)
     steps = 0  # mark_steps seen since trace_steps was called
     exit_hook = False
 
@@ -180,7 +180,7 @@ class Trace:
         self._span = None
 
     def __enter__(self):
-        if ACTIVE and _is_enabled():
+        if _is_enabled():  # any capture, xp's or not
             # Pause xlatorch.trace around the boundary so the two spans nest (it resumes inside).
             outer = getattr(_tls, "depth", 0) == 0
             if outer:
@@ -271,7 +271,10 @@ def stop_trace() -> str:
     with _lock:
         if _state.log_dir is None:
             raise RuntimeError("xlatorch: no profiler trace is running (start one with xp.start_trace)")
-        wait()
+        try:
+            wait()  # the dispatched steps' device time belongs in this capture
+        except Exception:  # noqa: BLE001  (a failed execution raises where its value is read)
+            pass
         _close_window()
         log_dir = _state.log_dir
         try:
