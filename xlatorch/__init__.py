@@ -33,7 +33,10 @@ _device.install(_table.SPECS)
 _device.check_runtime(_table.RUNTIME)
 _device.register(_table.FACTORIES)
 
+from xlatorch.debug import profiler as _profiler  # noqa: E402
 from xlatorch.runtime import serialization as _serialization  # noqa: E402,F401  (torch.load of device tensors)
+
+_profiler._from_environment()  # XLATORCH_PROFILE=<dir>: capture the first steps
 
 __version__ = "0.1.0"
 

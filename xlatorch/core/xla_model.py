@@ -8,16 +8,19 @@ import jax
 import torch
 
 from xlatorch.debug import metrics
+from xlatorch.debug import profiler as _prof
 from xlatorch.debug.metrics import COUNTERS
 from xlatorch.runtime import rng
 from xlatorch.runtime.collectives import all_gather, all_reduce, all_to_all, reduce_scatter
 from xlatorch.runtime.distributed import reduce_gradients, rendezvous
 from xlatorch.runtime.graph import sync as _sync
+from xlatorch.runtime.memory import get_memory_info
 
 __all__ = [
     "xla_device", "get_xla_supported_devices", "xla_device_hw", "mark_step", "wait_device_ops",
     "optimizer_step", "save", "is_master_ordinal", "get_ordinal", "get_local_ordinal",
     "xrt_world_size", "set_rng_state", "get_rng_state", "master_print",
+    "get_memory_info",
     "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "reduce_gradients", "rendezvous", "mesh_reduce",
     "REDUCE_SUM", "REDUCE_MUL", "REDUCE_AND", "REDUCE_OR", "REDUCE_MIN", "REDUCE_MAX",
 ]  # fmt: skip
@@ -55,6 +58,13 @@ def mark_step(wait: bool = False, reset_scope: bool = True) -> None:
 
     Runs asynchronously unless ``wait``. Appends metrics to ``$XLA_METRICS_FILE`` if set.
     """
+    if _prof.ACTIVE:  # profiling: an xlatorch.mark_step span; steps counted for xp.trace_steps
+        _prof.mark_step(_mark_step, wait)
+    else:
+        _mark_step(wait)
+
+
+def _mark_step(wait: bool) -> None:
     COUNTERS["MarkStep"] += 1
     from xlatorch.runtime.distributed import thread_replicas
     from xlatorch.runtime.ir import current_device

@@ -21,6 +21,14 @@ def _aval_struct(aval):
 
 def emit_node(spec, args, info):
     """The JAX values of a node's outputs, given its arguments' JAX values."""
+    # Every HLO op carries the ATen op it lowers (op_name metadata "jit(...)/aten::mm/dot_general"):
+    # profiles and HLO dumps name PyTorch's ops. Lowering only; keys and the disk cache ignore it.
+    name = spec.name[:-8] if spec.name.endswith(".default") else spec.name
+    with jax.named_scope(name if "::" in name else "aten::" + name):
+        return _emit(spec, args, info)
+
+
+def _emit(spec, args, info):
     if info.cdtype is not None:
         cd = to_jax(info.cdtype)
         args = list(args)

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from xlatorch.debug import metrics
+from xlatorch.debug import profiler as _prof
 from xlatorch.debug.metrics import COUNTERS
 from xlatorch.runtime import failure
 from xlatorch.runtime.dtypes import PY_SCALAR_JAX, to_jax
@@ -164,6 +165,14 @@ def _weak(v):
 def sync(reason: str = "mark_step", dev: int | None = None) -> None:
     """Materialise every live pending tensor (of local device ``dev``, default: all devices),
     with one (cached) XLA execution per device."""
+    if _prof.ACTIVE:  # profiling: spans for the sync, its compile and execution
+        with _prof.phase("xlatorch.sync", reason=reason):
+            _sync(reason, dev, _prof.timed)
+    else:  # otherwise that flag is all the profiler costs a sync
+        _sync(reason, dev, metrics.timed)
+
+
+def _sync(reason, dev, timed) -> None:
     # Creation order: the same for every replica running the same program whichever way it
     # reached this sync (a replicated graph must be the same program on every replica).
     storages = [st for st in pending_storages() if type(st.value) is Out]
@@ -201,13 +210,13 @@ def sync(reason: str = "mark_step", dev: int | None = None) -> None:
     try:
         if exe is None:
             COUNTERS["UncachedCompile"] += 1
-            with metrics.timed("CompileTime"):
+            with timed("CompileTime"):
                 exe = _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, gdev)
             CACHE[key] = exe
         else:
             COUNTERS["CachedCompile"] += 1
         metrics.add_sample("TensorsGraphSize", len(nodes))
-        with metrics.timed("ExecuteTime"):
+        with timed("ExecuteTime"):
             arrays = [d.array for d in data]
             if exe.threads:
                 from xlatorch.runtime.replication import run_replicated

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from xlatorch.debug import metrics
+from xlatorch.debug import profiler as _prof
 from xlatorch.runtime.dtypes import EXACT, TORCH_TO_JAX, to_jax
 from xlatorch.runtime.ir import Data, Out, current_device, enable_multi_device
 from xlatorch.runtime.tensor import XlaTensor, value_of
@@ -25,6 +26,8 @@ def jax_device(dev: int = 0):
         _devices.extend(jax.local_devices())
         if len(_devices) > 1:  # several local devices: nodes track which one they live on
             enable_multi_device()
+        if _prof.ACTIVE:  # a capture scheduled before the device was up may start now
+            _prof.devices_ready()
     return _devices[dev]
 
 
@@ -52,8 +55,9 @@ def to_device(t: torch.Tensor, dev: int | None = None) -> Data:
     to_jax(t.dtype)  # a clear error for unsupported dtypes
     if dev is None:
         dev = current_device()
-    with metrics.timed("TransferToDeviceTime"):
-        arr = jax.device_put(_to_numpy(t.cpu()), jax_device(dev))
+    jdev = jax_device(dev)  # first: starting the runtime is not a transfer (and may start a capture)
+    with (_prof.timed if _prof.ACTIVE else metrics.timed)("TransferToDeviceTime"):
+        arr = jax.device_put(_to_numpy(t.cpu()), jdev)
     return Data(arr, (tuple(t.shape), t.dtype), dev)
 
 
@@ -97,7 +101,7 @@ def _base_to_cpu(st) -> torch.Tensor:
         if type(st.value) is Out:  # a value whose earlier sync failed: raise its error
             sync_value(st.value)
     v = st.value
-    with metrics.timed("TransferFromDeviceTime"):
+    with (_prof.timed if _prof.ACTIVE else metrics.timed)("TransferFromDeviceTime"):
         return _from_array(v.array, v.aval[1])
 
 
