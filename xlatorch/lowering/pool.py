@@ -124,8 +124,14 @@ def _pick(a, b):
 
 
 def _spatial_index(shape, nd):
-    spatial = shape[len(shape) - nd :]
-    return jnp.broadcast_to(jnp.arange(int(np.prod(spatial)), dtype=jnp.int64).reshape(spatial), shape)
+    """Each element's flat index within its last ``nd`` dims, built from iotas in the graph: a
+    constant array of the input's size would slow lowering and bloat the program."""
+    lead = len(shape) - nd
+    idx = None
+    for i in range(lead, len(shape)):
+        term = lax.broadcasted_iota(jnp.int64, shape, i) * int(np.prod(shape[i + 1 :]))
+        idx = term if idx is None else idx + term
+    return idx
 
 
 def _max_pool(out, x, nd, kernel_size, stride, padding, dilation, ceil_mode):
