@@ -7,7 +7,7 @@ import os
 import jax
 import torch
 
-from xlatorch.debug import metrics
+from xlatorch.debug import explain, metrics
 from xlatorch.debug.metrics import COUNTERS
 from xlatorch.runtime import rng
 from xlatorch.runtime.collectives import all_gather, all_reduce, all_to_all, reduce_scatter
@@ -61,6 +61,7 @@ def mark_step(wait: bool = False, reset_scope: bool = True) -> None:
 
     # Under dp.DataParallel each thread steps its own device.
     _sync("mark_step", current_device() if thread_replicas() else None)
+    explain.end_step()
     if wait:
         wait_device_ops()
     metrics.write_step_metrics()

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import threading
 
+from xlatorch.debug import knob as _knob
+from xlatorch.debug.source import user_frame
+
 __all__ = ["Data", "Scalar", "Node", "Out", "Value", "VALUE_TYPES", "hash_arg", "operands", "current_device",
            "enable_multi_device", "device_index"]  # fmt: skip
 
@@ -19,6 +22,9 @@ __all__ = ["Data", "Scalar", "Node", "Out", "Value", "VALUE_TYPES", "hash_arg", 
 # thread that built it.
 _multi = False
 _thread = threading.local()
+# Nodes record the user's (file, line) in ``src`` (debug level >= 1, XLA_IR_DEBUG): set by
+# xlatorch.debug.knob. Off, ``src`` stays unset (read it with getattr(n, "src", None)).
+DEBUG_SOURCE = _knob.source_lines()
 
 
 def enable_multi_device() -> None:
@@ -100,7 +106,7 @@ class Node:
     cannot: ``hash(-1) == hash(-2)``, so dims -1 and -2 would share an executable.)
     """
 
-    __slots__ = ("spec", "args", "info", "hash", "key", "outs", "dev")
+    __slots__ = ("spec", "args", "info", "hash", "key", "outs", "dev", "src")
 
     def __init__(self, spec, args, info, h, key):
         self.spec = spec
@@ -110,6 +116,8 @@ class Node:
         self.key = key
         self.dev = _node_device(args) if _multi else 0
         self.outs = tuple(None if aval is None else Out(self, i, aval) for i, aval in enumerate(info.avals))
+        if DEBUG_SOURCE:
+            self.src = user_frame()
 
 
 class Out:

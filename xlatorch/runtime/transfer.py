@@ -74,24 +74,25 @@ def _from_array(arr, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(a)
 
 
-def to_cpu(t: XlaTensor) -> torch.Tensor:
-    """Download a device tensor (a graph cut if it is pending); a view is applied on CPU."""
+def to_cpu(t: XlaTensor, reason: str = "to_cpu") -> torch.Tensor:
+    """Download a device tensor (a graph cut if it is pending, reported as ``reason``); a view
+    is applied on CPU."""
     vw = t._vw
     if vw is not None:
         from xlatorch.runtime.dispatch import replay_on_cpu
 
-        cpu = _base_to_cpu(t._st)
+        cpu = _base_to_cpu(t._st, reason)
         for step in vw:
             cpu = replay_on_cpu(step, cpu)
         return cpu.clone()
-    return _base_to_cpu(t._st)
+    return _base_to_cpu(t._st, reason)
 
 
-def _base_to_cpu(st) -> torch.Tensor:
+def _base_to_cpu(st, reason: str = "to_cpu") -> torch.Tensor:
     if type(st.value) is Out:
         from xlatorch.runtime.graph import sync
 
-        sync("to_cpu", st.dev)
+        sync(reason, st.dev)
         if type(st.value) is Out:  # a value whose earlier sync failed: raise its error
             sync_value(st.value)
     v = st.value

@@ -1,0 +1,74 @@
+"""The user's source line: the innermost frame outside torch, xlatorch and Python's libraries.
+
+Used by the debug tools (IR nodes at ``XLA_IR_DEBUG`` / debug level >= 1, graph cuts,
+CPU fallbacks). A filename's verdict is cached, so a lookup costs one dict probe per
+frame walked (a few microseconds from inside ``__torch_dispatch__``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+
+__all__ = ["user_frame", "user_line", "fmt_src"]
+
+_USER: dict[str, bool] = {}  # co_filename -> is it user code?
+_skip: tuple[str, ...] | None = None
+
+
+def _skip_prefixes() -> tuple[str, ...]:
+    global _skip
+    if _skip is None:
+        import torch
+
+        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the xlatorch package
+        dirs = {sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")}
+        dirs |= {os.path.dirname(torch.__file__), here}
+        gen = sys.modules.get("xlatorch._generated")  # the generated shims live outside the package
+        if gen is not None:
+            dirs.update(getattr(gen, "__path__", ()))
+        _skip = tuple(d + os.sep for d in dirs)
+    return _skip
+
+
+def _is_user(fn: str) -> bool:
+    r = _USER.get(fn)
+    if r is None:
+        r = _USER[fn] = not fn.startswith("<") and not fn.startswith(_skip_prefixes())
+    return r
+
+
+def user_frame() -> tuple[str, int] | None:
+    """``(filename, line)`` of the innermost caller outside torch, xlatorch and the Python
+    libraries (None when there is none, e.g. an op issued by a library's own thread)."""
+    f = sys._getframe(1)
+    while f is not None:
+        code = f.f_code
+        if _is_user(code.co_filename):
+            return code.co_filename, f.f_lineno
+        f = f.f_back
+    return None
+
+
+def fmt_src(src: tuple[str, int] | None, full: bool = False) -> str:
+    """``file.py:12`` (the path relative to the working directory when ``full``, else the
+    base name); ``?`` when unknown."""
+    if src is None:
+        return "?"
+    fn, line = src
+    if full:
+        try:
+            rel = os.path.relpath(fn)
+            fn = fn if rel.startswith("..") else rel
+        except ValueError:  # another drive (Windows)
+            pass
+    else:
+        fn = os.path.basename(fn)
+    return f"{fn}:{line}"
+
+
+def user_line() -> str | None:
+    """``path:line`` of the innermost user frame, as text (None when there is none)."""
+    src = user_frame()
+    return None if src is None else f"{src[0]}:{src[1]}"
