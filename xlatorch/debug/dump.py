@@ -133,23 +133,28 @@ def ir_text(tensors) -> str:
 
 
 def hlo_scopes(nodes) -> list[str] | None:
-    """Per-node ``aten::<op>@file:line`` names for the HLO metadata under ``XLA_HLO_DEBUG``, else None."""
+    """Per-node ``aten::<op>(file.py:12)`` names for the HLO metadata under ``XLA_HLO_DEBUG``, else None.
+
+    (Not ``@``: XLA cuts an ``op_name`` at ``@`` when it converts StableHLO to HLO.)
+    """
     if not knob.hlo_debug():
         return None
     out = []
     for n in nodes:
         src = getattr(n, "src", None)
-        out.append(op_name(n.spec) + (f"@{fmt_src(src)}" if src is not None else ""))
+        out.append(op_name(n.spec) + (f"({fmt_src(src)})" if src is not None else ""))
     return out
 
 
-def hlo_text(tensors, dialect: str = "stablehlo") -> str:
+def hlo_text(tensors, dialect: str = "stablehlo", debug_info: bool | None = None) -> str:
     """The lowered computation of ``tensors``' graph, as a sync would compile it (before XLA's
     optimisations). Does not sync or compile (``torch_xla._XLAC._get_xla_tensors_hlo``).
 
     Args:
       tensors: a tensor or a list of tensors on the xla device.
       dialect: ``"stablehlo"`` (MLIR text) or ``"hlo"`` (XLA HLO text).
+      debug_info: include op metadata / locations (default: when ``XLA_HLO_DEBUG`` is set,
+        whose ``aten::<op>(file.py:12)`` names then appear in every ``op_name``).
     """
     import jax
 
@@ -162,7 +167,7 @@ def hlo_text(tensors, dialect: str = "stablehlo") -> str:
     fn = _lower_fn(_plan(nodes, leaves), kinds, root_refs, hlo_scopes(nodes))
     data = [jax.ShapeDtypeStruct(v.aval[0], to_jax(v.aval[1])) for v in leaves if type(v) is Data]
     lowered = jax.jit(fn).lower(data, [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in packed])
-    return lowered.as_text(dialect=dialect)
+    return lowered.as_text(dialect=dialect, debug_info=knob.hlo_debug() if debug_info is None else debug_info)
 
 
 def _q(s: str) -> str:

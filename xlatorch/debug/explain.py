@@ -146,6 +146,11 @@ def _closest(g: _Graph):
     return best
 
 
+def _overlap(a, b) -> int:
+    """How many ops two sequences have in common, in any order."""
+    return sum((collections.Counter(a) & collections.Counter(b)).values())
+
+
 def _at(g: _Graph, i: int) -> str:
     src = g.srcs[i] if i < len(g.srcs) else None
     return f"{g.names[i]} ({fmt_src(src)})" if src else g.names[i]
@@ -222,9 +227,10 @@ def _diff(new: _Graph, old: _Graph):
     else:
         out.extend(_diff_same_ops(new, old))
     nk, ok = new.key, old.key
-    if nk[1] != ok[1]:
-        out.append((f"outputs differ: {len(nk[1])} pending tensors (was {len(ok[1])}); a different set of "
-                    f"tensors is alive at the cut", None))  # fmt: skip
+    if nk[1] != ok[1] and new.names == old.names:
+        n, m = len(nk[1]), len(ok[1])
+        what = f"{n} pending tensors (was {m})" if n != m else f"the {n} pending tensors are different values"
+        out.append((f"outputs differ: {what}; a different set of tensors is alive at the cut", None))
     if nk[3] != ok[3]:
         out.append((f"buffer donation differs: inputs {list(nk[3])} donated (was {list(ok[3])}); a tensor "
                     f"holding an input was freed or kept alive", None))  # fmt: skip
@@ -271,8 +277,9 @@ def on_compile(key, nodes, leaves, root_refs, exe, compile_ns: int) -> CompileRe
         lines = _diff(g, prev)
         if not lines:
             lines = [("no difference found from the closest earlier graph", None)]
-        if prev.names != g.names and _lcp(prev.names, g.names) * 2 < max(len(g.names), 1):
-            # Little in common with anything seen: a new graph (a new phase of the program).
+        if prev.names != g.names and _overlap(prev.names, g.names) * 2 < max(len(g.names), len(prev.names)):
+            # Not even half its ops in common with anything seen: a new graph (a new phase of
+            # the program), not a variant of an old one.
             lines.insert(0, (f"first compile of this graph (closest earlier graph: {len(prev.names)} nodes)",
                              None))  # fmt: skip
     _HISTORY.append(g)

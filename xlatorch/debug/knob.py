@@ -15,7 +15,7 @@ Levels (each includes the ones below):
 Environment (read at import): ``XLATORCH_DEBUG=0..3``; torch_xla's ``PT_XLA_DEBUG=1``
 is an alias for level 1 (``PT_XLA_DEBUG_LEVEL=n`` chooses the level, as in torch_xla).
 ``XLA_IR_DEBUG=1`` records source lines at any level; ``XLA_HLO_DEBUG=1`` additionally
-names each lowered op ``aten::<op>@file:line`` in the HLO metadata.
+names each lowered op ``aten::<op>(file.py:12)`` in the HLO metadata (``op_name``).
 Output goes to the ``logging`` logger ``"xlatorch"``; at level >= 1 it writes to stderr
 unless the program configured handlers of its own.
 """
@@ -98,7 +98,7 @@ def set_level(n: int) -> None:
 
 
 def hlo_debug() -> bool:
-    """True when lowered ops carry ``aten::<op>@file:line`` in their HLO metadata (``XLA_HLO_DEBUG``)."""
+    """True when lowered ops carry ``aten::<op>(file.py:12)`` in their HLO metadata (``XLA_HLO_DEBUG``)."""
     return _HLO_DEBUG
 
 

@@ -58,7 +58,7 @@ def run_on_cpu(func, args, kwargs):
             return c
         return a
 
-    with cause(f"CPU fallback aten::{name}"):  # how xlatorch.debug reports the graph cut
+    with cause(f"CPU fallback {name}"):  # how xlatorch.debug reports the graph cut
         cargs = tree_map(down, args)
         ckwargs = tree_map(down, kwargs)
     to_xla = bool(xla_in)
