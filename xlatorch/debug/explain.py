@@ -219,7 +219,7 @@ def _diff(new: _Graph, old: _Graph):
     if new.names != old.names:
         i = _lcp(new.names, old.names)
         if i == len(new.names):
-            out.append((f"op sequence ends after node {i} (the earlier graph continued with {_at(old, i)})", None))
+            out.append((f"op sequence stops after {i} nodes: the earlier graph went on with {_at(old, i)}", None))
         elif i == len(old.names):
             out.append((f"op sequence grows at node {i}: {_at(new, i)} is new", new.srcs[i]))
         else:
@@ -280,8 +280,8 @@ def on_compile(key, nodes, leaves, root_refs, exe, compile_ns: int) -> CompileRe
         if prev.names != g.names and _overlap(prev.names, g.names) * 2 < max(len(g.names), len(prev.names)):
             # Not even half its ops in common with anything seen: a new graph (a new phase of
             # the program), not a variant of an old one.
-            lines.insert(0, (f"first compile of this graph (closest earlier graph: {len(prev.names)} nodes)",
-                             None))  # fmt: skip
+            lines = [("first compile of this graph (it shares under half its ops with any graph compiled "
+                      "before)", g.srcs[0] if g.srcs else None)]  # fmt: skip
     _HISTORY.append(g)
     src = next((s for _, s in lines if s is not None), None)
     sync, sync_src = _last_sync
