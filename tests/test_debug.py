@@ -82,7 +82,7 @@ def test_item_in_loop_reported_with_its_line():
     src = f"{HERE}:{lines['item']}"
     rows = {k: n for k, n in xd.sync_counts().items() if k[0] == ".item()"}
     assert len(rows) == 1, rows
-    ((cause, where), n), = rows.items()
+    (((cause, where), n),) = rows.items()
     assert where.endswith(src) and n == steps
     assert xd.sync_counts(step=True) == {}  # the last step ended with mark_step
     report = xd.sync_report()
