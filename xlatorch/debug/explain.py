@@ -265,8 +265,19 @@ def memory_text(mem: dict | None) -> str:
             f"({_mib(mem['alias'])} aliased to donated inputs), temporaries {_mib(mem['temp'])}")  # fmt: skip
 
 
-def on_compile(key, nodes, leaves, root_refs, exe, compile_ns: int) -> CompileRecord:
-    """Record (and at level >= 1 log) why graph ``key`` was compiled (called on every compile)."""
+def on_compile(key, nodes, leaves, root_refs, exe, compile_ns: int) -> CompileRecord | None:
+    """Record (and at level >= 1 log) why graph ``key`` was compiled (called on every compile).
+
+    Never raises: a fault in the debug tools must not fail the user's step.
+    """
+    try:
+        return _on_compile(key, nodes, leaves, root_refs, exe, compile_ns)
+    except Exception as e:  # pragma: no cover - a bug here is reported, not raised
+        knob.LOG.warning(f"xlatorch.debug: could not explain a compile: {type(e).__name__}: {e}")
+        return None
+
+
+def _on_compile(key, nodes, leaves, root_refs, exe, compile_ns: int) -> CompileRecord:
     g = _Graph(key, nodes)
     prev = _closest(g)
     if prev is None:
@@ -338,6 +349,13 @@ class cause:
 
 def on_sync(reason: str, graph_nodes: int) -> None:
     """Record a graph cut that runs ``graph_nodes`` nodes (called by every sync that executes)."""
+    try:
+        _on_sync(reason, graph_nodes)
+    except Exception as e:  # pragma: no cover - a bug here is reported, not raised
+        knob.LOG.warning(f"xlatorch.debug: could not record a graph cut: {type(e).__name__}: {e}")
+
+
+def _on_sync(reason: str, graph_nodes: int) -> None:
     global _last_sync
     if reason == "mark_step":
         _last_sync = ("mark_step", None)

@@ -180,11 +180,11 @@ def sync(reason: str = "mark_step", dev: int | None = None) -> None:
     t0 = time.perf_counter_ns()
     roots = [st.value for st in storages]
     nodes, leaves, enc, root_refs = _collect(roots)
-    explain.on_sync(reason, len(nodes))
     storages, failed = _split_failed(storages, nodes)
     if failed is not None:  # run what does not depend on the failure, then report it
         sync(reason, dev)
         raise FailedValueError(f"xlatorch: a tensor's value could not be computed: {failed}") from failed
+    explain.on_sync(reason, len(nodes))
     data = [v for v in leaves if type(v) is Data]
     # Donate buffers no live tensor holds any more, when an output can reuse them.
     out_avals = {r.aval for r in roots}
