@@ -26,10 +26,15 @@ HERE = os.path.basename(__file__)
 
 
 @pytest.fixture(autouse=True)
-def _fresh_records():
+def _fresh_records(monkeypatch):
+    # Level 0 and no source flags whatever the environment says, so tests can check each level.
+    monkeypatch.setattr(knob, "_IR_DEBUG", False)
+    monkeypatch.setattr(knob, "_HLO_DEBUG", False)
+    prev = xd.get_level()
+    xd.set_level(0)
     xd.clear()
     yield
-    xd.set_level(0)
+    xd.set_level(prev)
 
 
 def _next_line() -> int:
