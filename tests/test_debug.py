@@ -126,6 +126,15 @@ def test_data_dependent_ops_reported_as_such():
     assert nz.shape == (9, 1)
 
 
+def test_data_dependent_size_change_is_named():
+    x = torch.tensor([0.0, 1.0, 0.0, 2.0, 3.0, 0.0, 0.0]).to("xla")
+    for k in (0.5, 1.5):
+        y = torch.nonzero(x > k)  # noqa: F841
+        xm.mark_step()
+    rec = xd.compile_reasons()[-1]
+    assert "data-dependent output of aten::nonzero changed: i64[3,1] -> i64[2,1]" in rec.reason, rec.reason
+
+
 def test_constant_change_is_named():
     x = torch.rand(6, 6).to("xla")
     for d in (0, 1):

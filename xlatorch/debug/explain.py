@@ -189,17 +189,18 @@ def _diff_same_ops(new: _Graph, old: _Graph):
     consts = []
     for i, (a, b) in enumerate(zip(ok[0], nk[0])):
         (spec, sa), (_, sb) = a[0][:2], b[0][:2]
+        if a[0][2:] != b[0][2:]:  # a data-dependent op's output size, read from the device
+            consts.append((f"data-dependent output of {_at(new, i)} changed: {aval_text(a[0][2])} -> "
+                           f"{aval_text(b[0][2])} (each new size is a new graph)", new.srcs[i]))  # fmt: skip
         if sa == sb:
             continue
         for j in _static_positions(spec, sb):
             if sa[j] != sb[j]:
                 consts.append((f"constant {_arg_name(spec, j)} of {_at(new, i)} changed: {sa[j]!r} -> {sb[j]!r}",
                                new.srcs[i]))  # fmt: skip
-    if consts:
-        more = f" (and {len(consts) - 3} more)" if len(consts) > 3 else ""
-        out.extend(consts[:3])
-        if more:
-            out.append((f"{len(consts)} constants changed in all{more}", None))
+    out.extend(consts[:3])
+    if len(consts) > 3:
+        out.append((f"{len(consts)} constants changed in all", None))
     if not out:
         for i, (a, b) in enumerate(zip(ok[0], nk[0])):
             if a[0] != b[0]:
