@@ -230,6 +230,19 @@ def test_ir_text_lists_every_node_with_source():
     assert re.search(r"ROOT \(%\d+, %\d+\)", text)
 
 
+def test_backward_ops_point_at_the_backward_call():
+    w = torch.rand(5, 3).to("xla").requires_grad_()
+    with xd.level(1):
+        fwd = _next_line()
+        loss = (w * 3).sum()
+        bwd = _next_line()
+        loss.backward()
+    text = xd.ir_text(w.grad)
+    # Built on autograd's thread: attributed to the line waiting in backward(), and marked.
+    assert re.search(rf"aten::mul\.Tensor\(.*# {HERE}:{bwd}, backward$", text, re.M), text
+    assert re.search(rf"aten::sum\(.*# {HERE}:{fwd}$", text, re.M), text
+
+
 def test_hlo_text_parses():
     from jax._src.interpreters import mlir
     from jax._src.lib.mlir import ir as mlir_ir

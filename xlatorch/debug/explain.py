@@ -110,17 +110,21 @@ class _Graph:
         enc = key[0]
         self.names = tuple(op_name(k[0][0]) for k in enc)
         self.srcs = tuple(getattr(n, "src", None) for n in nodes)
-        # leaf index -> the first node reading it, preferring one with a source line (a forward
-        # op: backward ops are built on autograd's thread, outside the user's code).
+        # leaf index -> the first node reading it, preferring a forward op with a source line
+        # (the user's own line, not the backward() call a backward op is attributed to).
         first: dict[int, int] = {}
         for i, (_, refs) in enumerate(enc):
-            has_src = self.srcs[i] is not None
+            rank = _src_rank(self.srcs[i])
             for r in refs:
                 if r < 0:
                     j = first.get(-1 - r)
-                    if j is None or (has_src and self.srcs[j] is None):
+                    if j is None or rank > _src_rank(self.srcs[j]):
                         first[-1 - r] = i
         self.first_use = first
+
+
+def _src_rank(src) -> int:
+    return 0 if src is None else 1 if len(src) > 2 else 2
 
 
 def _lcp(a, b) -> int:

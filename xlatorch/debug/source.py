@@ -10,11 +10,13 @@ from __future__ import annotations
 import os
 import sys
 import sysconfig
+import threading
 
 __all__ = ["user_frame", "user_line", "fmt_src"]
 
 _USER: dict[str, bool] = {}  # co_filename -> is it user code?
 _skip: tuple[str, ...] | None = None
+_MAIN = threading.main_thread().ident
 
 
 def _skip_prefixes() -> tuple[str, ...]:
@@ -39,10 +41,7 @@ def _is_user(fn: str) -> bool:
     return r
 
 
-def user_frame() -> tuple[str, int] | None:
-    """``(filename, line)`` of the innermost caller outside torch, xlatorch and the Python
-    libraries (None when there is none, e.g. an op issued by a library's own thread)."""
-    f = sys._getframe(1)
+def _walk(f) -> tuple[str, int] | None:
     while f is not None:
         code = f.f_code
         if _is_user(code.co_filename):
@@ -51,12 +50,26 @@ def user_frame() -> tuple[str, int] | None:
     return None
 
 
-def fmt_src(src: tuple[str, int] | None, full: bool = False) -> str:
+def user_frame() -> tuple | None:
+    """``(filename, line)`` of the innermost caller outside torch, xlatorch and the Python
+    libraries. On another thread with no user code (autograd's device thread running a
+    backward pass) it is ``(filename, line, "backward")``: the main thread's line, where the
+    user waits in ``backward()``. None when there is none."""
+    src = _walk(sys._getframe(1))
+    if src is None and threading.get_ident() != _MAIN:
+        main = _walk(sys._current_frames().get(_MAIN))
+        if main is not None:
+            src = (*main, "backward")
+    return src
+
+
+def fmt_src(src: tuple | None, full: bool = False) -> str:
     """``file.py:12`` (the path relative to the working directory when ``full``, else the
-    base name); ``?`` when unknown."""
+    base name; ``, backward`` appended for an op of a backward pass); ``?`` when unknown."""
     if src is None:
         return "?"
-    fn, line = src
+    fn, line = src[:2]
+    tag = f", {src[2]}" if len(src) > 2 else ""
     if full:
         try:
             rel = os.path.relpath(fn)
@@ -65,10 +78,10 @@ def fmt_src(src: tuple[str, int] | None, full: bool = False) -> str:
             pass
     else:
         fn = os.path.basename(fn)
-    return f"{fn}:{line}"
+    return f"{fn}:{line}{tag}"
 
 
 def user_line() -> str | None:
     """``path:line`` of the innermost user frame, as text (None when there is none)."""
-    src = user_frame()
+    src = _walk(sys._getframe(1))
     return None if src is None else f"{src[0]}:{src[1]}"
