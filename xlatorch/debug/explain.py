@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import threading
 
 from xlatorch.debug import knob
 from xlatorch.debug.source import fmt_src, user_frame
@@ -30,7 +31,7 @@ _RECORDS: collections.deque = collections.deque(maxlen=1000)
 _RUN: collections.Counter = collections.Counter()  # (cause, "path:line") -> count
 _STEP: collections.Counter = collections.Counter()
 _step = 0  # mark_steps seen
-_cause: str | None = None  # set by an outer caller (print, a fallback, a data-dependent op)
+_tls = threading.local()  # .cause: set by an outer caller (print, a fallback, a data-dependent op)
 _last_sync: tuple[str, str | None] = ("mark_step", None)
 
 _SHORT = {
@@ -341,15 +342,13 @@ class cause:
         self.text = text
 
     def __enter__(self):
-        global _cause
-        self.prev = _cause
-        if _cause is None:
-            _cause = self.text
+        self.prev = getattr(_tls, "cause", None)
+        if self.prev is None:
+            _tls.cause = self.text
         return self
 
     def __exit__(self, *exc):
-        global _cause
-        _cause = self.prev
+        _tls.cause = self.prev
 
 
 def on_sync(reason: str, graph_nodes: int) -> None:
@@ -365,7 +364,7 @@ def _on_sync(reason: str, graph_nodes: int) -> None:
     if reason == "mark_step":
         _last_sync = ("mark_step", None)
         return
-    what = _cause or reason
+    what = getattr(_tls, "cause", None) or reason
     u = user_frame()
     src = fmt_src(u, full=True) if u else None
     _last_sync = (what, src)
