@@ -209,6 +209,8 @@ def test_environment_knob_logs(tmp_path, env, logs):
     assert res.returncode == 0, res.stderr
     assert ("xlatorch: Compilation Analysis: first compile" in res.stderr) == logs, res.stderr
     assert ("xlatorch: Execution Analysis: .item() at prog.py:5" in res.stderr) == logs, res.stderr
+    summary = "xlatorch: Run summary: 1 compile(s) "
+    assert (summary in res.stderr and "1  .item()  prog.py:5" in res.stderr) == logs, res.stderr
 
 
 def _pending(m=6, k=10, n=3):

@@ -17,6 +17,7 @@ of which costs far more); see ``xlatorch.debug.knob`` for what each level logs.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import dataclasses
 import threading
@@ -24,7 +25,7 @@ import threading
 from xlatorch.debug import knob
 from xlatorch.debug.source import fmt_src, user_frame
 
-__all__ = ["CompileRecord", "compile_reasons", "sync_report", "sync_counts", "cause", "clear"]
+__all__ = ["CompileRecord", "compile_reasons", "sync_report", "sync_counts", "summary", "cause", "clear"]
 
 _HISTORY: collections.deque = collections.deque(maxlen=64)  # _Graph summaries, newest last
 _RECORDS: collections.deque = collections.deque(maxlen=1000)
@@ -409,6 +410,26 @@ def sync_report() -> str:
         parts.append(_table(f"Graph cuts in the current step ({_step}) besides mark_step:", _STEP))
     parts.append(_table(f"Graph cuts over the run ({_step} steps) besides mark_step:", _RUN))
     return "\n".join(parts)
+
+
+def summary() -> str:
+    """The run so far in a few lines: compiles with their reasons, then the graph-cut table."""
+    recs = list(_RECORDS)
+    total = sum(r.compile_ms for r in recs) / 1e3
+    lines = [f"{len(recs)} compile(s) ({total:.2f} s) and {sum(_RUN.values())} graph cut(s) besides mark_step "
+             f"in {_step} step(s)"]  # fmt: skip
+    lines += [f"  compile at step {r.step}: {r}" for r in recs]
+    if _RUN:
+        lines.append(_table("  graph cuts besides mark_step:", _RUN))
+    return "\n".join(lines)
+
+
+def _at_exit() -> None:
+    if knob.LEVEL >= 1 and (_RECORDS or _RUN):
+        knob.LOG.info("Run summary: " + summary())
+
+
+atexit.register(_at_exit)
 
 
 def clear() -> None:

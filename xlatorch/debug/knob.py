@@ -7,7 +7,8 @@ Levels (each includes the ones below):
   recording it): ``compile_reasons()`` and ``sync_report()`` work, without op source lines.
 - **1**: every IR node records the user's source line (a few microseconds per op);
   each compile logs its reason ("Compilation Analysis") and each graph cut that
-  ``mark_step`` did not ask for logs its cause and line ("Execution Analysis").
+  ``mark_step`` did not ask for logs its cause and line ("Execution Analysis"); at exit,
+  a summary of both ("Run summary").
 - **2**: also each compile's buffer sizes, and at each ``mark_step`` the step's table of
   graph cuts (when it had any besides the step's own).
 - **3**: also the IR of every compiled graph.
