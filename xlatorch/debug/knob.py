@@ -2,7 +2,7 @@
 
 Levels (each includes the ones below):
 
-- **0** (default): nothing is logged and tracing pays nothing. Compile reasons and
+- **0** (default): nothing is logged; tracing pays one flag check per node. Compile reasons and
   graph cuts are still recorded (they are rare and each already costs far more than
   recording it): ``compile_reasons()`` and ``sync_report()`` work, without op source lines.
 - **1**: every IR node records the user's source line (a few microseconds per op);
@@ -32,12 +32,20 @@ __all__ = ["get_level", "set_level", "level", "LOG", "source_lines", "hlo_debug"
 LOG = logging.getLogger("xlatorch")
 
 
+def _int(v: str) -> int:
+    """A level from the environment: a number, else a truthy word (``true``, ``on``) means 1."""
+    try:
+        return max(0, int(v))
+    except ValueError:
+        return 0 if v.lower() in ("false", "off", "no") else 1
+
+
 def _env_level() -> int:
     v = os.environ.get("XLATORCH_DEBUG", "").strip()
     if v:
-        return max(0, int(v))
+        return _int(v)
     if os.environ.get("PT_XLA_DEBUG", "").strip() not in ("", "0"):
-        return max(0, int(os.environ.get("PT_XLA_DEBUG_LEVEL", "1") or "1"))
+        return _int(os.environ.get("PT_XLA_DEBUG_LEVEL", "").strip() or "1")
     return 0
 
 
