@@ -158,11 +158,15 @@ def hlo_text(tensors, dialect: str = "stablehlo", debug_info: bool | None = None
     """
     import jax
 
+    from xlatorch.runtime.collectives import SPECS as COLLECTIVES
     from xlatorch.runtime.dtypes import to_jax
     from xlatorch.runtime.graph import _lower_fn, _pack, _plan
     from xlatorch.runtime.ir import Data
 
     nodes, leaves, root_refs = _graph(tensors)
+    if any(n.spec in COLLECTIVES for n in nodes):
+        raise NotImplementedError("xlatorch.debug.hlo_text: graphs with collectives (lowered per replica under "
+                                  "shard_map) are not supported yet; ir_text shows them")  # fmt: skip
     packed, kinds = _pack(leaves)
     fn = _lower_fn(_plan(nodes, leaves), kinds, root_refs, hlo_scopes(nodes))
     data = [jax.ShapeDtypeStruct(v.aval[0], to_jax(v.aval[1])) for v in leaves if type(v) is Data]
