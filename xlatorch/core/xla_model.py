@@ -7,7 +7,7 @@ import os
 import jax
 import torch
 
-from xlatorch.debug import metrics
+from xlatorch.debug import explain, metrics
 from xlatorch.debug import profiler as _prof
 from xlatorch.debug.metrics import COUNTERS
 from xlatorch.runtime import rng
@@ -71,6 +71,7 @@ def _mark_step(wait: bool) -> None:
 
     # Under dp.DataParallel each thread steps its own device.
     _sync("mark_step", current_device() if thread_replicas() else None)
+    explain.end_step()
     if wait:
         wait_device_ops()
     metrics.write_step_metrics()

@@ -9,13 +9,13 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import sys
-import sysconfig
 
 import torch
 from torch.utils._pytree import tree_map
 
+from xlatorch.debug.explain import cause
 from xlatorch.debug.metrics import COUNTERS
+from xlatorch.debug.source import user_line as user_frame
 from xlatorch.runtime.ir import device_index
 from xlatorch.runtime.tensor import XlaTensor, wrap, write
 
@@ -23,20 +23,6 @@ __all__ = ["run_on_cpu", "ORIGINS", "user_frame"]
 
 # op -> "file:line" of the user code that first sent it to CPU.
 ORIGINS: dict[str, str] = {}
-_SKIP = tuple(
-    os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules["xlatorch"])
-) + tuple({sysconfig.get_paths()[k] + os.sep for k in ("stdlib", "purelib", "platlib")})
-
-
-def user_frame() -> str | None:
-    """``file:line`` of the innermost caller outside torch, xlatorch and the Python libraries."""
-    f = sys._getframe(1)
-    while f is not None:
-        fn = f.f_code.co_filename
-        if not fn.startswith(_SKIP) and not fn.startswith("<"):
-            return f"{fn}:{f.f_lineno}"
-        f = f.f_back
-    return None
 
 
 def _write_report(path: str) -> None:
@@ -72,8 +58,9 @@ def run_on_cpu(func, args, kwargs):
             return c
         return a
 
-    cargs = tree_map(down, args)
-    ckwargs = tree_map(down, kwargs)
+    with cause(f"CPU fallback {name}"):  # how xlatorch.debug reports the graph cut
+        cargs = tree_map(down, args)
+        ckwargs = tree_map(down, kwargs)
     to_xla = bool(xla_in)
     dev = xla_in[0][0]._st.dev if xla_in else None  # results go to the inputs' local device
     if _is_xla_device(ckwargs.get("device")):

@@ -112,7 +112,7 @@ def _xla_target(device) -> bool:
 def _to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False,
              memory_format=None):  # fmt: skip
     if not _xla_target(device):
-        cpu = to_cpu(self)
+        cpu = to_cpu(self, ".cpu()")
         return cpu.to(device=device, dtype=dtype or cpu.dtype)
     dev = device_index(torch.device(device) if device is not None else None)
     if type(self) is not XlaTensor:
@@ -132,7 +132,7 @@ def _fit(v, dst: XlaTensor):
 
 def _copy_(self, src, non_blocking=False):
     if type(self) is not XlaTensor:  # device -> host
-        self.copy_(to_cpu(src))
+        self.copy_(to_cpu(src, "copy_ to CPU"))
         return self
     if type(src) is XlaTensor:
         v = value_of(src) if src._st.dev == self._st.dev else to_other_device(src, self._st.dev)
@@ -147,7 +147,7 @@ def _alias(self):
 
 
 def _item(self):
-    return to_cpu(self).item()
+    return to_cpu(self, ".item()").item()
 
 
 SPECS: dict = {}

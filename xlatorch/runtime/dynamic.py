@@ -14,6 +14,7 @@ import functools
 
 import torch
 
+from xlatorch.debug.explain import cause
 from xlatorch.runtime.dispatch import RUNTIME_OPS, SHIMS, Info, count, signature
 from xlatorch.runtime.ir import Node
 from xlatorch.runtime.tensor import DEVICE, XlaTensor, value_of, wrap
@@ -40,7 +41,8 @@ def _sized_node(name: str, vals: tuple, aval) -> Node:
 def nonzero(self):
     """aten.nonzero on the device: one graph cut to read the count, then a sized gather node."""
     count("xla::nonzero")
-    n = _host_count(self)
+    with cause("data-dependent aten::nonzero"):
+        n = _host_count(self)
     return wrap(_sized_node("nonzero.default", (value_of(self),), ((n, self.dim()), torch.int64)).outs[0])
 
 
@@ -50,7 +52,8 @@ def masked_select(self, mask):
     if type(mask) is not XlaTensor:
         mask = aten._to_copy(mask, device=DEVICE)
     shape = torch.broadcast_shapes(self.shape, mask.shape)
-    n = _host_count(aten.expand(mask, shape))
+    with cause("data-dependent aten::masked_select"):
+        n = _host_count(aten.expand(mask, shape))
     vals = (value_of(self), value_of(mask))
     return wrap(_sized_node("masked_select.default", vals, ((n,), self.dtype)).outs[0])
 
@@ -76,7 +79,8 @@ def _index(shim, self, indices):
     """aten.index.Tensor: boolean masks cost one graph cut each (their count), then the lowering."""
     if any(_is_mask(t) for t in indices):
         count("xla::index_mask")
-        indices = _long_indices(indices)
+        with cause("data-dependent boolean-mask indexing"):
+            indices = _long_indices(indices)
     return shim(self, indices)
 
 
@@ -85,7 +89,8 @@ def _index_put(shim, self, indices, values, accumulate=False):
     given = [t for t in indices if t is not None]
     if any(_is_mask(t) for t in given) and (len(given) != 1 or type(given[0]) is not XlaTensor):
         count("xla::index_put_mask")
-        indices = _long_indices(indices)
+        with cause("data-dependent boolean-mask indexing"):
+            indices = _long_indices(indices)
     return shim(self, indices, values, accumulate)
 
 

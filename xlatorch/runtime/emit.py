@@ -19,12 +19,15 @@ def _aval_struct(aval):
     return None if aval is None else jax.ShapeDtypeStruct(aval[0], to_jax(aval[1]))
 
 
-def emit_node(spec, args, info):
-    """The JAX values of a node's outputs, given its arguments' JAX values."""
+def emit_node(spec, args, info, scope=None):
+    """The JAX values of a node's outputs, given its arguments' JAX values; ``scope`` names the
+    node in the HLO metadata (default: its ATen op; ``XLA_HLO_DEBUG`` adds the source line)."""
     # Every HLO op carries the ATen op it lowers (op_name metadata "jit(...)/aten::mm/dot_general"):
     # profiles and HLO dumps name PyTorch's ops. Lowering only; keys and the disk cache ignore it.
-    name = spec.name[:-8] if spec.name.endswith(".default") else spec.name
-    with jax.named_scope(name if "::" in name else "aten::" + name):
+    if scope is None:
+        name = spec.name[:-8] if spec.name.endswith(".default") else spec.name
+        scope = name if "::" in name else "aten::" + name
+    with jax.named_scope(scope):
         return _emit(spec, args, info)
 
 

@@ -15,8 +15,9 @@ import warnings
 import jax
 import numpy as np
 
-from xlatorch.debug import metrics
+from xlatorch.debug import explain, metrics
 from xlatorch.debug import profiler as _prof
+from xlatorch.debug.dump import hlo_scopes
 from xlatorch.debug.metrics import COUNTERS
 from xlatorch.runtime import failure
 from xlatorch.runtime.dtypes import PY_SCALAR_JAX, to_jax
@@ -37,12 +38,13 @@ class Executable:
     graph whose collectives span several local devices (``threads`` > 1) runs once for all
     of them through ``run_all([(arrays, packed) per device])``."""
 
-    __slots__ = ("compiled", "run_all", "threads")
+    __slots__ = ("compiled", "run_all", "threads", "xla")
 
-    def __init__(self, compiled, run_all=None, threads=0):
+    def __init__(self, compiled, run_all=None, threads=0, xla=None):
         self.compiled = compiled
         self.run_all = run_all
         self.threads = threads
+        self.xla = xla  # the jax Compiled (memory_analysis, as_text) for xlatorch.debug
 
 
 class _Ref:
@@ -128,8 +130,9 @@ def _plan(nodes, leaves):
     return [(n.spec, tuple(tmpl(a) for a in n.args), n.info) for n in nodes]
 
 
-def _lower_fn(plan, leaf_kinds, root_refs):
-    """The JAX function computing the roots from (device data..., packed scalars...)."""
+def _lower_fn(plan, leaf_kinds, root_refs, scopes=None):
+    """The JAX function computing the roots from (device data..., packed scalars...);
+    ``scopes``: per-node names for the HLO metadata (``XLA_HLO_DEBUG``), or None."""
     from xlatorch.runtime.emit import emit_node
 
     def fn(data, packed):
@@ -149,8 +152,8 @@ def _lower_fn(plan, leaf_kinds, root_refs):
                 return tuple(get(x) for x in a)
             return a
 
-        for spec, args, info in plan:
-            vals.append(emit_node(spec, tuple(get(a) for a in args), info))
+        for k, (spec, args, info) in enumerate(plan):
+            vals.append(emit_node(spec, tuple(get(a) for a in args), info, scopes[k] if scopes else None))
         return tuple(leaf_vals[-1 - r] if r < 0 else vals[r // 4096][r % 4096] for r in root_refs)
 
     return fn
@@ -199,6 +202,7 @@ def _sync(reason, dev, timed) -> None:
         if failed is not None:  # run what does not depend on the failure, then report it
             sync(reason, dev)
             raise FailedValueError(f"xlatorch: a tensor's value could not be computed: {failed}") from failed
+    explain.on_sync(reason, len(nodes))
     data = [v for v in leaves if type(v) is Data]
     # Donate buffers no live tensor holds any more, when an output can reuse them.
     out_avals = {r.aval for r in roots}
@@ -210,9 +214,10 @@ def _sync(reason, dev, timed) -> None:
     try:
         if exe is None:
             COUNTERS["UncachedCompile"] += 1
-            with timed("CompileTime"):
+            with timed("CompileTime") as tm:
                 exe = _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, gdev)
             CACHE[key] = exe
+            explain.on_compile(key, nodes, leaves, root_refs, exe, time.perf_counter_ns() - tm.t0)
         else:
             COUNTERS["CachedCompile"] += 1
         metrics.add_sample("TensorsGraphSize", len(nodes))
@@ -306,7 +311,7 @@ def _pack(leaves):
 
 def _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, dev=0):
     plan = _plan(nodes, leaves)
-    fn = _lower_fn(plan, leaf_kinds, root_refs)
+    fn = _lower_fn(plan, leaf_kinds, root_refs, hlo_scopes(nodes))
     local = placed = None
     if dev:  # a local device other than the default one (dp.DataParallel)
         from jax.sharding import SingleDeviceSharding
@@ -337,12 +342,12 @@ def _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, dev=0):
             packed_vals = [jax.device_put(p, local) for p in packed_vals]
             return compiled([arrays[i] for i in donate], [arrays[i] for i in kept], packed_vals)
 
-        return Executable(call)
+        return Executable(call, xla=compiled)
 
     def call(arrays, packed_vals):
         return compiled([arrays[i] for i in donate], [arrays[i] for i in kept], packed_vals)
 
-    return Executable(call)
+    return Executable(call, xla=compiled)
 
 
 def _roots(nodes, leaves, root_refs):
@@ -428,7 +433,7 @@ def _compile_spmd(body, args, out_avals, donate, kept):
     def call(arrays, packed_vals):
         return run_all([(arrays, packed_vals)])[0]
 
-    return Executable(call, run_all, threads)
+    return Executable(call, run_all, threads, compiled)
 
 
 def _merge(donated, kept, mask):

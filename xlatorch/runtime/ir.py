@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import threading
 
+from xlatorch.debug import knob as _knob
+from xlatorch.debug.source import user_frame
+
 __all__ = ["Data", "Scalar", "Node", "Out", "Value", "VALUE_TYPES", "operands", "current_device",
            "enable_multi_device", "device_index"]  # fmt: skip
 
@@ -20,6 +23,9 @@ __all__ = ["Data", "Scalar", "Node", "Out", "Value", "VALUE_TYPES", "operands", 
 # thread that built it.
 _multi = False
 _thread = threading.local()
+# Nodes record the user's (file, line) in ``src`` (debug level >= 1, XLA_IR_DEBUG): set by
+# xlatorch.debug.knob. Off, ``src`` stays unset (read it with getattr(n, "src", None)).
+DEBUG_SOURCE = _knob.source_lines()
 
 
 def enable_multi_device() -> None:
@@ -101,7 +107,7 @@ class Node:
     ``hash(-1) == hash(-2)``, and dims -1 and -2 must not share an executable).
     """
 
-    __slots__ = ("spec", "args", "info", "key", "outs", "dev")
+    __slots__ = ("spec", "args", "info", "key", "outs", "dev", "src")
 
     def __init__(self, spec, args, info, key):
         self.spec = spec
@@ -114,6 +120,8 @@ class Node:
             self.outs = (Out(self, 0, avals[0]),)
         else:
             self.outs = tuple(None if aval is None else Out(self, i, aval) for i, aval in enumerate(avals))
+        if DEBUG_SOURCE:
+            self.src = user_frame()
 
 
 class Out:

@@ -116,7 +116,10 @@ class XlaTensor(torch.Tensor):
 
     def __repr__(self, *, tensor_contents=None):
         # PyTorch prints subclasses as "XlaTensor(...)"; device tensors print as "tensor(...)".
-        text = torch._tensor_str._str(self, tensor_contents=tensor_contents)
+        from xlatorch.debug.explain import cause
+
+        with cause("print"):
+            text = torch._tensor_str._str(self, tensor_contents=tensor_contents)
         pad = len("XlaTensor(") - len("tensor(")
         first, *rest = text.split("\n")
         return "\n".join(["tensor(" + first[len("XlaTensor(") :]] + [line[pad:] for line in rest])
@@ -125,14 +128,14 @@ class XlaTensor(torch.Tensor):
         """The values as nested Python lists (a graph cut if pending)."""
         from xlatorch.runtime.transfer import to_cpu
 
-        return to_cpu(self).tolist()
+        return to_cpu(self, ".tolist()").tolist()
 
     def numpy(self, *, force: bool = False):
         from xlatorch.runtime.transfer import to_cpu
 
         if self.requires_grad and not force:
             raise RuntimeError("Can't call numpy() on Tensor that requires grad. Use tensor.detach().numpy() instead.")
-        return to_cpu(self).numpy()
+        return to_cpu(self, ".numpy()").numpy()
 
     @property
     def is_xla(self) -> bool:  # type: ignore[override]

@@ -78,11 +78,10 @@ def _from_array(arr, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(a)
 
 
-def to_cpu(t: XlaTensor) -> torch.Tensor:
-    """Download a device tensor (a graph cut if it is pending); a view is applied on CPU."""
-    if t._vw is None:
-        return _base_to_cpu(t._st)
-    cpu = _base_to_cpu(t._st)
+def to_cpu(t: XlaTensor, reason: str = "to_cpu") -> torch.Tensor:
+    """Download a device tensor (a graph cut if it is pending, reported as ``reason``); a view
+    is applied on CPU."""
+    cpu = _base_to_cpu(t._st, reason)
     vw = t._vw  # read after the sync: it may have made a lone view a plain tensor
     if vw is not None:
         from xlatorch.runtime.dispatch import replay_on_cpu
@@ -93,11 +92,11 @@ def to_cpu(t: XlaTensor) -> torch.Tensor:
     return cpu
 
 
-def _base_to_cpu(st) -> torch.Tensor:
+def _base_to_cpu(st, reason: str = "to_cpu") -> torch.Tensor:
     if type(st.value) is Out:
         from xlatorch.runtime.graph import sync
 
-        sync("to_cpu", st.dev)
+        sync(reason, st.dev)
         if type(st.value) is Out:  # a value whose earlier sync failed: raise its error
             sync_value(st.value)
     v = st.value
