@@ -41,7 +41,7 @@ from xlatorch.runtime import serialization as _serialization  # noqa: E402,F401 
 
 _profiler._from_environment()  # XLATORCH_PROFILE=<dir>: capture the first steps
 
-# The objects of torch, JAX and numpy (millions, alive for the whole process) leave the
+# The objects of torch, JAX and numpy (~240,000, alive for the whole process) leave the
 # garbage collector's view: otherwise each full collection walks them all, and tracing
 # and lowering a program's first step trigger several (measured: GPT's first trace
 # 0.25 -> 0.07 s). XLATORCH_GC_FREEZE=0 keeps them collectable.

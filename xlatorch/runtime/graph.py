@@ -66,6 +66,14 @@ def _collect(roots):
     enc = []
     failed = False
     failed_spec = failure._SPEC  # None until some value has failed
+
+    def leaf(v) -> int:
+        i = leaf_pos.get(id(v))
+        if i is None:
+            i = leaf_pos[id(v)] = len(leaves)
+            leaves.append(v)
+        return -1 - i
+
     for root in roots:
         if id(root.node) in order:
             continue
@@ -81,32 +89,14 @@ def _collect(roots):
                     if type(v) is Out and id(v.node) not in order:
                         stack.append((v.node, None))
                 continue
-            refs = []
-            for v in ops:
-                if type(v) is Out:
-                    refs.append(order[id(v.node)] * 4096 + v.idx)
-                else:
-                    i = leaf_pos.get(id(v))
-                    if i is None:
-                        i = leaf_pos[id(v)] = len(leaves)
-                        leaves.append(v)
-                    refs.append(-1 - i)
-            enc.append((n.key, tuple(refs)))
+            refs = tuple(order[id(v.node)] * 4096 + v.idx if type(v) is Out else leaf(v) for v in ops)
+            enc.append((n.key, refs))
             order[id(n)] = len(nodes)
             nodes.append(n)
             if n.spec is failed_spec:
                 failed = True
-    root_refs = []
-    for r in roots:
-        if type(r) is Out:
-            root_refs.append(order[id(r.node)] * 4096 + r.idx)
-        else:
-            i = leaf_pos.get(id(r))
-            if i is None:
-                i = leaf_pos[id(r)] = len(leaves)
-                leaves.append(r)
-            root_refs.append(-1 - i)
-    return nodes, leaves, enc, tuple(root_refs), failed
+    root_refs = tuple(order[id(r.node)] * 4096 + r.idx if type(r) is Out else leaf(r) for r in roots)
+    return nodes, leaves, enc, root_refs, failed
 
 
 def _plan(nodes, leaves):
