@@ -168,7 +168,7 @@ def sync(reason: str = "mark_step", dev: int | None = None) -> None:
 def _sync(reason, dev, timed) -> None:
     # Creation order: the same for every replica running the same program whichever way it
     # reached this sync (a replicated graph must be the same program on every replica).
-    storages = [st for st in pending_storages() if type(st.value) is Out]
+    storages = pending_storages()
     if dev is None:
         devs = {st.dev for st in storages}
         if len(devs) > 1:

@@ -36,7 +36,7 @@ DISPATCH = None  # dispatch.dispatch, set when that module loads (it imports thi
 
 def pending_storages() -> list:
     """The live storages whose value is pending, by creation order (``sid``)."""
-    live = [st for st in (r() for r in PENDING.values()) if st is not None and type(st.value) is not Data]
+    live = [st for st in (r() for r in PENDING.values()) if st is not None and type(st.value) is ir.Out]
     live.sort(key=_sid)
     return live
 
