@@ -89,6 +89,10 @@ def build(entries):
         pys = [a.py for a in fargs] + (["seed"] if e.random else [])
         body = e.lower if e.lower is not None else f"L.{e.helper}(out, {', '.join(pys)})"
         lowerings.append(dict(fn=fn, params=", ".join(["out"] + pys), body=body))
+        check = "None"
+        if e.check is not None:
+            lowerings.append(dict(fn=fn + "__check", params=", ".join(["out"] + pys), body=e.check))
+            check = f"E.{fn}__check"
         call_args = ", ".join([a.py for a in fargs] + (["None"] if e.random else []))
         call_args = f"({call_args},)" if call_args else "()"
         common = dict(
@@ -99,6 +103,8 @@ def build(entries):
             promote=repr(e.promote),
             promote_args=repr(e.promote_args or None),
             emit=f"E.{fn}",
+            check=check,
+            check_integral=e.check_if == "integral",
         )
         var = f"S_{fn}"
         scatter_var = "None"
@@ -111,7 +117,8 @@ def build(entries):
                                names=tuple(["self", "src"] + [a.name for a in fargs[1:]] + ["idx"]),
                                kinds=", ".join(["TENSOR", "TENSOR"] + ["STATIC"] * len(fargs)),
                                kwarg_only=tuple([False] * (len(fargs) + 2)), returns="ONE", promote="None",
-                               promote_args="None", view=False, scatter="None", meta="_scatter_meta"))  # fmt: skip
+                               promote_args="None", view=False, scatter="None", meta="_scatter_meta",
+                               check="None", check_integral=False))  # fmt: skip
         specs.append(_Spec(var=var, name=e.name, overload=_aten(e.name), view=s.view, scatter=scatter_var,
                            meta="None", **common))  # fmt: skip
         entry_shim = "call_inplace" if s.inplace else "call"

@@ -12,13 +12,14 @@ from codegen.schema import Schema
 
 KEYS = {
     "lower", "helper", "decompose", "fallback", "promote", "promote_args", "static", "random", "scatter",
-    "variants", "dispatch", "test", "note",
+    "variants", "dispatch", "test", "note", "check", "check_if",
 }  # fmt: skip
 # How an entry is executed: exactly one of these fields, except for dispatch runtime/metadata.
 RULES = ("lower", "helper", "decompose", "fallback")
 DISPATCH = {"shim", "runtime", "metadata"}
 TEST_KEYS = {"opinfo", "atol", "rtol", "grad_atol", "grad_rtol", "dtypes", "xfail", "compare"}
 TEST_TAGS = {"float32", "bfloat16", "int64", "bool", "grad", "inplace", "all"}
+CHECK_IF = {"integral"}
 PROMOTIONS = {"default", "int_to_float", "always_bool", "complex_to_float", "bool_to_long", "no_opmath"}
 # Names a lowering expression may use besides its schema's argument names.
 GLOBALS = {"jnp", "lax", "jax", "np", "math", "L", "out", "torch_dtype"}
@@ -47,6 +48,10 @@ class Entry:
     decompose: bool = False  # run PyTorch's decomposition (torch._decomp) into lowered ops
     fallback: str | None = None  # a declared CPU fallback, with the reason
     test: dict = field(default_factory=dict)  # OpInfo hints: opinfo names, tolerances, xfails
+    # A check CPU PyTorch makes on the data (index bounds, division by zero): an expression
+    # giving L.checks results, computed inside the compiled graph (xlatorch/runtime/checks.py).
+    check: str | None = None
+    check_if: str | None = None  # "integral": only when the computation dtype is integral
 
     @property
     def status(self) -> str:
@@ -153,6 +158,10 @@ def load(path: str, schemas: dict) -> list[Entry]:
         extra = {"seed"} if e.random else set()
         if e.lower is not None:
             _check_expr(f"ops.yaml entry '{name}'", e.lower, argnames | GLOBALS | extra)
+        if e.check is not None:
+            _check_expr(f"ops.yaml entry '{name}' (check)", e.check, argnames | GLOBALS | extra)
+        if e.check_if is not None and (e.check is None or e.check_if not in CHECK_IF):
+            raise RegistryError(f"ops.yaml entry '{name}': check_if needs a check and is one of {sorted(CHECK_IF)}")
         if e.scatter is not None:
             if not s.view:
                 raise RegistryError(f"ops.yaml entry '{name}': 'scatter' is only for view ops")

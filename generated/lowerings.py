@@ -399,20 +399,40 @@ def index_Tensor(out, self, indices):
     return L.shape.index_tensor(out, self, indices)
 
 
+def index_Tensor__check(out, self, indices):
+    return L.checks.advanced(self, indices)
+
+
 def index_select(out, self, dim, index):
     return L.index.index_select(out, self, dim, index)
+
+
+def index_select__check(out, self, dim, index):
+    return L.checks.index_range(self, dim, index)
 
 
 def gather(out, self, dim, index, sparse_grad):
     return L.index.gather(out, self, dim, index)
 
 
+def gather__check(out, self, dim, index, sparse_grad):
+    return L.checks.along_dim(self, dim, index)
+
+
 def embedding(out, weight, indices, padding_idx, scale_grad_by_freq, sparse):
     return jnp.take(weight, indices, axis=0)
 
 
+def embedding__check(out, weight, indices, padding_idx, scale_grad_by_freq, sparse):
+    return L.checks.index_out_of_range(indices, weight.shape[0])
+
+
 def embedding_dense_backward(out, grad_output, indices, num_weights, padding_idx, scale_grad_by_freq):
     return L.nn.embedding_dense_backward(out, grad_output, indices, num_weights, padding_idx, scale_grad_by_freq)
+
+
+def embedding_dense_backward__check(out, grad_output, indices, num_weights, padding_idx, scale_grad_by_freq):
+    return L.checks.index_out_of_range(indices, num_weights)
 
 
 def where_self(out, condition, self, other):
@@ -431,48 +451,96 @@ def scatter_src(out, self, dim, index, src):
     return L.index.scatter(out, self, dim, index, src)
 
 
+def scatter_src__check(out, self, dim, index, src):
+    return L.checks.along_dim(self, dim, index)
+
+
 def scatter_value(out, self, dim, index, value):
     return L.index.scatter(out, self, dim, index, value)
+
+
+def scatter_value__check(out, self, dim, index, value):
+    return L.checks.along_dim(self, dim, index)
 
 
 def scatter_reduce(out, self, dim, index, src, reduce):
     return L.index.scatter(out, self, dim, index, src, reduce)
 
 
+def scatter_reduce__check(out, self, dim, index, src, reduce):
+    return L.checks.along_dim(self, dim, index)
+
+
 def scatter_value_reduce(out, self, dim, index, value, reduce):
     return L.index.scatter(out, self, dim, index, value, reduce)
+
+
+def scatter_value_reduce__check(out, self, dim, index, value, reduce):
+    return L.checks.along_dim(self, dim, index)
 
 
 def scatter_add(out, self, dim, index, src):
     return L.index.scatter_add(out, self, dim, index, src)
 
 
+def scatter_add__check(out, self, dim, index, src):
+    return L.checks.along_dim(self, dim, index)
+
+
 def scatter_reduce_two(out, self, dim, index, src, reduce, include_self):
     return L.index.scatter_reduce(out, self, dim, index, src, reduce, include_self)
+
+
+def scatter_reduce_two__check(out, self, dim, index, src, reduce, include_self):
+    return L.checks.along_dim(self, dim, index)
 
 
 def index_put(out, self, indices, values, accumulate):
     return L.index.index_put(out, self, indices, values, accumulate)
 
 
+def index_put__check(out, self, indices, values, accumulate):
+    return L.checks.advanced(self, indices)
+
+
 def _index_put_impl_(out, self, indices, values, accumulate, unsafe):
     return L.index.index_put(out, self, indices, values, accumulate)
+
+
+def _index_put_impl___check(out, self, indices, values, accumulate, unsafe):
+    return L.checks.advanced(self, indices)
 
 
 def index_add(out, self, dim, index, source, alpha):
     return L.index.index_add(out, self, dim, index, source, alpha)
 
 
+def index_add__check(out, self, dim, index, source, alpha):
+    return L.checks.along_dim(self, dim, index)
+
+
 def index_copy(out, self, dim, index, source):
     return L.index.index_copy(out, self, dim, index, source)
+
+
+def index_copy__check(out, self, dim, index, source):
+    return L.checks.along_dim(self, dim, index, IndexError, prefix='index_copy_(): ')
 
 
 def index_fill_int_Scalar(out, self, dim, index, value):
     return L.index.index_fill(out, self, dim, index, value)
 
 
+def index_fill_int_Scalar__check(out, self, dim, index, value):
+    return L.checks.along_dim(self, dim, index, IndexError, negative=True)
+
+
 def index_fill_int_Tensor(out, self, dim, index, value):
     return L.index.index_fill(out, self, dim, index, value)
+
+
+def index_fill_int_Tensor__check(out, self, dim, index, value):
+    return L.checks.along_dim(self, dim, index, IndexError, negative=True)
 
 
 def masked_scatter(out, self, mask, source):
@@ -487,8 +555,16 @@ def take(out, self, index):
     return L.index.take(out, self, index)
 
 
+def take__check(out, self, index):
+    return L.checks.flat(self, index)
+
+
 def put(out, self, index, source, accumulate):
     return L.index.put(out, self, index, source, accumulate)
+
+
+def put__check(out, self, index, source, accumulate):
+    return L.checks.flat(self, index)
 
 
 def as_strided(out, self, size, stride, storage_offset):
@@ -613,6 +689,10 @@ def div_Scalar(out, self, other):
 
 def div_Tensor_mode(out, self, other, rounding_mode):
     return L.pointwise.div_mode(out, self, other, rounding_mode)
+
+
+def div_Tensor_mode__check(out, self, other, rounding_mode):
+    return None if rounding_mode is None else L.checks.divisor(other)
 
 
 def neg(out, self):
@@ -1031,32 +1111,64 @@ def fmod_Tensor(out, self, other):
     return jnp.fmod(self, other)
 
 
+def fmod_Tensor__check(out, self, other):
+    return L.checks.divisor(other)
+
+
 def fmod_Scalar(out, self, other):
     return jnp.fmod(self, other)
+
+
+def fmod_Scalar__check(out, self, other):
+    return L.checks.divisor(other)
 
 
 def remainder_Tensor(out, self, other):
     return jnp.remainder(self, other)
 
 
+def remainder_Tensor__check(out, self, other):
+    return L.checks.divisor(other)
+
+
 def remainder_Scalar(out, self, other):
     return jnp.remainder(self, other)
+
+
+def remainder_Scalar__check(out, self, other):
+    return L.checks.divisor(other)
 
 
 def remainder_Scalar_Tensor(out, self, other):
     return jnp.remainder(self, other)
 
 
+def remainder_Scalar_Tensor__check(out, self, other):
+    return L.checks.divisor(other)
+
+
 def div_Scalar_mode(out, self, other, rounding_mode):
     return L.pointwise.div_mode(out, self, other, rounding_mode)
+
+
+def div_Scalar_mode__check(out, self, other, rounding_mode):
+    return None if rounding_mode is None else L.checks.divisor(other)
 
 
 def floor_divide(out, self, other):
     return L.pointwise.div_mode(out, self, other, "floor")
 
 
+def floor_divide__check(out, self, other):
+    return L.checks.divisor(other)
+
+
 def floor_divide_Scalar(out, self, other):
     return L.pointwise.div_mode(out, self, other, "floor")
+
+
+def floor_divide_Scalar__check(out, self, other):
+    return L.checks.divisor(other)
 
 
 def hypot(out, self, other):
@@ -1587,8 +1699,16 @@ def nll_loss_forward(out, self, target, weight, reduction, ignore_index):
     return L.nn.nll_loss_forward(out, self, target, weight, reduction, ignore_index)
 
 
+def nll_loss_forward__check(out, self, target, weight, reduction, ignore_index):
+    return L.checks.targets(self, target, ignore_index)
+
+
 def nll_loss_backward(out, grad_output, self, target, weight, reduction, ignore_index, total_weight):
     return L.nn.nll_loss_backward(out, grad_output, self, target, weight, reduction, ignore_index, total_weight)
+
+
+def nll_loss_backward__check(out, grad_output, self, target, weight, reduction, ignore_index, total_weight):
+    return L.checks.targets(self, target, ignore_index)
 
 
 def native_layer_norm(out, input, normalized_shape, weight, bias, eps):
@@ -1735,8 +1855,16 @@ def nll_loss2d_forward(out, self, target, weight, reduction, ignore_index):
     return L.loss.nll_loss2d_forward(out, self, target, weight, reduction, ignore_index)
 
 
+def nll_loss2d_forward__check(out, self, target, weight, reduction, ignore_index):
+    return L.checks.targets(self, target, ignore_index, 1)
+
+
 def nll_loss2d_backward(out, grad_output, self, target, weight, reduction, ignore_index, total_weight):
     return L.loss.nll_loss2d_backward(out, grad_output, self, target, weight, reduction, ignore_index, total_weight)
+
+
+def nll_loss2d_backward__check(out, grad_output, self, target, weight, reduction, ignore_index, total_weight):
+    return L.checks.targets(self, target, ignore_index, 1)
 
 
 def reflection_pad1d(out, self, padding):
@@ -1935,8 +2063,16 @@ def _embedding_bag(out, weight, indices, offsets, scale_grad_by_freq, mode, spar
     return L.pool.embedding_bag(out, weight, indices, offsets, scale_grad_by_freq, mode, sparse, per_sample_weights, include_last_offset, padding_idx)
 
 
+def _embedding_bag__check(out, weight, indices, offsets, scale_grad_by_freq, mode, sparse, per_sample_weights, include_last_offset, padding_idx):
+    return L.checks.bag(weight, indices)
+
+
 def _embedding_bag_forward_only(out, weight, indices, offsets, scale_grad_by_freq, mode, sparse, per_sample_weights, include_last_offset, padding_idx):
     return L.pool.embedding_bag(out, weight, indices, offsets, scale_grad_by_freq, mode, sparse, per_sample_weights, include_last_offset, padding_idx)
+
+
+def _embedding_bag_forward_only__check(out, weight, indices, offsets, scale_grad_by_freq, mode, sparse, per_sample_weights, include_last_offset, padding_idx):
+    return L.checks.bag(weight, indices)
 
 
 def embedding_renorm(out, self, indices, max_norm, norm_type):

@@ -243,6 +243,9 @@ def _diff(new: _Graph, old: _Graph):
                     f"holding an input was freed or kept alive", None))  # fmt: skip
     if nk[4] != ok[4]:
         out.append((f"device differs: xla:{nk[4]} (was xla:{ok[4]})", None))
+    if nk[5:] != ok[5:]:
+        out.append(("the updates a failed on-device check undoes differ (tensors updated in place, or ops traced "
+                    "in another order relative to the checked ones)", None))  # fmt: skip
     return out
 
 

@@ -13,11 +13,13 @@ import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
 from xlatorch.debug.metrics import COUNTERS
+from xlatorch.debug.source import user_frame
+from xlatorch.runtime import checks
 from xlatorch.runtime import tensor as _tensor_module
 from xlatorch.runtime.dtypes import PY_SCALAR_DTYPE
 from xlatorch.runtime.ir import VALUE_TYPES, Node, Scalar
 from xlatorch.runtime.rng import next_key
-from xlatorch.runtime.tensor import XlaTensor, value_of, wrap, write
+from xlatorch.runtime.tensor import TICKS, XlaTensor, value_of, wrap, write
 
 __all__ = ["OpSpec", "Info", "dispatch", "call", "call_inplace", "call_out", "scalar", "SHIMS", "RUNTIME_OPS",
            "DECOMPS"]  # fmt: skip
@@ -36,13 +38,15 @@ DECOMPS: dict = {}  # OpOverload -> PyTorch decomposition into ops that are lowe
 
 
 class Info:
-    """What a node's signature determines: output avals and computation dtype."""
+    """What a node's signature determines: output avals, computation dtype, and whether
+    the node carries an on-device check (``runtime/checks.py``)."""
 
-    __slots__ = ("avals", "cdtype")
+    __slots__ = ("avals", "cdtype", "checked")
 
-    def __init__(self, avals, cdtype):
+    def __init__(self, avals, cdtype, checked=False):
         self.avals = avals
         self.cdtype = cdtype
+        self.checked = checked
 
 
 class OpSpec:
@@ -50,11 +54,12 @@ class OpSpec:
 
     __slots__ = (
         "name", "overload", "emit", "arg_names", "kinds", "kwarg_only", "returns",
-        "promote", "promote_idx", "view", "scatter", "cache", "meta_overload",
+        "promote", "promote_idx", "view", "scatter", "cache", "meta_overload", "check", "check_integral",
     )  # fmt: skip
 
     def __init__(self, name, overload, emit, arg_names, kinds, kwarg_only, returns,
-                 promote=None, promote_args=None, view=False, scatter=None, meta_overload=None):  # fmt: skip
+                 promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+                 check=None, check_integral=False):  # fmt: skip
         self.name = name
         self.overload = overload
         self.emit = emit
@@ -71,6 +76,9 @@ class OpSpec:
         # The overload whose meta kernel gives this spec's avals (an in-place variant
         # uses its own, so PyTorch's in-place casting rules and errors apply).
         self.meta_overload = meta_overload or overload
+        # The on-device check (ops.yaml ``check``): called like ``emit``, gives L.checks results.
+        self.check = check
+        self.check_integral = check_integral  # check only when the computation dtype is integral
 
     def __repr__(self):
         return f"OpSpec({self.name})"
@@ -204,7 +212,12 @@ def _node(spec: OpSpec, vals: tuple, sig: tuple) -> Node:
     info = spec.cache.get(sig)
     if info is None:
         info = spec.cache[sig] = _infer(spec, vals)
-    return Node(spec, vals, info, (spec, sig))
+    n = Node(spec, vals, info, (spec, sig))
+    if info.checked:
+        n.tick = next(TICKS)  # updates traced after a failed check are undone (runtime/checks.py)
+        if getattr(n, "src", None) is None:
+            n.src = user_frame()  # a failed check names the user's line
+    return n
 
 
 def signature(vals: tuple) -> tuple:
@@ -242,7 +255,11 @@ def _infer(spec: OpSpec, vals: tuple) -> Info:
     if spec.promote is not None:
         pargs = [meta[i] for i in spec.promote_idx if meta[i] is not None]
         cdtype, _ = elementwise_dtypes(*pargs, type_promotion_kind=spec.promote)
-    return Info(avals, cdtype)
+    checked = spec.check is not None and checks.ENABLED
+    if checked and spec.check_integral:
+        dt = cdtype or next(a[1] for a in avals if a is not None)
+        checked = not (dt.is_floating_point or dt.is_complex)
+    return Info(avals, cdtype, checked)
 
 
 def _outputs(spec, n: Node):

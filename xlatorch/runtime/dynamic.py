@@ -75,8 +75,38 @@ def _long_indices(indices) -> list:
     return out
 
 
+_INDEX_DTYPES = (torch.int64, torch.int32, torch.uint8, torch.bool)
+
+
+def _checked_indices(self, indices) -> list:
+    """Index tensors as PyTorch takes them for an accelerator tensor: CPU ones (any size)
+    moved to the device; dtypes and mask shapes checked now, raising CPU's IndexError."""
+    out = []
+    d = 0  # the dim of ``self`` the next index applies to
+    for t in indices:
+        if t is None:
+            out.append(t)
+            d += 1
+            continue
+        if t.dtype not in _INDEX_DTYPES:
+            raise IndexError("tensors used as indices must be long, int, byte or bool tensors")
+        if _is_mask(t):
+            for j, n in enumerate(t.shape):
+                if d + j >= self.dim() or self.shape[d + j] != n:
+                    raise IndexError(
+                        f"The shape of the mask {list(t.shape)} at index {j} does not match the shape of the "
+                        f"indexed tensor {list(self.shape)} at index {d + j}"
+                    )
+            d += t.dim()
+        else:
+            d += 1
+        out.append(t if type(t) is XlaTensor else aten._to_copy(t, device=DEVICE))
+    return out
+
+
 def _index(shim, self, indices):
     """aten.index.Tensor: boolean masks cost one graph cut each (their count), then the lowering."""
+    indices = _checked_indices(self, indices)
     if any(_is_mask(t) for t in indices):
         count("xla::index_mask")
         with cause("data-dependent boolean-mask indexing"):
@@ -86,8 +116,9 @@ def _index(shim, self, indices):
 
 def _index_put(shim, self, indices, values, accumulate=False):
     """aten.index_put(_): a lone mask is lowered statically; a mask among other indices is converted."""
+    indices = _checked_indices(self, indices)
     given = [t for t in indices if t is not None]
-    if any(_is_mask(t) for t in given) and (len(given) != 1 or type(given[0]) is not XlaTensor):
+    if any(_is_mask(t) for t in given) and len(given) != 1:
         count("xla::index_put_mask")
         with cause("data-dependent boolean-mask indexing"):
             indices = _long_indices(indices)

@@ -19,19 +19,20 @@ def _aval_struct(aval):
     return None if aval is None else jax.ShapeDtypeStruct(aval[0], to_jax(aval[1]))
 
 
-def emit_node(spec, args, info, scope=None):
+def emit_node(spec, args, info, scope=None, checks=None):
     """The JAX values of a node's outputs, given its arguments' JAX values; ``scope`` names the
-    node in the HLO metadata (default: its ATen op; ``XLA_HLO_DEBUG`` adds the source line)."""
+    node in the HLO metadata (default: its ATen op; ``XLA_HLO_DEBUG`` adds the source line).
+    A checked node (``info.checked``) appends its ``L.checks`` results to ``checks``."""
     # Every HLO op carries the ATen op it lowers (op_name metadata "jit(...)/aten::mm/dot_general"):
     # profiles and HLO dumps name PyTorch's ops. Lowering only; keys and the disk cache ignore it.
     if scope is None:
         name = spec.name[:-8] if spec.name.endswith(".default") else spec.name
         scope = name if "::" in name else "aten::" + name
     with jax.named_scope(scope):
-        return _emit(spec, args, info)
+        return _emit(spec, args, info, checks)
 
 
-def _emit(spec, args, info):
+def _emit(spec, args, info, checks=None):
     if info.cdtype is not None:
         cd = to_jax(info.cdtype)
         args = list(args)
@@ -41,7 +42,11 @@ def _emit(spec, args, info):
                 args[i] = a.astype(cd)
     avals = info.avals
     out = [_aval_struct(a) for a in avals]
-    res = spec.emit(out[0] if len(out) == 1 and spec.returns == 0 else tuple(out), *args)
+    first = out[0] if len(out) == 1 and spec.returns == 0 else tuple(out)
+    if info.checked and checks is not None:
+        found = spec.check(first, *args)
+        checks.extend(found if isinstance(found, list) else [found])
+    res = spec.emit(first, *args)
     if not isinstance(res, (tuple, list)):
         res = (res,)
     if len(res) != len(avals):

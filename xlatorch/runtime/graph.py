@@ -13,13 +13,14 @@ import time
 import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from xlatorch.debug import explain, metrics
 from xlatorch.debug import profiler as _prof
 from xlatorch.debug.dump import hlo_scopes
 from xlatorch.debug.metrics import COUNTERS
-from xlatorch.runtime import failure
+from xlatorch.runtime import checks, failure
 from xlatorch.runtime.dtypes import PY_SCALAR_JAX, to_jax
 from xlatorch.runtime.failure import FailedValueError, failed_value, is_failed
 from xlatorch.runtime.ir import Data, Out, Scalar, operands
@@ -38,13 +39,14 @@ class Executable:
     graph whose collectives span several local devices (``threads`` > 1) runs once for all
     of them through ``run_all([(arrays, packed) per device])``."""
 
-    __slots__ = ("compiled", "run_all", "threads", "xla")
+    __slots__ = ("compiled", "run_all", "threads", "xla", "checks")
 
     def __init__(self, compiled, run_all=None, threads=0, xla=None):
         self.compiled = compiled
         self.run_all = run_all
         self.threads = threads
         self.xla = xla  # the jax Compiled (memory_analysis, as_text) for xlatorch.debug
+        self.checks = None  # a checks.Table when the graph has on-device checks (an extra last output)
 
 
 class _Ref:
@@ -120,12 +122,25 @@ def _plan(nodes, leaves):
     return [(n.spec, tuple(tmpl(a) for a in n.args), n.info) for n in nodes]
 
 
-def _lower_fn(plan, leaf_kinds, root_refs, scopes=None):
+def _lower_fn(plan, leaf_kinds, root_refs, scopes=None, table=None, keep=()):
     """The JAX function computing the roots from (device data..., packed scalars...);
-    ``scopes``: per-node names for the HLO metadata (``XLA_HLO_DEBUG``), or None."""
+    ``scopes``: per-node names for the HLO metadata (``XLA_HLO_DEBUG``), or None.
+
+    When nodes have on-device checks (``runtime/checks.py``), one more output holds their
+    ``[bad, value, position]`` rows, and ``table`` (a ``checks.Table``) gets each row's node,
+    exception type and message, and each root's mask of the rows it depends on (filled
+    while JAX traces). A root with ``keep[i]`` set (its storage's data from before the
+    step is leaf ``keep[i][0]``) gives that leaf back when a row it depends on, or a row of a
+    checked node traced before its last write (``keep[i][1]``), is set."""
     from xlatorch.runtime.emit import emit_node
 
+    if table is None:  # a dump: the checks' rows are computed all the same
+        from xlatorch.runtime.checks import Table
+
+        table = Table()
+
     def fn(data, packed):
+        table.clear()  # filled anew by each trace
         leaf_vals = []
         for kind in leaf_kinds:
             if kind[0] == "d":
@@ -142,11 +157,38 @@ def _lower_fn(plan, leaf_kinds, root_refs, scopes=None):
                 return tuple(get(x) for x in a)
             return a
 
+        found: list = []
         for k, (spec, args, info) in enumerate(plan):
-            vals.append(emit_node(spec, tuple(get(a) for a in args), info, scopes[k] if scopes else None))
-        return tuple(leaf_vals[-1 - r] if r < 0 else vals[r // 4096][r % 4096] for r in root_refs)
+            found_k: list = []
+            vals.append(emit_node(spec, tuple(get(a) for a in args), info, scopes[k] if scopes else None, found_k))
+            table.add_node(k, _node_refs(args), [c for c in found_k if c is not None], found)
+        outs = tuple(leaf_vals[-1 - r] if r < 0 else vals[r // 4096][r % 4096] for r in root_refs)
+        if not found:
+            return outs
+        rows = jnp.stack([jnp.stack([jnp.asarray(x).astype(jnp.int64) for x in c[:3]]) for c in found])
+        table.set_roots([None if r < 0 else r // 4096 for r in root_refs])
+        kept = []
+        for i, o in enumerate(outs):
+            m = table.undo_mask(i, keep[i][1]) if keep and keep[i] is not None else 0
+            if m:  # a failed check gives back the data from before the step
+                fired = jnp.any(rows[np.array([b for b in range(len(found)) if m >> b & 1]), 0] != 0)
+                o = jnp.where(fired, leaf_vals[keep[i][0]].astype(o.dtype), o)
+            kept.append(o)
+        return tuple(kept) + (rows,)
 
     return fn
+
+
+def _node_refs(args, out=None) -> list:
+    """The plan positions of the nodes whose outputs ``args`` read."""
+    out = [] if out is None else out
+    for a in args:
+        if type(a) is _Ref:
+            if a.kind == "n":
+                out.append(a.i)
+        elif type(a) is tuple:
+            _node_refs(a, out)
+    return out
 
 
 def _weak(v):
@@ -193,19 +235,22 @@ def _sync(reason, dev, timed) -> None:
             sync(reason, dev)
             raise FailedValueError(f"xlatorch: a tensor's value could not be computed: {failed}") from failed
     explain.on_sync(reason, len(nodes))
+    keep = ()
+    if checks.ENABLED and any(n.info.checked for n in nodes):
+        keep = _undoable(storages, nodes, leaves)
     data = [v for v in leaves if type(v) is Data]
     # Donate buffers no live tensor holds any more, when an output can reuse them.
     out_avals = {r.aval for r in roots}
     donate = tuple(i for i, v in enumerate(data) if v.holders == 0 and v.aval in out_avals)
     gdev = storages[0].dev
-    key = (tuple(enc), root_refs, tuple(v.sig for v in leaves), donate, gdev)
+    key = (tuple(enc), root_refs, tuple(v.sig for v in leaves), donate, gdev, keep)
     exe = CACHE.get(key)
     packed, leaf_kinds = _pack(leaves)
     try:
         if exe is None:
             COUNTERS["UncachedCompile"] += 1
             with timed("CompileTime") as tm:
-                exe = _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, gdev)
+                exe = _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, gdev, keep)
             CACHE[key] = exe
             explain.on_compile(key, nodes, leaves, root_refs, exe, time.perf_counter_ns() - tm.t0)
         else:
@@ -219,11 +264,25 @@ def _sync(reason, dev, timed) -> None:
                 outs = run_replicated(exe, gdev, arrays, packed)
             else:
                 outs = exe.compiled(arrays, packed)
+            failed = None
+            if exe.checks is not None:  # reading the rows waits for this execution (on CPU it already ran)
+                failed = checks.failure(exe.checks.rows, outs[-1], nodes)
+                outs = outs[:-1]
     except Exception as e:
         _fail(storages, e)
         raise
-    for st, arr in zip(storages, outs):
-        st.set(Data(arr, st.value.aval, gdev))
+    if failed is None:
+        for st, arr in zip(storages, outs):
+            st.set(Data(arr, st.value.aval, gdev))
+            st.prev = None
+    else:  # a check fired: what depends on the failed op carries the error (or has its old data back)
+        error, fired = failed
+        for i, (st, arr, mask) in enumerate(zip(storages, outs, exe.checks.masks)):
+            if mask & fired and not (keep and keep[i] is not None):
+                _fail([st], error)
+            else:
+                st.set(Data(arr, st.value.aval, gdev))
+                st.prev = None
     if everything:
         PENDING.clear()
     else:
@@ -236,6 +295,29 @@ def _sync(reason, dev, timed) -> None:
         # Host time of the step outside the sync itself: op tracing plus the user's Python.
         metrics.add_sample("LazyTracing", t0 - _last_sync)
     _last_sync = now
+    if failed is not None:
+        raise failed[0]
+
+
+def _undoable(storages, nodes, leaves) -> tuple:
+    """Per root: None, or ``(leaf, before)`` when its storage held device data before the step
+    (leaf ``leaf`` of the graph) that a failed check gives back; ``before``: a bit mask of
+    the checked nodes traced before the storage's last write. Part of the graph's key."""
+    lpos = {id(v): i for i, v in enumerate(leaves)}
+    ticks = [(k, n.tick) for k, n in enumerate(nodes) if n.info.checked]
+    keep = []
+    for st in storages:
+        p = st.prev
+        j = -1 if p is None or p.aval != st.value.aval else lpos.get(id(p), -1)
+        if j < 0:
+            keep.append(None)
+            continue
+        before = 0
+        for k, t in ticks:
+            if t < st.gen:
+                before |= 1 << k
+        keep.append((j, before))
+    return tuple(keep)
 
 
 def _fail(storages, error: Exception) -> None:
@@ -243,6 +325,7 @@ def _fail(storages, error: Exception) -> None:
     for st in storages:
         st.value = failed_value(st.value.aval, error)  # not Storage.set: a failed value is not pending
         st.gen += 1
+        st.prev = None
         PENDING.pop(st.sid, None)
 
 
@@ -299,9 +382,17 @@ def _pack(leaves):
     return packed, kinds
 
 
-def _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, dev=0):
+def _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, dev=0, keep=()):
+    table = checks.Table()
+    exe = _compile_fn(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, dev, table, keep)
+    if table.rows:
+        exe.checks = table
+    return exe
+
+
+def _compile_fn(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, dev, table, keep):
     plan = _plan(nodes, leaves)
-    fn = _lower_fn(plan, leaf_kinds, root_refs, hlo_scopes(nodes))
+    fn = _lower_fn(plan, leaf_kinds, root_refs, hlo_scopes(nodes), table, keep)
     local = placed = None
     if dev:  # a local device other than the default one (dp.DataParallel)
         from jax.sharding import SingleDeviceSharding
@@ -324,7 +415,7 @@ def _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, dev=0):
     from xlatorch.runtime.collectives import SPECS as COLLECTIVES
 
     if any(n.spec in COLLECTIVES for n in nodes):
-        return _compile_spmd(body, args, [r.aval for r in _roots(nodes, leaves, root_refs)], donate, kept)
+        return _compile_spmd(body, args, [r.aval for r in _roots(nodes, leaves, root_refs)], donate, kept, table)
     compiled = jax.jit(body, donate_argnums=(0,), out_shardings=placed).lower(*args).compile()
     if local is not None:
 
@@ -344,7 +435,7 @@ def _roots(nodes, leaves, root_refs):
     return [leaves[-1 - r] if r < 0 else nodes[r // 4096].outs[r % 4096] for r in root_refs]
 
 
-def _compile_spmd(body, args, out_avals, donate, kept):
+def _compile_spmd(body, args, out_avals, donate, kept, table):
     """A graph with collectives: one SPMD program over the replicas' devices.
 
     Replicas are processes (one device each, the job's global mesh) or, under
@@ -393,6 +484,8 @@ def _compile_spmd(body, args, out_avals, donate, kept):
     global_args = [[jax.ShapeDtypeStruct(glob(block(a)), a.dtype, sharding=sharding) for a in group]
                    for group in args]  # fmt: skip
     compiled = jax.jit(mapped, donate_argnums=(0,)).lower(*global_args).compile()
+    if table.rows:  # the check rows (known once traced) are one more output
+        out_shapes.append((len(table.rows), 3))
 
     def to_global(parts):
         """One global array from each local replica's block."""

@@ -107,7 +107,7 @@ class Node:
     ``hash(-1) == hash(-2)``, and dims -1 and -2 must not share an executable).
     """
 
-    __slots__ = ("spec", "args", "info", "key", "outs", "dev", "src")
+    __slots__ = ("spec", "args", "info", "key", "outs", "dev", "src", "tick")  # tick: checked nodes
 
     def __init__(self, spec, args, info, key):
         self.spec = spec

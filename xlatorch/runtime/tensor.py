@@ -30,6 +30,9 @@ DEVICE = torch.device("xla", 0)
 # fraction of a WeakValueDictionary on the per-op path.
 PENDING: dict[int, weakref.ref] = {}
 _ids = itertools.count()
+# One clock for every storage write and checked op: a storage's ``gen`` is the tick of its
+# last write, so a failed check can tell which updates of a step were traced after it.
+TICKS = itertools.count(1)
 _weakref = weakref.ref
 DISPATCH = None  # dispatch.dispatch, set when that module loads (it imports this one)
 
@@ -53,11 +56,14 @@ class Storage:
     read the storage (``reroot_lone_views``).
     """
 
-    __slots__ = ("value", "gen", "sid", "dev", "refs", "__weakref__")
+    __slots__ = ("value", "gen", "sid", "dev", "refs", "prev", "__weakref__")
 
     def __init__(self, value):
         self.refs = []
-        self.gen = 1
+        self.gen = next(TICKS)
+        # The device data this storage held when the step began writing it: a step whose
+        # on-device check fails gives it back (runtime/checks.py). Reset at each commit.
+        self.prev = None
         self.sid = sid = next(_ids)
         self.dev = value.dev if ir._multi else 0  # the local device index (see ir.current_device)
         self.value = value
@@ -70,8 +76,10 @@ class Storage:
         old = self.value
         if type(old) is Data:
             old.holders -= 1
+            if self.prev is None:
+                self.prev = old
         self.value = value
-        self.gen += 1
+        self.gen = next(TICKS)
         if type(value) is Data:
             value.holders += 1
         elif self.sid not in PENDING:

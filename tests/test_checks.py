@@ -1,0 +1,224 @@
+"""Checks CPU PyTorch makes on data raise on the device too: same exception, at the sync.
+
+Each case runs on CPU (where PyTorch raises) and on the xla device, where the check is
+computed inside the compiled graph and raised by the sync that runs it, naming the ATen
+op and this file's line. Valid inputs of the same ops give CPU's results.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import xlatorch.core.xla_model as xm
+import xlatorch.debug.metrics as met
+from xlatorch.runtime.failure import FailedValueError
+
+X = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+I = torch.tensor  # noqa: E741
+
+
+def _ones(*s):
+    return torch.ones(*s)
+
+
+def _setitem(x, idx, v):
+    y = x.clone()
+    y[idx] = v
+    return y
+
+
+# name -> op over (x, device); every one raises on CPU.
+BAD = {
+    "index_select": lambda x, d: torch.index_select(x, 0, I([0, 5], device=d)),
+    "index_select_negative": lambda x, d: torch.index_select(x, 0, I([-1], device=d)),
+    "embedding": lambda x, d: F.embedding(I([[0, 3]], device=d), x),
+    "embedding_negative": lambda x, d: F.embedding(I([-1], device=d), x),
+    "gather": lambda x, d: torch.gather(x, 1, I([[0, 9]] * 3, device=d)),
+    "gather_negative": lambda x, d: torch.gather(x, 1, I([[0, -1]] * 3, device=d)),
+    "advanced_index": lambda x, d: x[I([0, 5], device=d)],
+    "advanced_index_negative": lambda x, d: x[I([-4], device=d)],
+    "advanced_index_dim1": lambda x, d: x[:, I([4], device=d)],
+    "index_put_": lambda x, d: x.clone().index_put_((I([3], device=d),), I(1.0, device=d)),
+    "setitem": lambda x, d: _setitem(x, I([0, 7], device=d), 1.0),
+    "scatter_": lambda x, d: x.clone().scatter_(1, I([[7]], device=d), 1.0),
+    "scatter_add_": lambda x, d: x.clone().scatter_add_(1, I([[4]], device=d), _ones(1, 1).to(d)),
+    "scatter_reduce_": lambda x, d: x.clone().scatter_reduce_(1, I([[-1]], device=d), _ones(1, 1).to(d), "sum"),
+    "index_add_": lambda x, d: x.clone().index_add_(0, I([3], device=d), _ones(1, 4).to(d)),
+    "index_copy_": lambda x, d: x.clone().index_copy_(0, I([-1], device=d), _ones(1, 4).to(d)),
+    "index_fill_": lambda x, d: x.clone().index_fill_(0, I([-4], device=d), 1.0),
+    "take": lambda x, d: torch.take(x, I([12], device=d)),
+    "put_": lambda x, d: x.clone().put_(I([-13], device=d), I([1.0], device=d)),
+    "nll_loss": lambda x, d: F.nll_loss(x, I([0, 1, 4], device=d)),
+    "nll_loss_negative": lambda x, d: F.nll_loss(x, I([0, -2, 1], device=d)),
+    "cross_entropy": lambda x, d: F.cross_entropy(x, I([0, 1, 9], device=d)),
+    "cross_entropy_2d": lambda x, d: F.cross_entropy(x.reshape(1, 3, 2, 2), I([[[0, 1], [3, 0]]], device=d)),
+    "embedding_bag": lambda x, d: F.embedding_bag(I([[0, 3]], device=d), x),
+    "floor_divide": lambda x, d: I([3, 4], device=d) // I([1, 0], device=d),
+    "floor_divide_scalar": lambda x, d: I([3, 4], device=d) // 0,
+    "div_trunc": lambda x, d: torch.div(I([3], device=d), I([0], device=d), rounding_mode="trunc"),
+    "div_floor_scalar": lambda x, d: torch.div(I([3], device=d), 0, rounding_mode="floor"),
+    "remainder": lambda x, d: I([3], device=d) % I([0], device=d),
+    "remainder_scalar": lambda x, d: I([3], device=d) % 0,
+    "remainder_scalar_tensor": lambda x, d: torch.remainder(3, I([0], device=d)),
+    "fmod": lambda x, d: torch.fmod(I([3], device=d), I([0], device=d)),
+    "fmod_scalar": lambda x, d: torch.fmod(I([3], device=d), 0),
+    "floor_divide_int32": lambda x, d: I([3], dtype=torch.int32, device=d) // I([0], dtype=torch.int32, device=d),
+    "float_index": lambda x, d: x[I([0.0], device=d)],
+    "mask_shape": lambda x, d: x[I([True], device=d)],
+    "mask_shape_dim1": lambda x, d: x[:, I([True, False], device=d)],
+}
+
+# Valid inputs of the same ops: same results as CPU, no error.
+GOOD = {
+    "advanced_index_negative": lambda x, d: x[I([-1, -3], device=d)],
+    "index_put_negative": lambda x, d: x.clone().index_put_((I([-3], device=d),), I(1.0, device=d)),
+    "index_fill_negative": lambda x, d: x.clone().index_fill_(0, I([-1], device=d), 1.0),
+    "take_negative": lambda x, d: torch.take(x, I([-12, 11], device=d)),
+    "cross_entropy_ignore_index": lambda x, d: F.cross_entropy(x, I([0, 1, -100], device=d)),
+    "nll_loss_ignore_index": lambda x, d: F.nll_loss(x, I([0, 7, 1], device=d), ignore_index=7),
+    "true_division_by_zero": lambda x, d: I([3], device=d) / I([0], device=d),
+    "float_floor_divide_by_zero": lambda x, d: x.to(d) // 0,
+    "float_fmod_by_zero": lambda x, d: torch.fmod(x.to(d), 0.0),
+    "div_no_rounding_by_zero": lambda x, d: torch.div(I([3], device=d), I([0], device=d), rounding_mode=None),
+}
+
+
+def _cpu_error(fn):
+    with pytest.raises(Exception) as info:
+        fn(X.clone(), "cpu")
+    return info.value
+
+
+def _run(fn, x, d):
+    r = fn(x, d)
+    xm.mark_step()
+    return r
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_input_raises_what_cpu_raises(name):
+    fn = BAD[name]
+    expected = _cpu_error(fn)
+    with pytest.raises(type(expected)) as info:
+        _run(fn, X.to("xla"), "xla")
+        xm.mark_step()
+    msg = str(info.value)
+    # CPU's text, up to the dimension it names (CPU names dim 0 for x[:, idx]; the device names dim 1).
+    assert str(expected).split(" for dimension")[0] in msg
+    if "indices must be" not in msg and "mask" not in msg:  # raised at the call, not by a device check
+        assert "(aten::" in msg and "at tests/test_checks.py:" in msg, msg
+    xm.mark_step()  # nothing is left pending
+
+
+@pytest.mark.parametrize("name", sorted(GOOD))
+def test_valid_inputs_match_cpu(name):
+    fn = GOOD[name]
+    expected = fn(X.clone(), "cpu")
+    got = _run(fn, X.to("xla"), "xla")
+    torch.testing.assert_close(got.cpu(), expected, equal_nan=True)
+
+
+def test_a_failed_check_poisons_only_its_dependents():
+    x = X.to("xla")
+    good = x * 2
+    bad = x[I([0, 5], device="xla")]
+    worse = bad.sum() + good.sum()  # reads the bad op
+    with pytest.raises(IndexError, match="out of bounds for dimension 0 with size 3"):
+        xm.mark_step()
+    torch.testing.assert_close(good.cpu(), X * 2)  # committed
+    for t in (bad, worse):
+        with pytest.raises(FailedValueError, match="index 5 is out of bounds"):
+            t.cpu()
+    torch.testing.assert_close((x + 1).cpu(), X + 1)  # later work runs
+
+
+def test_item_of_a_bad_loss_raises_there_naming_the_line():
+    logits = torch.randn(4, 5, device="xla")
+    loss = F.cross_entropy(logits, I([0, 1, 2, 5], device="xla"))
+    line = sys._getframe().f_lineno - 1
+    with pytest.raises(IndexError, match=rf"Target 5 is out of bounds\. \(aten::nll_loss_forward at .*test_checks.py:{line},"):
+        loss.item()
+
+
+def test_bad_targets_raise_in_backward_too():
+    # The forward was synced on its own (with valid targets); the backward reads bad ones.
+    logits = torch.randn(4, 5, device="xla", requires_grad=True)
+    target = I([0, 1, 2, 3], device="xla")
+    loss = F.cross_entropy(logits, target)
+    xm.mark_step()
+    target.fill_(7)
+    with torch.no_grad():
+        grad = torch.ops.aten.nll_loss_backward(torch.ones(()).to("xla"), logits.log_softmax(1), target, None, 1, -100,
+                                                torch.tensor(4.0).to("xla"))  # fmt: skip
+    with pytest.raises(IndexError, match="Target 7 is out of bounds"):
+        xm.mark_step()
+    with pytest.raises(FailedValueError):
+        grad.cpu()
+    loss.cpu()  # the forward's value was committed before
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_a_step_with_a_bad_target_raises_and_keeps_the_model_as_cpu_does(optimizer):
+    # On CPU the exception stops the step before backward and the update: the parameters
+    # and optimizer state keep their values, and the next good step trains from them.
+    def run(device):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 5)).to(device)
+        opt = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if optimizer == "sgd"
+               else torch.optim.AdamW(model.parameters(), lr=0.01, capturable=device != "cpu"))  # fmt: skip
+        tokens = I([1, 2, 3], device=device)
+        losses = []
+
+        def step(target):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(tokens), I(target, device=device))
+            loss.backward()
+            opt.step()
+            xm.mark_step()
+            losses.append(loss.item())
+
+        step([0, 1, 2])
+        with pytest.raises(IndexError, match="Target 5 is out of bounds"):
+            step([0, 1, 5])
+        step([2, 1, 0])
+        step([2, 1, 0])
+        return losses, [p.detach().cpu() for p in model.parameters()]
+
+    cpu_losses, cpu_params = run("cpu")
+    xla_losses, xla_params = run("xla")
+    assert len(xla_losses) == 3
+    torch.testing.assert_close(xla_losses, cpu_losses, rtol=1e-5, atol=1e-6)
+    for a, b in zip(xla_params, cpu_params):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_checks_do_not_recompile_or_cut_graphs():
+    w = torch.randn(10, 4, device="xla")
+    xm.mark_step()
+    met.clear_all()
+    for i in range(4):
+        idx = I([i, i + 1, 9], device="xla")
+        y = F.embedding(idx, w) * 2 + torch.gather(w, 1, I([[1]] * 10, device="xla")).sum()
+        xm.mark_step()
+    assert met.metric_data("CompileTime")[0] == 1
+    assert met.counter_value("UncachedCompile") == 1
+    assert met.counter_value("CachedCompile") == 3
+    torch.testing.assert_close(y.cpu(), F.embedding(I([3, 4, 9]), w.cpu()) * 2 + w.cpu()[:, 1].sum())
+
+
+def test_checks_can_be_turned_off():
+    code = (
+        "import torch, xlatorch\n"
+        "x = torch.arange(3.0, device='xla')\n"
+        "print(torch.index_select(x, 0, torch.tensor([5], device='xla')).cpu().tolist())\n"
+        "print((torch.tensor([3], device='xla') // 0).cpu().tolist())\n"
+    )
+    env = dict(os.environ, XLATORCH_CHECKS="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.split()
+    assert len(lines) == 2  # XLA's own behaviour (clamped index, a number), no error

@@ -1,0 +1,91 @@
+"""On-device checks: the conditions CPU PyTorch raises on, as values of the graph.
+
+An ops.yaml entry's ``check`` expression calls these with the op's arguments (JAX values,
+static arguments as Python values) and gives one result or a list of them. A result is
+``(bad, value, position, exception type, message)``: ``bad`` a boolean scalar, ``value``
+the first offending element and ``position`` its flat index (the message's ``{0}`` and
+``{1}``), or None when there is nothing to check. The
+runtime turns results into one extra output of the graph and raises at the sync
+(``xlatorch/runtime/checks.py``). Messages are CPU PyTorch's own.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+__all__ = ["in_range", "index_range", "along_dim", "advanced", "targets", "bag", "divisor", "index_out_of_range", "flat"]
+
+
+def in_range(index, low, high, exc, msg):
+    """A result for ``index`` values outside ``[low, high)``; None for an empty index."""
+    if index is None or not hasattr(index, "shape") or index.size == 0:
+        return None
+    flat_index = index.reshape(-1).astype(jnp.int64)
+    bad = (flat_index < low) | (flat_index >= high)
+    pos = jnp.argmax(bad)
+    return jnp.any(bad), flat_index[pos], pos, exc, msg
+
+
+def _size(x, dim: int) -> int:
+    return x.shape[dim] if x.ndim else 1
+
+
+def index_out_of_range(index, size: int):
+    """``index_select`` / ``embedding``: IndexError, indices in ``[0, size)``."""
+    return in_range(index, 0, size, IndexError, "index out of range in self")
+
+
+def index_range(self, dim: int, index):
+    """``index_select``: ``index`` along ``dim`` of ``self``."""
+    return index_out_of_range(index, _size(self, dim))
+
+
+def along_dim(self, dim: int, index, exc=RuntimeError, negative: bool = False, prefix: str = ""):
+    """``gather`` / ``scatter`` / ``index_add`` ...: CPU's "index {} is out of bounds for
+    dimension d with size n"; ``negative``: Python-style negative indices are valid."""
+    d = dim % max(self.ndim, 1)
+    n = _size(self, d)
+    return in_range(index, -n if negative else 0, n, exc, f"{prefix}index {{0}} is out of bounds for dimension {d} with size {n}")
+
+
+def advanced(self, indices):
+    """``x[i, j]`` / ``index_put_``: one IndexError result per index tensor (negative indices valid)."""
+    res = []
+    for d, index in enumerate(indices):
+        # A boolean mask (lowered statically by index_put) has no bounds to check.
+        if index is not None and d < max(self.ndim, 1) and index.dtype not in (jnp.bool_, jnp.uint8):
+            res.append(along_dim(self, d, index, IndexError, negative=True))
+    return res
+
+
+def flat(self, index):
+    """``take`` / ``put``: indices into the flattened tensor, negative ones valid."""
+    n = self.size
+    return in_range(index, -n, n, IndexError, f"out of range: tried to access index {{0}} on a tensor of {n} elements.")
+
+
+def targets(self, target, ignore_index: int, class_dim: int | None = None):
+    """``nll_loss``: every target is a class index in ``[0, C)`` or ``ignore_index``."""
+    if class_dim is None:
+        class_dim = 1 if self.ndim >= 2 else 0
+    n = self.shape[class_dim]
+    t = target.reshape(-1).astype(jnp.int64)
+    bad = ((t < 0) | (t >= n)) & (t != ignore_index)
+    if t.size == 0:
+        return None
+    pos = jnp.argmax(bad)
+    return jnp.any(bad), t[pos], pos, IndexError, "Target {0} is out of bounds."
+
+
+def bag(weight, indices):
+    """``embedding_bag``: indices in ``[0, num_embeddings)``."""
+    n = weight.shape[0]
+    return in_range(indices, 0, n, RuntimeError, f"Index {{1}} of input takes value {{0}} which is not in the valid range [0, {n})")
+
+
+def divisor(other):
+    """Integer ``//``, ``%``, ``fmod``, ``div(rounding_mode=...)``: CPU raises on a zero divisor."""
+    other = jnp.asarray(other)
+    if other.size == 0:
+        return None
+    return jnp.any(other == 0), 0, 0, RuntimeError, "ZeroDivisionError"
