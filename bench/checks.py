@@ -30,7 +30,8 @@ def _child(name: str, steps: int, small: bool) -> None:
 
 def _run(name: str, steps: int, small: bool, on: bool) -> dict:
     env = dict(os.environ, XLATORCH_CHECKS="1" if on else "0")
-    cmd = [sys.executable, "-m", "bench.checks", "--child", name, "--steps", str(steps)] + (["--small"] if small else [])
+    cmd = [sys.executable, "-m", "bench.checks", "--child", name, "--steps", str(steps)]
+    cmd += ["--small"] if small else []
     out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 

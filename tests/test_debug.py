@@ -17,7 +17,7 @@ import xlatorch.core.xla_model as xm
 import xlatorch.debug as xd
 import xlatorch.debug.metrics as met
 from xlatorch.debug import knob
-from xlatorch.runtime import ir
+from xlatorch.runtime import ir, record
 from xlatorch.runtime.ir import Out
 from xlatorch.runtime.tensor import value_of
 
@@ -261,7 +261,7 @@ def test_hlo_text_parses():
 
 
 def test_hlo_debug_puts_source_lines_in_metadata(monkeypatch):
-    monkeypatch.setattr(knob, "_HLO_DEBUG", True)
+    monkeypatch.setattr(record, "HLO_DEBUG", True)
     monkeypatch.setattr(ir, "DEBUG_SOURCE", True)
     y, _, line = _pending()
     hlo = xd.hlo_text(y, dialect="hlo")

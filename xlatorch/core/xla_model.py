@@ -7,14 +7,12 @@ import os
 import jax
 import torch
 
-from xlatorch.debug import explain, metrics
-from xlatorch.debug import profiler as _prof
-from xlatorch.debug.metrics import COUNTERS
-from xlatorch.runtime import rng
+from xlatorch.runtime import record, rng
 from xlatorch.runtime.collectives import all_gather, all_reduce, all_to_all, reduce_scatter
 from xlatorch.runtime.distributed import reduce_gradients, rendezvous
 from xlatorch.runtime.graph import sync as _sync
 from xlatorch.runtime.memory import get_memory_info
+from xlatorch.runtime.record import COUNTERS
 
 __all__ = [
     "xla_device", "get_xla_supported_devices", "xla_device_hw", "mark_step", "wait_device_ops",
@@ -58,10 +56,14 @@ def mark_step(wait: bool = False, reset_scope: bool = True) -> None:
 
     Runs asynchronously unless ``wait``. Appends metrics to ``$XLA_METRICS_FILE`` if set.
     """
-    if _prof.ACTIVE:  # profiling: an xlatorch.mark_step span; steps counted for xp.trace_steps
-        _prof.mark_step(_mark_step, wait)
+    phase = record.PHASE
+    if phase is not None:  # profiling: an xlatorch.mark_step span
+        with phase("xlatorch.mark_step"):
+            _mark_step(wait)
     else:
         _mark_step(wait)
+    for hook in record.STEP_HOOKS:  # xlatorch.debug: the step's graph-cut table, XLA_METRICS_FILE, profiles
+        hook()
 
 
 def _mark_step(wait: bool) -> None:
@@ -71,10 +73,8 @@ def _mark_step(wait: bool) -> None:
 
     # Under dp.DataParallel each thread steps its own device.
     _sync("mark_step", current_device() if thread_replicas() else None)
-    explain.end_step()
     if wait:
         wait_device_ops()
-    metrics.write_step_metrics()
 
 
 def wait_device_ops(devices=None) -> None:

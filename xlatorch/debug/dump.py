@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from xlatorch.debug import knob
 from xlatorch.debug.explain import aval_text, dtype_name, op_name
-from xlatorch.debug.source import fmt_src
+from xlatorch.runtime.emit import hlo_scopes
+from xlatorch.runtime.source import fmt_src
 
 __all__ = ["ir_text", "hlo_text", "dot_text", "graph_text", "hlo_scopes"]
 
@@ -130,20 +131,6 @@ def ir_text(tensors) -> str:
       tensors: a tensor or a list of tensors on the xla device.
     """
     return graph_text(*_graph(tensors))
-
-
-def hlo_scopes(nodes) -> list[str] | None:
-    """Per-node ``aten::<op>(file.py:12)`` names for the HLO metadata under ``XLA_HLO_DEBUG``, else None.
-
-    (Not ``@``: XLA cuts an ``op_name`` at ``@`` when it converts StableHLO to HLO.)
-    """
-    if not knob.hlo_debug():
-        return None
-    out = []
-    for n in nodes:
-        src = getattr(n, "src", None)
-        out.append(op_name(n.spec) + (f"({fmt_src(src)})" if src is not None else ""))
-    return out
 
 
 def hlo_text(tensors, dialect: str = "stablehlo", debug_info: bool | None = None) -> str:

@@ -20,10 +20,11 @@ from __future__ import annotations
 import atexit
 import collections
 import dataclasses
-import threading
 
 from xlatorch.debug import knob
-from xlatorch.debug.source import fmt_src, user_frame
+from xlatorch.runtime import record
+from xlatorch.runtime.record import cause
+from xlatorch.runtime.source import fmt_src, user_frame
 
 __all__ = ["CompileRecord", "compile_reasons", "sync_report", "sync_counts", "summary", "cause", "clear"]
 
@@ -32,7 +33,6 @@ _RECORDS: collections.deque = collections.deque(maxlen=1000)
 _RUN: collections.Counter = collections.Counter()  # (cause, "path:line") -> count
 _STEP: collections.Counter = collections.Counter()
 _step = 0  # mark_steps seen
-_tls = threading.local()  # .cause: set by an outer caller (print, a fallback, a data-dependent op)
 _last_sync: tuple[str, str | None] = ("mark_step", None)
 
 _SHORT = {
@@ -336,25 +336,6 @@ def compile_reasons() -> list[CompileRecord]:
     return list(_RECORDS)
 
 
-class cause:
-    """``with cause("CPU fallback aten::foo"):`` names the graph cuts made inside the block
-    (the outermost ``cause`` wins: a ``print`` inside a fallback reports the fallback)."""
-
-    __slots__ = ("text", "prev")
-
-    def __init__(self, text: str):
-        self.text = text
-
-    def __enter__(self):
-        self.prev = getattr(_tls, "cause", None)
-        if self.prev is None:
-            _tls.cause = self.text
-        return self
-
-    def __exit__(self, *exc):
-        _tls.cause = self.prev
-
-
 def on_sync(reason: str, graph_nodes: int) -> None:
     """Record a graph cut that runs ``graph_nodes`` nodes (called by every sync that executes)."""
     try:
@@ -368,7 +349,7 @@ def _on_sync(reason: str, graph_nodes: int) -> None:
     if reason == "mark_step":
         _last_sync = ("mark_step", None)
         return
-    what = getattr(_tls, "cause", None) or reason
+    what = record.current_cause() or reason
     u = user_frame()
     src = fmt_src(u, full=True) if u else None
     _last_sync = (what, src)
@@ -443,3 +424,9 @@ def clear() -> None:
     _RUN.clear()
     _STEP.clear()
     _step = 0
+
+
+# The runtime calls these at every compile, sync and mark_step (xlatorch.runtime.record).
+record.COMPILE_HOOKS.append(on_compile)
+record.SYNC_HOOKS.append(on_sync)
+record.STEP_HOOKS.append(end_step)

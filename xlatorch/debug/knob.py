@@ -27,6 +27,8 @@ import logging
 import os
 import sys
 
+from xlatorch.runtime import record
+
 __all__ = ["get_level", "set_level", "level", "LOG", "source_lines", "hlo_debug"]
 
 LOG = logging.getLogger("xlatorch")
@@ -77,11 +79,13 @@ def source_lines() -> bool:
 
 
 def _configure() -> None:
-    """Point the IR's source-line flag and the logger at the current level."""
+    """Point the runtime's recording flags and the logger at the current level."""
     global _handler
+    record.SOURCE_LINES = source_lines()
+    record.HLO_DEBUG = _HLO_DEBUG
     ir = sys.modules.get("xlatorch.runtime.ir")
-    if ir is not None:  # else ir reads source_lines() when it is imported
-        ir.DEBUG_SOURCE = source_lines()
+    if ir is not None:  # else ir reads record.SOURCE_LINES when it is imported
+        ir.DEBUG_SOURCE = record.SOURCE_LINES
     if LEVEL >= 1:
         LOG.setLevel(logging.INFO)
         if _handler is None and not LOG.handlers:
@@ -108,7 +112,7 @@ def set_level(n: int) -> None:
 
 def hlo_debug() -> bool:
     """True when lowered ops carry ``aten::<op>(file.py:12)`` in their HLO metadata (``XLA_HLO_DEBUG``)."""
-    return _HLO_DEBUG
+    return record.HLO_DEBUG
 
 
 class level:

@@ -2,17 +2,23 @@
 
 Counters are plain integers (``CachedCompile``, ``MarkStep``, ``aten::nonzero`` ...).
 Metrics are lists of samples: times in nanoseconds (``CompileTime``, ``ExecuteTime``,
-``TransferToDeviceTime`` ...) or plain numbers (``TensorsGraphSize``).
+``TransferToDeviceTime`` ...) or plain numbers (``TensorsGraphSize``). The runtime records
+both in ``xlatorch.runtime.record``; this module reports them.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections import defaultdict
 
-COUNTERS: defaultdict[str, int] = defaultdict(int)
-_METRICS: dict[str, list[float]] = {}
+from xlatorch.runtime import record
+from xlatorch.runtime.record import COUNTERS, add_sample, timed
+from xlatorch.runtime.record import METRICS as _METRICS
+
+__all__ = ["COUNTERS", "add_sample", "timed", "counter_names", "counter_value", "metric_names", "metric_data",
+           "clear_counters", "clear_metrics", "clear_all", "executed_fallback_ops", "metrics_report",
+           "short_metrics_report", "write_step_metrics"]  # fmt: skip
+
 _TIME_METRICS = {
     "CompileTime",
     "ExecuteTime",
@@ -21,27 +27,6 @@ _TIME_METRICS = {
     "LazyTracing",
 }
 _START = time.time()
-
-
-def add_sample(name: str, value: float) -> None:
-    """Record one sample of metric ``name``."""
-    _METRICS.setdefault(name, []).append(value)
-
-
-class timed:
-    """Context manager adding the elapsed nanoseconds as a sample of a time metric."""
-
-    __slots__ = ("name", "t0")
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def __enter__(self):
-        self.t0 = time.perf_counter_ns()
-        return self
-
-    def __exit__(self, *exc):
-        add_sample(self.name, time.perf_counter_ns() - self.t0)
 
 
 def counter_names() -> list[str]:
@@ -134,3 +119,6 @@ def write_step_metrics() -> None:
     if path:
         with open(path, "a") as f:
             f.write(f"[MetricsData; step={COUNTERS['MarkStep']}]\n{metrics_report()}\n")
+
+
+record.STEP_HOOKS.append(write_step_metrics)

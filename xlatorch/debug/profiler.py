@@ -45,7 +45,7 @@ import time
 
 import jax
 
-from xlatorch.debug import metrics
+from xlatorch.runtime import record
 
 __all__ = [
     "start_trace", "stop_trace", "trace", "trace_detached", "trace_steps", "Trace", "StepTrace",
@@ -76,6 +76,9 @@ _state = _State()
 def _refresh() -> None:
     global ACTIVE
     ACTIVE = _state.log_dir is not None or _state.server is not None or _state.schedule is not None
+    # What the runtime times with, and its sync/step spans (xlatorch.runtime.record).
+    record.TIMED = timed if ACTIVE else record.timed
+    record.PHASE = phase if ACTIVE else None
 
 
 # --- spans ---------------------------------------------------------------------------------
@@ -134,8 +137,8 @@ _SPANS = {
 }
 
 
-class timed(metrics.timed):
-    """``metrics.timed`` that is also a span of the same extent (``CompileTime`` ->
+class timed(record.timed):
+    """``record.timed`` that is also a span of the same extent (``CompileTime`` ->
     ``xlatorch.compile`` ...): the runtime uses it instead while ``ACTIVE``."""
 
     __slots__ = ("span",)
@@ -149,11 +152,8 @@ class timed(metrics.timed):
         _end(self.span)
 
 
-def mark_step(step_fn, wait: bool) -> None:
-    """``step_fn(wait)`` (the body of ``xm.mark_step``) inside an ``xlatorch.mark_step`` span;
-    then counts the step for ``trace_steps``."""
-    with phase("xlatorch.mark_step"):
-        step_fn(wait)
+def _on_step() -> None:
+    """After each ``mark_step`` (a ``record.STEP_HOOKS`` hook): counts the step for ``trace_steps``."""
     if _state.schedule is not None:
         _state.steps += 1
         _advance_schedule()
@@ -384,6 +384,10 @@ def devices_ready() -> None:
     """Called once when xlatorch first uses the device: a scheduled capture may start."""
     if _state.schedule is not None:
         _advance_schedule()
+
+
+record.STEP_HOOKS.append(_on_step)
+record.DEVICE_HOOKS.append(devices_ready)
 
 
 def _advance_schedule() -> None:

@@ -13,11 +13,12 @@ import os
 import torch
 from torch.utils._pytree import tree_map
 
-from xlatorch.debug.explain import cause
-from xlatorch.debug.metrics import COUNTERS
-from xlatorch.debug.source import user_line as user_frame
+from xlatorch.runtime import dispatch
 from xlatorch.runtime.ir import device_index
+from xlatorch.runtime.record import COUNTERS, cause
+from xlatorch.runtime.source import user_line as user_frame
 from xlatorch.runtime.tensor import XlaTensor, wrap, write
+from xlatorch.runtime.transfer import to_cpu, to_device
 
 __all__ = ["run_on_cpu", "ORIGINS", "user_frame"]
 
@@ -26,8 +27,6 @@ ORIGINS: dict[str, str] = {}
 
 
 def _write_report(path: str) -> None:
-    from xlatorch.debug.metrics import COUNTERS
-
     recs = {op: {"count": COUNTERS[op], "origin": origin} for op, origin in ORIGINS.items() if COUNTERS[op]}
     with open(path, "a") as f:  # one line per process; several processes may append
         f.write(json.dumps(recs) + "\n")
@@ -43,8 +42,6 @@ def _is_xla_device(d) -> bool:
 
 def run_on_cpu(func, args, kwargs):
     """Run ``func`` on CPU copies of its device arguments and bring the results back."""
-    from xlatorch.runtime.transfer import to_cpu, to_device
-
     name = str(func._schema.name)
     COUNTERS[name] += 1
     if name not in ORIGINS:
@@ -88,3 +85,6 @@ def run_on_cpu(func, args, kwargs):
         return r
 
     return tree_map(up, res)
+
+
+dispatch.FALLBACK[0] = run_on_cpu  # the runtime's dispatch calls up through this slot

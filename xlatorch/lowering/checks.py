@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-__all__ = ["in_range", "index_range", "along_dim", "advanced", "targets", "bag", "divisor", "index_out_of_range", "flat"]
+__all__ = ["in_range", "index_range", "along_dim", "advanced", "targets", "bag", "divisor", "index_out_of_range",
+           "flat"]  # fmt: skip
 
 
 def in_range(index, low, high, exc, msg):
@@ -45,7 +46,8 @@ def along_dim(self, dim: int, index, exc=RuntimeError, negative: bool = False, p
     dimension d with size n"; ``negative``: Python-style negative indices are valid."""
     d = dim % max(self.ndim, 1)
     n = _size(self, d)
-    return in_range(index, -n if negative else 0, n, exc, f"{prefix}index {{0}} is out of bounds for dimension {d} with size {n}")
+    msg = f"{prefix}index {{0}} is out of bounds for dimension {d} with size {n}"
+    return in_range(index, -n if negative else 0, n, exc, msg)
 
 
 def advanced(self, indices):
@@ -80,7 +82,8 @@ def targets(self, target, ignore_index: int, class_dim: int | None = None):
 def bag(weight, indices):
     """``embedding_bag``: indices in ``[0, num_embeddings)``."""
     n = weight.shape[0]
-    return in_range(indices, 0, n, RuntimeError, f"Index {{1}} of input takes value {{0}} which is not in the valid range [0, {n})")
+    msg = f"Index {{1}} of input takes value {{0}} which is not in the valid range [0, {n})"
+    return in_range(indices, 0, n, RuntimeError, msg)
 
 
 def divisor(other):

@@ -83,7 +83,7 @@ def failure(rows, flags, nodes) -> tuple[Exception, int] | None:
     r = int(bad[0])
     k, exc, msg = rows[r]
     n = nodes[k]
-    from xlatorch.debug.source import fmt_src
+    from xlatorch.runtime.source import fmt_src
 
     name = n.spec.name.removesuffix(".default")
     where = fmt_src(getattr(n, "src", None), full=True)

@@ -143,7 +143,7 @@ SPECS = frozenset({_ALL_REDUCE, _ALL_GATHER, _REDUCE_SCATTER, _ALL_TO_ALL, _BROA
 
 
 def _node(spec, vals, avals) -> Node:
-    from xlatorch.debug.metrics import COUNTERS
+    from xlatorch.runtime.record import COUNTERS
 
     COUNTERS[spec.name] += 1
     return Node(spec, vals, Info(tuple(avals), None), (spec, signature(vals)))

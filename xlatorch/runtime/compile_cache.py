@@ -21,7 +21,7 @@ import os
 
 import jax
 
-from xlatorch.debug.metrics import COUNTERS
+from xlatorch.runtime.record import COUNTERS
 
 __all__ = ["directory", "configure"]
 

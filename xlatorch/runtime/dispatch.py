@@ -12,13 +12,13 @@ from __future__ import annotations
 import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
-from xlatorch.debug.metrics import COUNTERS
-from xlatorch.debug.source import user_frame
 from xlatorch.runtime import checks
 from xlatorch.runtime import tensor as _tensor_module
 from xlatorch.runtime.dtypes import PY_SCALAR_DTYPE
 from xlatorch.runtime.ir import VALUE_TYPES, Node, Scalar
+from xlatorch.runtime.record import COUNTERS
 from xlatorch.runtime.rng import next_key
+from xlatorch.runtime.source import user_frame
 from xlatorch.runtime.tensor import TICKS, XlaTensor, value_of, wrap, write
 
 __all__ = ["OpSpec", "Info", "dispatch", "call", "call_inplace", "call_out", "scalar", "SHIMS", "RUNTIME_OPS",
@@ -35,6 +35,15 @@ PROMOTION = {k.name.lower(): k for k in ELEMENTWISE_TYPE_PROMOTION_KIND}
 SHIMS: dict = {}  # OpOverload -> shim, filled by generated/dispatch.py
 RUNTIME_OPS: dict = {}  # OpOverload -> hand-written handler (copies, transfers, aliases)
 DECOMPS: dict = {}  # OpOverload -> PyTorch decomposition into ops that are lowered
+
+
+def _no_fallback(func, args, kwargs):
+    raise NotImplementedError(f"xlatorch: aten::{func._schema.name} has no lowering and no CPU fallback is installed")
+
+
+# Ops with no lowering: xlatorch.fallback installs its CPU fallback here when imported (it
+# sits above the runtime and calls down into it).
+FALLBACK = [_no_fallback]
 
 
 class Info:
@@ -97,9 +106,7 @@ def dispatch(func, args, kwargs):
     res = func.decompose(*args, **kwargs)
     if res is not NotImplemented:
         return res
-    from xlatorch.fallback.cpu import run_on_cpu
-
-    return run_on_cpu(func, args, kwargs)
+    return FALLBACK[0](func, args, kwargs)
 
 
 def defer_error(func, args, kwargs, error: Exception):

@@ -14,9 +14,9 @@ import functools
 
 import torch
 
-from xlatorch.debug.explain import cause
 from xlatorch.runtime.dispatch import RUNTIME_OPS, SHIMS, Info, count, signature
 from xlatorch.runtime.ir import Node
+from xlatorch.runtime.record import cause
 from xlatorch.runtime.tensor import DEVICE, XlaTensor, value_of, wrap
 
 __all__ = ["install"]

@@ -10,9 +10,30 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from xlatorch.runtime import record
 from xlatorch.runtime.dtypes import to_jax
+from xlatorch.runtime.source import fmt_src
 
-__all__ = ["emit_node"]
+__all__ = ["emit_node", "hlo_scopes"]
+
+
+def _op_name(spec) -> str:
+    name = spec.name[:-8] if spec.name.endswith(".default") else spec.name
+    return name if "::" in name else "aten::" + name
+
+
+def hlo_scopes(nodes) -> list[str] | None:
+    """Per-node ``aten::<op>(file.py:12)`` names for the HLO metadata under ``XLA_HLO_DEBUG``, else None.
+
+    (Not ``@``: XLA cuts an ``op_name`` at ``@`` when it converts StableHLO to HLO.)
+    """
+    if not record.HLO_DEBUG:
+        return None
+    out = []
+    for n in nodes:
+        src = getattr(n, "src", None)
+        out.append(_op_name(n.spec) + (f"({fmt_src(src)})" if src is not None else ""))
+    return out
 
 
 def _aval_struct(aval):
@@ -26,8 +47,7 @@ def emit_node(spec, args, info, scope=None, checks=None):
     # Every HLO op carries the ATen op it lowers (op_name metadata "jit(...)/aten::mm/dot_general"):
     # profiles and HLO dumps name PyTorch's ops. Lowering only; keys and the disk cache ignore it.
     if scope is None:
-        name = spec.name[:-8] if spec.name.endswith(".default") else spec.name
-        scope = name if "::" in name else "aten::" + name
+        scope = _op_name(spec)
     with jax.named_scope(scope):
         return _emit(spec, args, info, checks)
 

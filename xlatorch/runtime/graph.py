@@ -16,14 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xlatorch.debug import explain, metrics
-from xlatorch.debug import profiler as _prof
-from xlatorch.debug.dump import hlo_scopes
-from xlatorch.debug.metrics import COUNTERS
-from xlatorch.runtime import checks, failure
+from xlatorch.runtime import checks, failure, record
 from xlatorch.runtime.dtypes import PY_SCALAR_JAX, to_jax
+from xlatorch.runtime.emit import hlo_scopes
 from xlatorch.runtime.failure import FailedValueError, failed_value, is_failed
 from xlatorch.runtime.ir import Data, Out, Scalar, operands
+from xlatorch.runtime.record import COUNTERS
 from xlatorch.runtime.tensor import PENDING, pending_storages, reroot_lone_views
 
 __all__ = ["sync", "CACHE"]
@@ -200,11 +198,12 @@ def _weak(v):
 def sync(reason: str = "mark_step", dev: int | None = None) -> None:
     """Materialise every live pending tensor (of local device ``dev``, default: all devices),
     with one (cached) XLA execution per device."""
-    if _prof.ACTIVE:  # profiling: spans for the sync, its compile and execution
-        with _prof.phase("xlatorch.sync", reason=reason):
-            _sync(reason, dev, _prof.timed)
-    else:  # otherwise that flag is all the profiler costs a sync
-        _sync(reason, dev, metrics.timed)
+    phase = record.PHASE
+    if phase is not None:  # profiling: spans for the sync, its compile and execution
+        with phase("xlatorch.sync", reason=reason):
+            _sync(reason, dev, record.TIMED)
+    else:  # otherwise that test is all the profiler costs a sync
+        _sync(reason, dev, record.timed)
 
 
 def _sync(reason, dev, timed) -> None:
@@ -234,7 +233,8 @@ def _sync(reason, dev, timed) -> None:
         if failed is not None:  # run what does not depend on the failure, then report it
             sync(reason, dev)
             raise FailedValueError(f"xlatorch: a tensor's value could not be computed: {failed}") from failed
-    explain.on_sync(reason, len(nodes))
+    for hook in record.SYNC_HOOKS:  # xlatorch.debug: the graph-cut report
+        hook(reason, len(nodes))
     keep = ()
     if checks.ENABLED and any(n.info.checked for n in nodes):
         keep = _undoable(storages, nodes, leaves)
@@ -252,10 +252,11 @@ def _sync(reason, dev, timed) -> None:
             with timed("CompileTime") as tm:
                 exe = _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, gdev, keep)
             CACHE[key] = exe
-            explain.on_compile(key, nodes, leaves, root_refs, exe, time.perf_counter_ns() - tm.t0)
+            for hook in record.COMPILE_HOOKS:  # xlatorch.debug: the compile explainer
+                hook(key, nodes, leaves, root_refs, exe, time.perf_counter_ns() - tm.t0)
         else:
             COUNTERS["CachedCompile"] += 1
-        metrics.add_sample("TensorsGraphSize", len(nodes))
+        record.add_sample("TensorsGraphSize", len(nodes))
         with timed("ExecuteTime"):
             arrays = [d.array for d in data]
             if exe.threads:
@@ -293,7 +294,7 @@ def _sync(reason, dev, timed) -> None:
     now = time.perf_counter_ns()
     if _last_sync:
         # Host time of the step outside the sync itself: op tracing plus the user's Python.
-        metrics.add_sample("LazyTracing", t0 - _last_sync)
+        record.add_sample("LazyTracing", t0 - _last_sync)
     _last_sync = now
     if failed is not None:
         raise failed[0]

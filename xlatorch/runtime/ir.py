@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import threading
 
-from xlatorch.debug import knob as _knob
-from xlatorch.debug.source import user_frame
+from xlatorch.runtime import record
+from xlatorch.runtime.source import user_frame
 
 __all__ = ["Data", "Scalar", "Node", "Out", "Value", "VALUE_TYPES", "operands", "current_device",
            "enable_multi_device", "device_index"]  # fmt: skip
@@ -25,7 +25,7 @@ _multi = False
 _thread = threading.local()
 # Nodes record the user's (file, line) in ``src`` (debug level >= 1, XLA_IR_DEBUG): set by
 # xlatorch.debug.knob. Off, ``src`` stays unset (read it with getattr(n, "src", None)).
-DEBUG_SOURCE = _knob.source_lines()
+DEBUG_SOURCE = record.SOURCE_LINES
 
 
 def enable_multi_device() -> None:

@@ -17,9 +17,9 @@ import weakref
 
 import torch
 
-from xlatorch.debug.metrics import COUNTERS
 from xlatorch.runtime import ir
 from xlatorch.runtime.ir import Data
+from xlatorch.runtime.record import COUNTERS
 
 __all__ = ["XlaTensor", "Storage", "wrap", "value_of", "write", "PENDING", "pending_storages", "reroot_lone_views"]
 
@@ -124,7 +124,7 @@ class XlaTensor(torch.Tensor):
 
     def __repr__(self, *, tensor_contents=None):
         # PyTorch prints subclasses as "XlaTensor(...)"; device tensors print as "tensor(...)".
-        from xlatorch.debug.explain import cause
+        from xlatorch.runtime.record import cause
 
         with cause("print"):
             text = torch._tensor_str._str(self, tensor_contents=tensor_contents)

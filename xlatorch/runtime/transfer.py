@@ -6,8 +6,7 @@ import jax
 import numpy as np
 import torch
 
-from xlatorch.debug import metrics
-from xlatorch.debug import profiler as _prof
+from xlatorch.runtime import record
 from xlatorch.runtime.dtypes import EXACT, TORCH_TO_JAX, to_jax
 from xlatorch.runtime.ir import Data, Out, current_device, enable_multi_device
 from xlatorch.runtime.tensor import XlaTensor, value_of
@@ -26,8 +25,8 @@ def jax_device(dev: int = 0):
         _devices.extend(jax.local_devices())
         if len(_devices) > 1:  # several local devices: nodes track which one they live on
             enable_multi_device()
-        if _prof.ACTIVE:  # a capture scheduled before the device was up may start now
-            _prof.devices_ready()
+        for hook in record.DEVICE_HOOKS:  # xlatorch.debug.profiler: a capture scheduled before now may start
+            hook()
     return _devices[dev]
 
 
@@ -56,7 +55,7 @@ def to_device(t: torch.Tensor, dev: int | None = None) -> Data:
     if dev is None:
         dev = current_device()
     jdev = jax_device(dev)  # first: starting the runtime is not a transfer (and may start a capture)
-    with (_prof.timed if _prof.ACTIVE else metrics.timed)("TransferToDeviceTime"):
+    with record.TIMED("TransferToDeviceTime"):
         arr = jax.device_put(_to_numpy(t.cpu()), jdev)
     return Data(arr, (tuple(t.shape), t.dtype), dev)
 
@@ -100,7 +99,7 @@ def _base_to_cpu(st, reason: str = "to_cpu") -> torch.Tensor:
         if type(st.value) is Out:  # a value whose earlier sync failed: raise its error
             sync_value(st.value)
     v = st.value
-    with (_prof.timed if _prof.ACTIVE else metrics.timed)("TransferFromDeviceTime"):
+    with record.TIMED("TransferFromDeviceTime"):
         return _from_array(v.array, v.aval[1])
 
 

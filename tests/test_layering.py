@@ -1,0 +1,107 @@
+"""The package's imports follow the pipeline (ARCHITECTURE.md, "Layering"), read with ``ast``.
+
+The runtime records and the debug tools report: nothing under ``xlatorch/runtime/`` imports
+``xlatorch.debug``, ``xlatorch.core``, ``xlatorch.distributed`` or ``xlatorch.fallback``
+(lazy imports inside functions included), ``runtime/record.py`` imports nothing of xlatorch,
+and no import circle joins the package's top-level folders.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+from collections import defaultdict
+
+PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "xlatorch")
+ABOVE_RUNTIME = ("xlatorch.debug", "xlatorch.core", "xlatorch.distributed", "xlatorch.fallback")
+
+
+def _modules() -> dict[str, str]:
+    out = {}
+    for d, _, files in os.walk(PKG):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(d, f)
+                rel = os.path.relpath(path, os.path.dirname(PKG))[:-3].replace(os.sep, ".")
+                out[rel.removesuffix(".__init__")] = path
+    return out
+
+
+def _imports(path: str, module: str) -> set[str]:
+    """Every xlatorch module ``path`` imports, wherever the import statement is."""
+    found = set()
+    for n in ast.walk(ast.parse(open(path).read(), path)):
+        if isinstance(n, ast.Import):
+            found.update(a.name for a in n.names)
+        elif isinstance(n, ast.ImportFrom):
+            base = n.module or ""
+            if n.level:  # relative: resolve against the importing package
+                parts = module.split(".")[: -n.level] if not path.endswith("__init__.py") else module.split(".")
+                base = ".".join(parts + ([n.module] if n.module else []))
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in n.names)
+    return {m for m in found if m == "xlatorch" or m.startswith("xlatorch.")}
+
+
+def _folder(module: str) -> str | None:
+    """The top-level folder of the package a module lives in (None for ``xlatorch/__init__``)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and os.path.isdir(os.path.join(PKG, parts[1]))) else None
+
+
+def test_the_runtime_imports_nothing_above_it():
+    bad = []
+    for mod, path in _modules().items():
+        if mod.startswith("xlatorch.runtime"):
+            bad += [f"{mod} imports {m}" for m in sorted(_imports(path, mod)) if m.startswith(ABOVE_RUNTIME)]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_recording_module_is_the_bottom():
+    path = _modules()["xlatorch.runtime.record"]
+    assert not _imports(path, "xlatorch.runtime.record")
+
+
+def _cycle(edges) -> list[str] | None:
+    """A cycle in ``{node: {node, ...}}`` as a path (first node repeated at the end), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(n):
+        state[n] = 1
+        path.append(n)
+        for m in sorted(edges.get(n, ())):
+            if state.get(m) == 1:
+                return path[path.index(m) :] + [m]
+            if m not in state:
+                found = visit(m)
+                if found:
+                    return found
+        path.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(edges):
+        if n not in state:
+            found = visit(n)
+            if found:
+                return found
+    return None
+
+
+def test_no_import_circle_between_top_level_folders():
+    edges = defaultdict(set)
+    for mod, path in _modules().items():
+        src = _folder(mod)
+        for m in _imports(path, mod):
+            dst = _folder(m)
+            if src and dst and dst != src:
+                edges[src].add(dst)
+    assert "runtime" in edges["debug"]  # the walk found the package's imports
+    cycle = _cycle(edges)
+    assert cycle is None, "import circle between folders: " + " -> ".join(cycle)
+
+
+def test_the_circle_search_finds_circles():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
