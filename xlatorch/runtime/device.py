@@ -8,6 +8,10 @@ runtime ops (copies between devices, aliases, ``item()``).
 
 from __future__ import annotations
 
+import functools
+import itertools
+import operator
+
 import torch
 
 from xlatorch.runtime import dynamic, rng, views
@@ -59,20 +63,26 @@ class _DeviceModule:
         rng.set_seed(int(state[0]))
 
 
+def _constant(value):
+    """A callable returning ``value`` that runs no Python bytecode.
+
+    PyTorch calls the hooks and the device guard from C++ (autograd's engine, device guards
+    in destructors). A Python function there can raise ``KeyboardInterrupt`` (Python runs
+    a pending signal handler at a function's first bytecode), and an exception unwinding
+    through those C++ frames terminates the process. A builtin method never runs the
+    handler, so Ctrl-C waits for the next bytecode of the user's program.
+    """
+    return itertools.repeat(value).__next__
+
+
 class _Hook(torch._C._acc.PrivateUse1Hooks):
-    def is_available(self) -> bool:
-        return True
-
-    def has_primary_context(self, dev_id) -> bool:
-        return True
-
-    def is_built(self) -> bool:
-        return True
+    is_available = staticmethod(_constant(True))
+    is_built = staticmethod(_constant(True))
+    has_primary_context = staticmethod(functools.partial(operator.is_not, None))  # (dev_id) -> True
 
 
 class _Guard(torch._C._acc.DeviceGuard):
-    def type_(self):
-        return torch._C._autograd.DeviceType.PrivateUse1
+    type_ = staticmethod(_constant(torch._C._autograd.DeviceType.PrivateUse1))
 
 
 _registered = False

@@ -9,6 +9,8 @@ called asynchronously: nothing here waits for results.
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 import warnings
 
@@ -16,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xlatorch.runtime import checks, failure, record
+from xlatorch.runtime import checks, failure, interrupts, record
 from xlatorch.runtime.dtypes import PY_SCALAR_JAX, to_jax
 from xlatorch.runtime.emit import hlo_scopes
 from xlatorch.runtime.failure import FailedValueError, failed_value, is_failed
@@ -256,7 +258,27 @@ def _sync(reason, dev, timed) -> None:
                 hook(key, nodes, leaves, root_refs, exe, time.perf_counter_ns() - tm.t0)
         else:
             COUNTERS["CachedCompile"] += 1
-        record.add_sample("TensorsGraphSize", len(nodes))
+    except Exception as e:
+        _fail(storages, e)
+        raise
+    record.add_sample("TensorsGraphSize", len(nodes))
+    # From here the step's buffers are donated: it runs and commits whole, or fails whole.
+    with uninterrupted():
+        failed = _run_and_commit(exe, storages, data, packed, gdev, nodes, keep, everything, timed)
+    global _last_sync
+    now = time.perf_counter_ns()
+    if _last_sync:
+        # Host time of the step outside the sync itself: op tracing plus the user's Python.
+        record.add_sample("LazyTracing", t0 - _last_sync)
+    _last_sync = now
+    if failed is not None:
+        raise failed[0]
+
+
+def _run_and_commit(exe, storages, data, packed, gdev, nodes, keep, everything, timed):
+    """Execute, then give each storage its result; returns ``(error, fired rows)`` when an
+    on-device check failed, else None. Raises (after ``_fail``) if the execution fails."""
+    try:
         with timed("ExecuteTime"):
             arrays = [d.array for d in data]
             if exe.threads:
@@ -290,14 +312,45 @@ def _sync(reason, dev, timed) -> None:
         for st in storages:
             PENDING.pop(st.sid, None)
     _last[:] = outs
-    global _last_sync
-    now = time.perf_counter_ns()
-    if _last_sync:
-        # Host time of the step outside the sync itself: op tracing plus the user's Python.
-        record.add_sample("LazyTracing", t0 - _last_sync)
-    _last_sync = now
-    if failed is not None:
-        raise failed[0]
+    return failed
+
+
+class uninterrupted:
+    """``with uninterrupted():`` Python signal handlers (Ctrl-C's ``KeyboardInterrupt``, a
+    ``SIGTERM`` handler) wait until the block has finished, then run.
+
+    A sync donates the step's buffers to the executable: an exception between the
+    execution and the commit would leave storages reading deleted buffers. Python runs
+    signal handlers only in the main thread, so elsewhere this does nothing. Costs a few
+    microseconds per sync when the program installed a handler of its own.
+    """
+
+    __slots__ = ("saved", "hits")
+
+    _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __enter__(self):
+        self.saved = []
+        self.hits = []
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for sig in self._SIGNALS:
+            old = signal.getsignal(sig)
+            # A Python handler (SIG_DFL / SIG_IGN are ints); xlatorch's own SIGINT handler
+            # already waits for the user's code (runtime/interrupts.py).
+            if callable(old) and old is not interrupts.handler:
+                self.saved.append((sig, old))
+                signal.signal(sig, self._hold)
+        return self
+
+    def _hold(self, sig, frame):
+        self.hits.append((sig, frame))
+
+    def __exit__(self, *exc):
+        for sig, old in self.saved:
+            signal.signal(sig, old)
+        for sig, frame in self.hits:  # deliver what arrived, now that the storages are consistent
+            dict(self.saved)[sig](sig, frame)
 
 
 def _undoable(storages, nodes, leaves) -> tuple:

@@ -13,7 +13,7 @@ import sys
 import sysconfig
 import threading
 
-__all__ = ["user_frame", "user_line", "fmt_src"]
+__all__ = ["user_frame", "user_line", "fmt_src", "is_user_code"]
 
 _USER: dict[str, bool] = {}  # co_filename -> is it user code?
 _skip: tuple[str, ...] | None = None
@@ -40,6 +40,11 @@ def _is_user(fn: str) -> bool:
     if r is None:
         r = _USER[fn] = not fn.startswith("<") and not fn.startswith(_skip_prefixes())
     return r
+
+
+def is_user_code(filename: str) -> bool:
+    """Whether code from ``filename`` is the user's (outside torch, xlatorch and Python's libraries)."""
+    return _is_user(filename)
 
 
 def _walk(f) -> tuple[str, int] | None:
