@@ -68,3 +68,34 @@ def test_processes_sharing_the_directory(tmp_path):
 def test_cache_off():
     (run,) = _run("")  # XLATORCH_CACHE_DIR= turns the cache off
     assert run["hits"] == 0 and run["misses"] == 0
+
+
+def test_the_in_memory_cache_is_bounded_and_evicted_graphs_come_back_from_disk():
+    import torch
+
+    import xlatorch.core.xla_model as xm
+    import xlatorch.debug.metrics as met
+    from xlatorch.runtime import graph
+
+    def run(n):
+        y = torch.arange(float(n), device="xla") * 3 + 1
+        xm.mark_step()
+        return y
+
+    old = graph.CACHE_SIZE
+    graph.set_cache_size(3)
+    try:
+        met.clear_all()
+        for n in (101, 102, 103, 104, 105):  # five graphs (one per shape)
+            run(n)
+        assert len(graph.CACHE) <= 3
+        assert met.counter_value("CompileCacheEviction") == 2
+        run(105)  # the newest stays warm
+        assert met.counter_value("UncachedCompile") == 5
+        hits = met.counter_value("PersistentCacheHit") or 0
+        y = run(101)  # evicted: compiled again, from the persistent cache
+        assert met.counter_value("UncachedCompile") == 6
+        assert (met.counter_value("PersistentCacheHit") or 0) == hits + 1
+        torch.testing.assert_close(y.cpu(), torch.arange(101.0) * 3 + 1)
+    finally:
+        graph.set_cache_size(old)

@@ -9,6 +9,8 @@ called asynchronously: nothing here waits for results.
 
 from __future__ import annotations
 
+import itertools
+import os
 import signal
 import threading
 import time
@@ -26,9 +28,30 @@ from xlatorch.runtime.ir import Data, Out, Scalar, operands
 from xlatorch.runtime.record import COUNTERS
 from xlatorch.runtime.tensor import PENDING, pending_storages, reroot_lone_views
 
-__all__ = ["sync", "CACHE"]
+__all__ = ["sync", "CACHE", "set_cache_size"]
 
 CACHE: dict = {}  # graph key -> Executable
+# At most this many executables stay in memory (``XLATORCH_EXECUTABLE_CACHE_SIZE``): the
+# least recently used is dropped (counter ``CompileCacheEviction``) and, if met again,
+# compiled anew, which the persistent compilation cache turns into a load from disk.
+# A steady-state program uses a handful; a program sweeping input shapes would otherwise
+# keep every one (about 1 MB each).
+CACHE_SIZE = int(os.environ.get("XLATORCH_EXECUTABLE_CACHE_SIZE", "512"))
+_uses = itertools.count()
+
+
+def set_cache_size(n: int) -> None:
+    """Keep at most ``n`` compiled graphs in memory (evicting the least recently used now)."""
+    global CACHE_SIZE
+    CACHE_SIZE = max(1, int(n))
+    _evict()
+
+
+def _evict() -> None:
+    while len(CACHE) > CACHE_SIZE:
+        oldest = min(CACHE, key=lambda k: CACHE[k].used)
+        del CACHE[oldest]
+        COUNTERS["CompileCacheEviction"] += 1
 
 # Donation is offered whenever shapes match; XLA declining it (layouts) is not the user's concern.
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
@@ -39,7 +62,7 @@ class Executable:
     graph whose collectives span several local devices (``threads`` > 1) runs once for all
     of them through ``run_all([(arrays, packed) per device])``."""
 
-    __slots__ = ("compiled", "run_all", "threads", "xla", "checks")
+    __slots__ = ("compiled", "run_all", "threads", "xla", "checks", "used")
 
     def __init__(self, compiled, run_all=None, threads=0, xla=None):
         self.compiled = compiled
@@ -47,6 +70,7 @@ class Executable:
         self.threads = threads
         self.xla = xla  # the jax Compiled (memory_analysis, as_text) for xlatorch.debug
         self.checks = None  # a checks.Table when the graph has on-device checks (an extra last output)
+        self.used = 0  # when it last ran (for the in-memory cache's eviction)
 
 
 class _Ref:
@@ -253,7 +277,10 @@ def _sync(reason, dev, timed) -> None:
             COUNTERS["UncachedCompile"] += 1
             with timed("CompileTime") as tm:
                 exe = _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, gdev, keep)
+            exe.used = next(_uses)
             CACHE[key] = exe
+            if len(CACHE) > CACHE_SIZE:
+                _evict()
             for hook in record.COMPILE_HOOKS:  # xlatorch.debug: the compile explainer
                 hook(key, nodes, leaves, root_refs, exe, time.perf_counter_ns() - tm.t0)
         else:
@@ -262,6 +289,7 @@ def _sync(reason, dev, timed) -> None:
         _fail(storages, e)
         raise
     record.add_sample("TensorsGraphSize", len(nodes))
+    exe.used = next(_uses)
     # From here the step's buffers are donated: it runs and commits whole, or fails whole.
     with uninterrupted():
         failed = _run_and_commit(exe, storages, data, packed, gdev, nodes, keep, everything, timed)
