@@ -11,6 +11,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -110,3 +111,62 @@ def test_ctrl_c_never_loses_the_model(tmp_path, seed, optimizer):
     matched = line.split("MATCHED ")[1].split(" FINAL")[0]
     assert "None" not in matched, line  # every checkpoint is the model after a whole number of steps
     assert "FINAL None" not in line, line
+
+
+def _sgd_reference(w0, x, lr):
+    w = w0.clone().requires_grad_()
+    (w @ x).square().sum().backward()
+    with torch.no_grad():
+        return w - lr * w.grad
+
+
+def test_a_failed_op_costs_only_what_depends_on_it(monkeypatch):
+    import torch
+    from xlatorch._generated import dispatch as table
+
+    import xlatorch.core.xla_model as xm
+    from xlatorch.runtime.failure import FailedValueError
+
+    w0, x = torch.randn(4, 3), torch.randn(3, 5)
+    w = w0.to("xla").requires_grad_()
+    opt = torch.optim.SGD([w], lr=0.1)
+    xm.mark_step()
+
+    def broken(out, self):
+        raise ZeroDivisionError("this lowering exploded")
+
+    monkeypatch.setattr(table.S_sin, "emit", broken)
+    (w @ x.to("xla")).square().sum().backward()
+    opt.step()
+    bad = x.to("xla").sin() + 1  # the same step, unrelated to the update
+    with pytest.raises(ZeroDivisionError, match="this lowering exploded") as info:
+        xm.mark_step()
+    assert any("aten::sin" in note for note in getattr(info.value, "__notes__", []))
+    monkeypatch.undo()
+    torch.testing.assert_close(w.detach().cpu(), _sgd_reference(w0, x, 0.1))  # the update was committed
+    with pytest.raises(FailedValueError, match="this lowering exploded"):
+        bad.cpu()
+    torch.testing.assert_close((w * 2).detach().cpu(), _sgd_reference(w0, x, 0.1) * 2)  # training goes on
+
+
+def test_an_out_of_memory_graph_costs_only_its_part():
+    import torch
+
+    import xlatorch.core.xla_model as xm
+    from xlatorch.runtime.failure import FailedValueError
+
+    w0, x = torch.randn(4, 3), torch.randn(3, 5)
+    w = w0.to("xla").requires_grad_()
+    opt = torch.optim.SGD([w], lr=0.1)
+    q = torch.ones(3, device="xla")
+    xm.mark_step()
+    (w @ x.to("xla")).square().sum().backward()
+    opt.step()
+    huge = torch.ones(2**38, device="xla") * 2  # 1 TiB
+    q.add_(huge.sum())  # an in-place update in the part that cannot run
+    with pytest.raises(torch.OutOfMemoryError, match="RESOURCE_EXHAUSTED"):
+        xm.mark_step()
+    torch.testing.assert_close(w.detach().cpu(), _sgd_reference(w0, x, 0.1))  # committed
+    torch.testing.assert_close(q.cpu(), torch.ones(3))  # kept its value from before the step
+    with pytest.raises(FailedValueError, match="RESOURCE_EXHAUSTED"):
+        huge.cpu()

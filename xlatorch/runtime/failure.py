@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from xlatorch.runtime.ir import Node, Out
 
-__all__ = ["FailedValueError", "failed_value", "is_failed", "cause"]
+__all__ = ["FailedValueError", "failed_value", "fail_node", "is_failed", "cause"]
 
 
 class FailedValueError(RuntimeError):
@@ -41,6 +41,13 @@ def failed_value(aval, error: Exception) -> Out:
 
     error = cause(error)
     return Node(_spec(), (error,), Info((aval,), None), ("failed", id(error))).outs[0]
+
+
+def fail_node(node: Node, error: Exception) -> None:
+    """Turn ``node`` (already in graphs and tensors) into a failed value raising ``error``."""
+    node.spec = _spec()
+    node.args = (cause(error),)
+    node.key = ("failed", id(node.args[0]))
 
 
 def is_failed(node: Node) -> bool:

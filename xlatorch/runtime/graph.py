@@ -19,6 +19,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+import torch
 
 from xlatorch.runtime import checks, failure, interrupts, record
 from xlatorch.runtime.dtypes import PY_SCALAR_JAX, to_jax
@@ -62,7 +63,7 @@ class Executable:
     graph whose collectives span several local devices (``threads`` > 1) runs once for all
     of them through ``run_all([(arrays, packed) per device])``."""
 
-    __slots__ = ("compiled", "run_all", "threads", "xla", "checks", "used")
+    __slots__ = ("compiled", "run_all", "threads", "xla", "checks", "used", "need")
 
     def __init__(self, compiled, run_all=None, threads=0, xla=None):
         self.compiled = compiled
@@ -71,6 +72,7 @@ class Executable:
         self.xla = xla  # the jax Compiled (memory_analysis, as_text) for xlatorch.debug
         self.checks = None  # a checks.Table when the graph has on-device checks (an extra last output)
         self.used = 0  # when it last ran (for the in-memory cache's eviction)
+        self.need = _bytes_needed(xla)  # new buffers a run allocates (outputs + temporaries)
 
 
 class _Ref:
@@ -184,7 +186,10 @@ def _lower_fn(plan, leaf_kinds, root_refs, scopes=None, table=None, keep=()):
         found: list = []
         for k, (spec, args, info) in enumerate(plan):
             found_k: list = []
-            vals.append(emit_node(spec, tuple(get(a) for a in args), info, scopes[k] if scopes else None, found_k))
+            try:
+                vals.append(emit_node(spec, tuple(get(a) for a in args), info, scopes[k] if scopes else None, found_k))
+            except Exception as e:
+                raise LoweringError(k, e) from e
             table.add_node(k, _node_refs(args), [c for c in found_k if c is not None], found)
         outs = tuple(leaf_vals[-1 - r] if r < 0 else vals[r // 4096][r % 4096] for r in root_refs)
         if not found:
@@ -201,6 +206,44 @@ def _lower_fn(plan, leaf_kinds, root_refs, scopes=None, table=None, keep=()):
         return tuple(kept) + (rows,)
 
     return fn
+
+
+class LoweringError(Exception):
+    """Node ``k``'s lowering raised ``error`` while a graph was traced."""
+
+    def __init__(self, k: int, error: Exception):
+        super().__init__(f"lowering node {k} failed: {type(error).__name__}: {error}")
+        self.k, self.error = k, error
+
+
+class OutOfMemory(torch.OutOfMemoryError):
+    """A graph's buffers do not fit in the device's free memory (checked before it runs; the
+    exception PyTorch raises for a CUDA out-of-memory, a ``RuntimeError``)."""
+
+
+def _bytes_needed(compiled) -> int:
+    try:
+        m = compiled.memory_analysis()
+        return int(m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes)
+    except Exception:  # not every backend reports it
+        return 0
+
+
+_BIG = 1 << 28  # graphs allocating more than this are checked against free memory before they run
+
+
+def _check_memory(exe, gdev) -> None:
+    if exe.need <= _BIG:
+        return
+    from xlatorch.runtime.memory import available_bytes
+    from xlatorch.runtime.transfer import jax_device
+
+    free = available_bytes(jax_device(gdev))
+    if free is not None and exe.need > free:
+        raise OutOfMemory(
+            f"RESOURCE_EXHAUSTED: this step's graph needs {exe.need / 2**30:.2f} GiB of new buffers on xla:{gdev}, "
+            f"and {free / 2**30:.2f} GiB are free; the tensors computed by it were not computed"
+        )
 
 
 def _node_refs(args, out=None) -> list:
@@ -261,6 +304,94 @@ def _sync(reason, dev, timed) -> None:
             raise FailedValueError(f"xlatorch: a tensor's value could not be computed: {failed}") from failed
     for hook in record.SYNC_HOOKS:  # xlatorch.debug: the graph-cut report
         hook(reason, len(nodes))
+    try:
+        _run_storages(storages, nodes, leaves, enc, root_refs, reason, dev, timed, everything, t0)
+    except LoweringError as le:
+        # One op could not be lowered: it fails, what depends on it carries the error, the
+        # rest of the step runs.
+        n = nodes[le.k]
+        err = le.error
+        err.add_note(f"xlatorch: raised while lowering {_op_name(n)}; the tensors computed from it carry this error")
+        failure.fail_node(n, err)
+        try:
+            sync(reason, dev)
+        except FailedValueError as fe:
+            if failure.cause(fe) is not err:
+                raise
+        raise err from None
+    except OutOfMemory as oom:
+        _isolate(storages, nodes, oom, reason, dev)
+        raise
+
+
+def _op_name(n) -> str:
+    from xlatorch.runtime.source import fmt_src
+
+    name = n.spec.name.removesuffix(".default")
+    src = getattr(n, "src", None)
+    return f"aten::{name}" + (f" at {fmt_src(src, full=True)}" if src is not None else "")
+
+
+def _isolate(storages, nodes, error, reason, dev) -> None:
+    """After ``error`` stopped a graph before it ran: run its independent parts one by one.
+
+    Parts that run are committed; a part that fails again keeps, for each tensor the step
+    updated in place, its data from before the step, and the rest of its tensors carry
+    the error."""
+    parts = _components(storages, nodes)
+    if len(parts) == 1:
+        _give_back_or_fail(storages, error)
+        return
+    for part in parts:
+        try:
+            _run_part(part, reason, dev)
+        except OutOfMemory as e:
+            _give_back_or_fail(part, e)
+
+
+def _run_part(part, reason, dev) -> None:
+    t0 = time.perf_counter_ns()
+    nodes, leaves, enc, root_refs, _ = _collect([st.value for st in part])
+    _run_storages(part, nodes, leaves, enc, root_refs, reason, dev, record.timed, False, t0)
+
+
+def _give_back_or_fail(storages, error) -> None:
+    for st in storages:
+        prev = st.prev
+        if prev is not None and prev.aval == st.value.aval and not prev.array.is_deleted():
+            st.set(prev)  # nothing ran: the step's update of this tensor is dropped
+            st.prev = None
+            PENDING.pop(st.sid, None)
+        else:
+            _fail([st], error)
+
+
+def _components(storages, nodes) -> list[list]:
+    """The storages grouped by the independent parts of their graph (no shared node or leaf)."""
+    parent: dict[int, int] = {}
+
+    def find(x):
+        while parent.setdefault(x, x) != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for n in nodes:
+        a = find(id(n))
+        for v in operands(n.args):
+            b = find(id(v.node) if type(v) is Out else id(v))
+            if a != b:
+                parent[b] = a
+    groups: dict[int, list] = {}
+    for st in storages:
+        v = st.value
+        groups.setdefault(find(id(v.node) if type(v) is Out else id(v)), []).append(st)
+    return list(groups.values())
+
+
+def _run_storages(storages, nodes, leaves, enc, root_refs, reason, dev, timed, everything, t0) -> None:
+    """Compile (once) and run the graph computing ``storages``' pending values; commit them."""
+    roots = [st.value for st in storages]
     keep = ()
     if checks.ENABLED and any(n.info.checked for n in nodes):
         keep = _undoable(storages, nodes, leaves)
@@ -285,9 +416,12 @@ def _sync(reason, dev, timed) -> None:
                 hook(key, nodes, leaves, root_refs, exe, time.perf_counter_ns() - tm.t0)
         else:
             COUNTERS["CachedCompile"] += 1
+    except LoweringError:
+        raise  # the caller fails just that node
     except Exception as e:
         _fail(storages, e)
         raise
+    _check_memory(exe, gdev)
     record.add_sample("TensorsGraphSize", len(nodes))
     exe.used = next(_uses)
     # From here the step's buffers are donated: it runs and commits whole, or fails whole.

@@ -7,7 +7,7 @@ import os
 import jax
 import torch
 
-__all__ = ["get_memory_info"]
+__all__ = ["get_memory_info", "available_bytes"]
 
 _peaks: dict[int, int] = {}  # local device -> largest bytes_used reported (CPU only)
 
@@ -35,6 +35,23 @@ def _live_bytes(jdev) -> int:
         else:  # a global array of a replicated step: only this device's block
             total += sum(s.data.nbytes for s in a.addressable_shards if s.device == jdev)
     return total
+
+
+def available_bytes(jdev) -> int | None:
+    """Bytes a new allocation on ``jdev`` can still take: the runtime's limit minus its use
+    (GPU, TPU), or on CPU the host's available memory (``MemAvailable``); None if unknown."""
+    stats = jdev.memory_stats()
+    if stats and "bytes_in_use" in stats:
+        limit = stats.get("bytes_limit") or stats.get("bytes_reservable_limit")
+        return None if not limit else limit - stats["bytes_in_use"]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def get_memory_info(device=None) -> dict[str, int]:
