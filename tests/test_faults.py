@@ -70,19 +70,33 @@ _PROGRAM = textwrap.dedent(
         stop.set()
     sender = threading.Thread(target=pester)
     sender.start()
-    saved, done = [], 0
+    saved, done = [], [0]
     t_end = time.time() + 20
-    while not stop.is_set() and done < 100 and time.time() < t_end:
+
+    def checkpoint():
+        while True:
+            try:
+                saved.append(state(model, opt))   # "save a checkpoint"
+                return
+            except KeyboardInterrupt:
+                continue
+
+    def train():
+        while not stop.is_set() and done[0] < 100 and time.time() < t_end:
+            try:
+                step(model, opt)
+                done[0] += 1
+            except KeyboardInterrupt:
+                checkpoint()
+
+    # Ctrl-C lands on a line of this program; the loop's own lines (while, try) are lines
+    # too, so an interrupt there leaves train() and is caught here.
+    while True:
         try:
-            step(model, opt)
-            done += 1
+            train()
+            break
         except KeyboardInterrupt:
-            while True:
-                try:
-                    saved.append(state(model, opt))   # "save a checkpoint"
-                    break
-                except KeyboardInterrupt:
-                    continue
+            checkpoint()
     stop.set()
     sender.join()
     time.sleep(0.1)  # a signal sent last is delivered here, not below
@@ -170,3 +184,118 @@ def test_an_out_of_memory_graph_costs_only_its_part():
     torch.testing.assert_close(q.cpu(), torch.ones(3))  # kept its value from before the step
     with pytest.raises(FailedValueError, match="RESOURCE_EXHAUSTED"):
         huge.cpu()
+
+
+def _model(seed):
+    # From a generator of its own: threads share torch's global RNG.
+    g = torch.Generator().manual_seed(100 + seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model
+
+
+def _train(seed, device, steps=12, bad_step=None):
+    import torch.nn.functional as F
+
+    import xlatorch.core.xla_model as xm
+
+    model = _model(seed).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(64, 16, generator=g).to(device)
+    y = torch.randint(0, 4, (64,), generator=g).to(device)
+    losses, errors = [], []
+    for i in range(steps):
+        try:
+            opt.zero_grad()
+            target = torch.full_like(y, 9) if i == bad_step else y  # 9: out of range
+            loss = F.cross_entropy(model(x), target)
+            loss.backward()
+            opt.step()
+            if device != "cpu":
+                xm.mark_step()
+            losses.append(loss.item())
+        except IndexError as e:
+            errors.append(e)
+    return losses, errors
+
+
+def test_two_threads_train_their_own_models_and_keep_their_own_errors():
+    import threading
+
+    expected = _train(1, "cpu")[0]
+    results, crashes = {}, []
+
+    def run(seed, bad):
+        try:
+            results[seed] = _train(seed, "xla", bad_step=bad)
+        except BaseException as e:  # anything escaping is a failure of the test
+            crashes.append((seed, e))
+
+    threads = [threading.Thread(target=run, args=(1, None)), threading.Thread(target=run, args=(2, 4))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not crashes, crashes
+    losses1, errors1 = results[1]
+    assert not errors1  # thread 2's bad target never surfaces in thread 1
+    torch.testing.assert_close(losses1, expected, rtol=1e-5, atol=1e-6)
+    losses2, errors2 = results[2]
+    assert len(errors2) == 1 and "Target 9 is out of bounds" in str(errors2[0])
+    # The failed step changed nothing: thread 2 trained 11 good steps, as CPU skipping step 4.
+    cpu2 = _train_skipping(2, skip=4)
+    torch.testing.assert_close(losses2, cpu2, rtol=1e-5, atol=1e-6)
+
+
+def _train_skipping(seed, skip, steps=12):
+    import torch.nn.functional as F
+
+    model = _model(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(64, 16, generator=g)
+    y = torch.randint(0, 4, (64,), generator=g)
+    losses = []
+    for i in range(steps):
+        if i == skip:
+            continue
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_reading_a_failed_value_raises_in_any_thread(monkeypatch):
+    import threading
+
+    from xlatorch._generated import dispatch as table
+
+    import xlatorch.core.xla_model as xm
+    from xlatorch.runtime.failure import FailedValueError
+
+    def broken(out, self):
+        raise ZeroDivisionError("exploded")
+
+    monkeypatch.setattr(table.S_cos, "emit", broken)
+    bad = torch.ones(3, device="xla").cos()
+    with pytest.raises(ZeroDivisionError):
+        xm.mark_step()
+    monkeypatch.undo()
+    seen = []
+
+    def read():
+        try:
+            bad.cpu()
+            seen.append("no error")
+        except FailedValueError as e:
+            seen.append(e)
+
+    t = threading.Thread(target=read)
+    t.start()
+    t.join()
+    assert len(seen) == 1 and isinstance(seen[0], FailedValueError), seen

@@ -19,7 +19,7 @@ from xlatorch.runtime.ir import VALUE_TYPES, Node, Scalar
 from xlatorch.runtime.record import COUNTERS
 from xlatorch.runtime.rng import next_key
 from xlatorch.runtime.source import user_frame
-from xlatorch.runtime.tensor import TICKS, XlaTensor, value_of, wrap, write
+from xlatorch.runtime.tensor import TICKS, XlaTensor, _get_ident, value_of, wrap, write
 
 __all__ = ["OpSpec", "Info", "dispatch", "call", "call_inplace", "call_out", "scalar", "SHIMS", "RUNTIME_OPS",
            "DECOMPS"]  # fmt: skip
@@ -221,7 +221,7 @@ def _node(spec: OpSpec, vals: tuple, sig: tuple) -> Node:
         info = spec.cache[sig] = _infer(spec, vals)
     n = Node(spec, vals, info, (spec, sig))
     if info.checked:
-        n.tick = next(TICKS)  # updates traced after a failed check are undone (runtime/checks.py)
+        n.tick = (next(TICKS), _get_ident())  # this thread's later updates are undone if it fails (runtime/checks.py)
         if getattr(n, "src", None) is None:
             n.src = user_frame()  # a failed check names the user's line
     return n

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from xlatorch.runtime.ir import Node, Out
 
-__all__ = ["FailedValueError", "failed_value", "fail_node", "is_failed", "cause"]
+__all__ = ["FailedValueError", "failed_value", "fail_node", "is_failed", "is_failed_storage", "cause"]
 
 
 class FailedValueError(RuntimeError):
@@ -48,6 +48,12 @@ def fail_node(node: Node, error: Exception) -> None:
     node.spec = _spec()
     node.args = (cause(error),)
     node.key = ("failed", id(node.args[0]))
+
+
+def is_failed_storage(st) -> bool:
+    """Whether a storage's value is a failed value."""
+    v = st.value
+    return type(v) is Out and v.node.spec is _SPEC
 
 
 def is_failed(node: Node) -> bool:

@@ -21,13 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from xlatorch.runtime import checks, failure, interrupts, record
+from xlatorch.runtime import checks, failure, interrupts, ir, record
 from xlatorch.runtime.dtypes import PY_SCALAR_JAX, to_jax
 from xlatorch.runtime.emit import hlo_scopes
 from xlatorch.runtime.failure import FailedValueError, failed_value, is_failed
 from xlatorch.runtime.ir import Data, Out, Scalar, operands
 from xlatorch.runtime.record import COUNTERS
-from xlatorch.runtime.tensor import PENDING, pending_storages, reroot_lone_views
+from xlatorch.runtime.tensor import DEFERRED, LOCK, PENDING, pending_storages, reroot_lone_views
 
 __all__ = ["sync", "CACHE", "set_cache_size"]
 
@@ -267,15 +267,37 @@ def _weak(v):
 def sync(reason: str = "mark_step", dev: int | None = None) -> None:
     """Materialise every live pending tensor (of local device ``dev``, default: all devices),
     with one (cached) XLA execution per device."""
-    phase = record.PHASE
-    if phase is not None:  # profiling: spans for the sync, its compile and execution
-        with phase("xlatorch.sync", reason=reason):
-            _sync(reason, dev, record.TIMED)
-    else:  # otherwise that test is all the profiler costs a sync
-        _sync(reason, dev, record.timed)
+    lock = None if ir._multi else LOCK  # see tensor.LOCK
+    if lock is not None:
+        lock.acquire()
+    try:
+        phase = record.PHASE
+        if phase is not None:  # profiling: spans for the sync, its compile and execution
+            with phase("xlatorch.sync", reason=reason):
+                _sync(reason, dev, record.TIMED)
+        else:  # otherwise that test is all the profiler costs a sync
+            _sync(reason, dev, record.timed)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _raise_owned(error: BaseException, storages) -> None:
+    """Raise ``error`` if one of ``storages`` (those it affects) is this thread's (or none is
+    known); otherwise leave it for the threads that made them."""
+    me = threading.get_ident()
+    owners = {st.owner for st in storages}
+    if not owners or me in owners:
+        raise error
+    for owner in owners:
+        DEFERRED.setdefault(owner, error)
 
 
 def _sync(reason, dev, timed) -> None:
+    if DEFERRED:
+        error = DEFERRED.pop(threading.get_ident(), None)
+        if error is not None:
+            raise error
     # Creation order: the same for every replica running the same program whichever way it
     # reached this sync (a replicated graph must be the same program on every replica).
     storages = pending_storages()
@@ -298,10 +320,15 @@ def _sync(reason, dev, timed) -> None:
     roots = [st.value for st in storages]
     nodes, leaves, enc, root_refs, any_failed = _collect(roots)
     if any_failed:
-        storages, failed = _split_failed(storages, nodes)
+        healthy, failed = _split_failed(storages, nodes)
         if failed is not None:  # run what does not depend on the failure, then report it
             sync(reason, dev)
-            raise FailedValueError(f"xlatorch: a tensor's value could not be computed: {failed}") from failed
+            error = FailedValueError(f"xlatorch: a tensor's value could not be computed: {failed}")
+            error.__cause__ = failed
+            ok = {id(st) for st in healthy}
+            _raise_owned(error, [st for st in storages if id(st) not in ok])
+            return
+        storages = healthy
     for hook in record.SYNC_HOOKS:  # xlatorch.debug: the graph-cut report
         hook(reason, len(nodes))
     try:
@@ -318,7 +345,8 @@ def _sync(reason, dev, timed) -> None:
         except FailedValueError as fe:
             if failure.cause(fe) is not err:
                 raise
-        raise err from None
+        err.__suppress_context__ = True
+        _raise_owned(err, [st for st in storages if failure.is_failed_storage(st)])
     except OutOfMemory as oom:
         _isolate(storages, nodes, oom, reason, dev)
         raise
@@ -434,7 +462,8 @@ def _run_storages(storages, nodes, leaves, enc, root_refs, reason, dev, timed, e
         record.add_sample("LazyTracing", t0 - _last_sync)
     _last_sync = now
     if failed is not None:
-        raise failed[0]
+        error, fired = failed
+        _raise_owned(error, [st for st, m in zip(storages, exe.checks.masks) if m & fired])
 
 
 def _run_and_commit(exe, storages, data, packed, gdev, nodes, keep, everything, timed):
@@ -518,7 +547,7 @@ class uninterrupted:
 def _undoable(storages, nodes, leaves) -> tuple:
     """Per root: None, or ``(leaf, before)`` when its storage held device data before the step
     (leaf ``leaf`` of the graph) that a failed check gives back; ``before``: a bit mask of
-    the checked nodes traced before the storage's last write. Part of the graph's key."""
+    the checked nodes its thread traced before the storage's last write. Part of the graph's key."""
     lpos = {id(v): i for i, v in enumerate(leaves)}
     ticks = [(k, n.tick) for k, n in enumerate(nodes) if n.info.checked]
     keep = []
@@ -529,8 +558,8 @@ def _undoable(storages, nodes, leaves) -> tuple:
             keep.append(None)
             continue
         before = 0
-        for k, t in ticks:
-            if t < st.gen:
+        for k, (t, owner) in ticks:
+            if t < st.gen and owner == st.owner:  # traced after the check, by the same thread
                 before |= 1 << k
         keep.append((j, before))
     return tuple(keep)
@@ -565,7 +594,7 @@ def _split_failed(storages, nodes):
             healthy.append(st)
         else:
             first = first or err
-            _fail([st], err)
+            _give_back_or_fail([st], err)  # an update that read a failed value did not happen
     return healthy, first
 
 

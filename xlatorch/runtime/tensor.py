@@ -35,6 +35,17 @@ _ids = itertools.count()
 TICKS = itertools.count(1)
 _weakref = weakref.ref
 DISPATCH = None  # dispatch.dispatch, set when that module loads (it imports this one)
+# One thread at a time records ops or syncs. A sync donates the buffers no storage holds any
+# more; another thread in the middle of an op may hold such a buffer in a node it has not
+# yet stored, and would later read a deleted array. Re-entrant: ops decompose into ops, and
+# a CPU fallback syncs. Not taken under dp.DataParallel (``ir._multi``), whose threads
+# each record and sync their own device's graphs and meet inside replicated executions.
+LOCK = threading.RLock()
+_in_backward = torch._C._current_graph_task_id  # -1 unless this thread runs a backward pass
+_get_ident = threading.get_ident
+# Errors of values that other threads made, found by this thread's sync: thread id -> error,
+# raised at that thread's next op or sync (an error stays in the thread that caused it).
+DEFERRED: dict[int, BaseException] = {}
 
 
 def pending_storages() -> list:
@@ -56,10 +67,11 @@ class Storage:
     read the storage (``reroot_lone_views``).
     """
 
-    __slots__ = ("value", "gen", "sid", "dev", "refs", "prev", "__weakref__")
+    __slots__ = ("value", "gen", "sid", "dev", "refs", "prev", "owner", "__weakref__")
 
     def __init__(self, value):
         self.refs = []
+        self.owner = _get_ident()  # the thread that made it: errors of its value are raised there
         self.gen = next(TICKS)
         # The device data this storage held when the step began writing it: a step whose
         # on-device check fails gives it back (runtime/checks.py). Reset at each commit.
@@ -105,13 +117,21 @@ class XlaTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        lock = None if ir._multi else LOCK
+        if lock is not None:
+            lock.acquire()
         try:
+            if DEFERRED and _in_backward() == -1:
+                error = DEFERRED.pop(_get_ident(), None)
+                if error is not None:
+                    raise error
             return DISPATCH(func, args, kwargs or {})
         except Exception as e:
-            if threading.current_thread() is threading.main_thread():
+            if _in_backward() == -1:
                 raise
-            # On autograd's device thread an exception would abort the process (torch's
-            # Python device guard terminates while unwinding): defer it to the next sync.
+            # In a backward pass (autograd's device thread) an exception would abort the
+            # process (torch's Python device guard terminates while unwinding): defer it to
+            # the next sync.
             from xlatorch.runtime.dispatch import defer_error
 
             try:
@@ -121,6 +141,9 @@ class XlaTensor(torch.Tensor):
                 traceback.print_exc()
                 sys.stderr.flush()
                 raise
+        finally:
+            if lock is not None:
+                lock.release()
 
     def __repr__(self, *, tensor_contents=None):
         # PyTorch prints subclasses as "XlaTensor(...)"; device tensors print as "tensor(...)".
