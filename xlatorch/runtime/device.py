@@ -14,7 +14,7 @@ import operator
 
 import torch
 
-from xlatorch.runtime import dynamic, rng, views
+from xlatorch.runtime import dynamic, modules, rng, views
 from xlatorch.runtime.dispatch import RUNTIME_OPS, SHIMS, call, convert_value, node
 from xlatorch.runtime.ir import device_index
 from xlatorch.runtime.tensor import XlaTensor, value_of, wrap, write
@@ -97,6 +97,7 @@ def register(factories: dict) -> None:
         return
     _registered = True
     torch._register_device_module("xla", _DeviceModule())
+    modules.install()  # module.to(device) keeps tied parameters tied
     # PyTorch keeps raw pointers to these: they must live as long as the process.
     _KEEP.extend([_Hook(), _Guard()])
     torch._C._acc.register_python_privateuseone_hook(_KEEP[0])
@@ -110,9 +111,21 @@ def register(factories: dict) -> None:
         optimizer._foreach_supported_types.append(XlaTensor)
     _lib = torch.library.Library("aten", "IMPL")
     for name, shim in factories.items():
-        _lib.impl(name, shim, "PrivateUse1")
+        _lib.impl(name, _ordinal_checked(shim), "PrivateUse1")
     # torch.tensor(data, device="xla") copies below the Python key: ATen asks for _copy_from.
     _lib.impl("_copy_from", lambda self, dst, non_blocking=False: _copy_(dst, self), "PrivateUse1")
+
+
+def _ordinal_checked(shim):
+    """A factory that raises for a device ordinal this process does not have (``xla:3``)."""
+
+    def factory(*args, **kwargs):
+        d = kwargs.get("device")
+        if d is not None and d.index:
+            device_index(d)
+        return shim(*args, **kwargs)
+
+    return factory
 
 
 def _xla_target(device) -> bool:

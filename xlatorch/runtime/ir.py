@@ -61,6 +61,15 @@ def device_index(device) -> int:
     to PyTorch (its autograd engine supports one device of a Python backend), so index 0
     (or none) means this thread's device; ``xla:i`` for i > 0 names device i."""
     index = getattr(device, "index", None) if device is not None else None
+    if index:
+        from xlatorch.runtime.transfer import local_device_count
+
+        n = local_device_count()
+        if index >= n:  # as CUDA's "invalid device ordinal", never a silent xla:0
+            raise RuntimeError(
+                f"xlatorch: invalid device ordinal: xla:{index} (this process has {n} xla device(s): "
+                f"{', '.join(f'xla:{i}' for i in range(n))})"
+            )
     return index or current_device()
 
 
