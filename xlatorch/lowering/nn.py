@@ -22,8 +22,13 @@ def _conv(x, w, stride, padding, dilation, groups):
     return lax.conv_general_dilated(
         x, w, window_strides=stride, padding=pads, rhs_dilation=dilation,
         dimension_numbers=_conv_dn(nd), feature_group_count=groups,
-        preferred_element_type=None,
-    )  # fmt: skip
+        preferred_element_type=_acc(x),
+    ).astype(x.dtype)  # fmt: skip
+
+
+def _acc(x):
+    """Accumulate low-precision convolutions in float32 (as PyTorch's CPU and cuDNN kernels do)."""
+    return jnp.float32 if x.dtype in (jnp.bfloat16, jnp.float16) else None
 
 
 def _expand(v, nd):
@@ -46,8 +51,8 @@ def _conv_transpose(x, w, stride, padding, dilation, output_padding, groups):
     pads = [(d * (n - 1) - p, d * (n - 1) - p + op) for n, p, d, op in zip(k, padding, dilation, output_padding)]
     return lax.conv_general_dilated(
         x, w, window_strides=(1,) * nd, padding=pads, lhs_dilation=stride, rhs_dilation=dilation,
-        dimension_numbers=_conv_dn(nd), feature_group_count=groups,
-    )  # fmt: skip
+        dimension_numbers=_conv_dn(nd), feature_group_count=groups, preferred_element_type=_acc(x),
+    ).astype(x.dtype)  # fmt: skip
 
 
 def _conv_fn(nd, stride, padding, dilation, transposed, output_padding, groups):
