@@ -141,10 +141,13 @@ def build(entries):
         if out is not None:
             os_ = schemas[out]
             if [a.name for a in os_.args if not a.is_out] == [a.name for a in fargs]:
-                outs = [a.py for a in os_.args if a.is_out]
+                outs = [a for a in os_.args if a.is_out]
                 ofn = _ident(out)
-                shims.append(dict(fn=ofn, aten=_aten(out), params=_params(os_.args),
-                                  body=f"call_out({var}, {call_args}, ({', '.join(outs)},))"))  # fmt: skip
+                if len(outs) == 1 and outs[0].type.endswith("[]"):  # `Tensor(a!)[] out`, returning ()
+                    body = f"call_out({var}, {call_args}, tuple({outs[0].py}), returns=False)"
+                else:
+                    body = f"call_out({var}, {call_args}, ({', '.join(a.py for a in outs)},))"
+                shims.append(dict(fn=ofn, aten=_aten(out), params=_params(os_.args), body=body))
     _check_unique(shims)
     return dict(lowerings=lowerings, specs=specs, shims=shims, factories=factories, decomposed=decomposed,
                 runtime=runtime, fallbacks=fallbacks, n_entries=len(entries))  # fmt: skip

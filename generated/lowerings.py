@@ -379,6 +379,114 @@ def select_scatter(out, self, src, dim, index):
     return L.shape.select_scatter(out, self, src, dim, index)
 
 
+def view_copy(out, self, size):
+    return self.reshape(out.shape)
+
+
+def view_copy_dtype(out, self, dtype):
+    return L.shape.view_dtype(out, self, dtype)
+
+
+def _reshape_alias_copy(out, self, size, stride):
+    return self.reshape(out.shape)
+
+
+def unsqueeze_copy(out, self, dim):
+    return self.reshape(out.shape)
+
+
+def squeeze_copy(out, self):
+    return self.reshape(out.shape)
+
+
+def squeeze_copy_dim(out, self, dim):
+    return self.reshape(out.shape)
+
+
+def squeeze_copy_dims(out, self, dim):
+    return self.reshape(out.shape)
+
+
+def t_copy(out, self):
+    return self.T
+
+
+def transpose_copy_int(out, self, dim0, dim1):
+    return jnp.swapaxes(self, dim0, dim1) if self.ndim else self
+
+
+def permute_copy(out, self, dims):
+    return jnp.transpose(self, [d % self.ndim for d in dims])
+
+
+def expand_copy(out, self, size, implicit):
+    return jnp.broadcast_to(self, out.shape)
+
+
+def as_strided_copy(out, self, size, stride, storage_offset):
+    return L.index.as_strided(out, self, size, stride, storage_offset)
+
+
+def narrow_copy(out, self, dim, start, length):
+    return L.shape.narrow(out, self, dim, start, length)
+
+
+def slice_copy_Tensor(out, self, dim, start, end, step):
+    return L.shape.slice_(out, self, dim, start, end, step)
+
+
+def select_copy_int(out, self, dim, index):
+    return L.shape.select(out, self, dim, index)
+
+
+def split_copy_Tensor(out, self, split_size, dim):
+    return L.shape.split(out, self, split_size, dim)
+
+
+def split_with_sizes_copy(out, self, split_sizes, dim):
+    return L.shape.split_with_sizes(out, self, split_sizes, dim)
+
+
+def unbind_copy_int(out, self, dim):
+    return L.shape.unbind(out, self, dim)
+
+
+def unfold_copy(out, self, dimension, size, step):
+    return L.shape.unfold(out, self, dimension, size, step)
+
+
+def diagonal_copy(out, self, offset, dim1, dim2):
+    return jnp.diagonal(self, offset, dim1, dim2)
+
+
+def alias_copy(out, self):
+    return self
+
+
+def detach_copy(out, self):
+    return self
+
+
+def lift_fresh_copy(out, self):
+    return self
+
+
+def _neg_view_copy(out, self):
+    return -self
+
+
+def _conj_copy(out, self):
+    return jnp.conj(self)
+
+
+def view_as_real_copy(out, self):
+    return jnp.stack([jnp.real(self), jnp.imag(self)], axis=-1)
+
+
+def view_as_complex_copy(out, self):
+    return L.shape.complex_of_pairs(self)
+
+
 def cat(out, tensors, dim):
     return L.shape.cat(out, tensors, dim)
 
@@ -645,6 +753,18 @@ def bucketize_Tensor(out, self, boundaries, out_int32, right):
 
 def bucketize_Scalar(out, self, boundaries, out_int32, right):
     return L.sort.bucketize(out, self, boundaries, out_int32, right)
+
+
+def isin_Tensor_Tensor(out, elements, test_elements, assume_unique, invert):
+    return L.sort.isin(out, elements, test_elements, assume_unique, invert)
+
+
+def isin_Tensor_Scalar(out, elements, test_element, assume_unique, invert):
+    return L.sort.isin(out, elements, test_element, assume_unique, invert)
+
+
+def isin_Scalar_Tensor(out, element, test_elements, assume_unique, invert):
+    return L.sort.isin(out, element, test_elements, assume_unique, invert)
 
 
 def add_Tensor(out, self, other, alpha):

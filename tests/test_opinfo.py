@@ -95,6 +95,25 @@ def _tol(t, tag: str) -> float:
     return t.get(tag, 0) if isinstance(t, dict) else t
 
 
+def _result_tol(entries, tag: str):
+    """``dtype -> (atol, rtol)`` for the results of a forward or in-place test under ``tag``.
+
+    A floating result takes the floating tolerances of its own dtype (defaults and per-dtype
+    hints), whatever the sample's dtype: ``cos(int64)`` gives float32 and ``inplace`` tests run
+    float32 samples, and neither is compared exactly or without its float32 hints.
+    """
+
+    def tol(dtype):
+        key = tag
+        if dtype.is_floating_point:
+            key = next((t for t, d in DTYPES.items() if d == dtype), "float32")
+        _, atol, rtol = _hints(entries, key)
+        da, dr = TOL.get(dtype, (0, 0))
+        return max(atol, da), max(rtol, dr)
+
+    return tol
+
+
 def _setup(key, tag, request):
     """(OpInfo, entries, atol, rtol), marking the test as an expected failure if ops.yaml says so."""
     op, entries = _plan()[key]
@@ -139,25 +158,25 @@ def _meta_compare(entries) -> bool:
     return any(e.random or e.test.get("compare") == "meta" for e in entries)
 
 
-def _compare(got, want, atol, rtol, where):
+def _compare(got, want, tol, where):
     g, _ = tree_flatten(got)
     w, _ = tree_flatten(want)
     assert len(g) == len(w), f"{where}: {len(g)} outputs on xla, {len(w)} on CPU"
     for a, b in zip(g, w):
         if isinstance(b, torch.Tensor):
             assert isinstance(a, torch.Tensor) and a.device.type == "xla", f"{where}: output not an xla tensor: {a!r}"
-            da, dr = TOL.get(b.dtype, (0, 0))
-            torch.testing.assert_close(a.cpu(), b, atol=max(atol, da), rtol=max(rtol, dr), equal_nan=True,
+            atol, rtol = tol(b.dtype)
+            torch.testing.assert_close(a.cpu(), b, atol=atol, rtol=rtol, equal_nan=True,
                                        msg=lambda m: f"{where}: {m}")  # fmt: skip
         else:
             assert a == b or (a != a and b != b), f"{where}: {a!r} != {b!r}"
 
 
-def _check(entries, got, want, atol, rtol, where):
+def _check(entries, got, want, tol, where):
     if _meta_compare(entries):
         _meta_only(got, want, where)
     else:
-        _compare(got, want, atol, rtol, where)
+        _compare(got, want, tol, where)
 
 
 def _meta_only(got, want, where):
@@ -189,7 +208,8 @@ def _fallbacks(key: str, full: bool) -> dict:
 
 @pytest.mark.parametrize("key, tag", FWD_CASES, ids=[f"{k}-{t}" for k, t in FWD_CASES])
 def test_forward(key, tag, request):
-    op, entries, atol, rtol = _setup(key, tag, request)
+    op, entries, _, _ = _setup(key, tag, request)
+    tol = _result_tol(entries, tag)
     pending, errors = [], []
     for i, s in enumerate(_samples(op, DTYPES[tag], False, _full(request.config))):
         try:
@@ -206,7 +226,7 @@ def test_forward(key, tag, request):
     assert not errors, "\n".join(errors)
     for i, s, got, want in pending:
         where = f"{key} {tag} sample {i}: input {tuple(s.input.shape) if isinstance(s.input, torch.Tensor) else ''}"
-        _check(entries, got, want, atol, rtol, where)
+        _check(entries, got, want, tol, where)
 
 
 @pytest.mark.parametrize("key", GRAD_CASES)
@@ -248,7 +268,8 @@ def test_grad(key, request):
 @pytest.mark.parametrize("key", INPLACE_CASES)
 def test_inplace(key, request):
     """The generated in-place variant (``op_``) writes the forward's result into ``self``."""
-    op, entries, atol, rtol = _setup(key, "inplace", request)
+    op, entries, _, _ = _setup(key, "inplace", request)
+    tol = _result_tol(entries, "inplace")
     pending = []
     for i, s in enumerate(_samples(op, torch.float32, False, _full(request.config))):
         if not isinstance(s.input, torch.Tensor):
@@ -264,7 +285,7 @@ def test_inplace(key, request):
         pending.append((i, got, want))
     xm.mark_step()
     for i, got, want in pending:
-        _check(entries, got, want, atol, rtol, f"{key} in-place sample {i}")
+        _check(entries, got, want, tol, f"{key} in-place sample {i}")
 
 
 @pytest.mark.parametrize("key", sorted(_plan()))

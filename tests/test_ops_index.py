@@ -121,3 +121,35 @@ def test_fft_roundtrip_complex():
         torch.fft.ifft(c.to("xla"), norm="forward").cpu(), torch.fft.ifft(c, norm="forward"), atol=1e-5
     )
     assert met.executed_fallback_ops() == []
+
+
+@pytest.mark.parametrize("invert", [False, True])
+def test_isin_large_sorts_test_elements(invert):
+    """Past the pairwise limit isin sorts the test elements: duplicates, NaN and signed zeros as on CPU."""
+    g = torch.Generator().manual_seed(0)
+    elements = torch.randint(-50, 50, (64, 40), generator=g).float() / 4
+    elements[0, :3] = torch.tensor([float("nan"), -0.0, 0.0])
+    test = torch.cat([torch.randint(-50, 50, (30000,), generator=g).float() / 8, torch.tensor([float("nan"), 0.0])])
+    assert elements.numel() * test.numel() > 1 << 20  # the sort path (sort.py _ISIN_PAIRWISE_MAX)
+    got = torch.isin(elements.to("xla"), test.to("xla"), invert=invert)
+    assert torch.equal(got.cpu(), torch.isin(elements, test, invert=invert))
+    assert met.executed_fallback_ops() == []
+
+
+def test_copy_views_write_tensor_lists_out():
+    """``unbind_copy`` / ``split_copy`` ``out=`` take a list of tensors, fill each, return None."""
+    x = torch.arange(12.0).reshape(3, 4)
+    aten = torch.ops.aten
+    cases = [
+        (aten.unbind_copy.int, aten.unbind_copy.int_out, (1,)),
+        (aten.split_copy.Tensor, aten.split_copy.Tensor_out, (3, 1)),
+        (aten.split_with_sizes_copy.default, aten.split_with_sizes_copy.out, ([1, 2], 0)),
+    ]
+    for fn, op, args in cases:
+        want = [torch.full_like(t, -1) for t in fn(x, *args)]  # CPU needs out tensors of the right shapes
+        op(x, *args, out=want)
+        got = [torch.full(w.shape, -1.0, device="xla") for w in want]
+        assert op(x.to("xla"), *args, out=got) is None
+        for g, w in zip(got, want):
+            assert torch.equal(g.cpu(), w)
+    assert met.executed_fallback_ops() == []

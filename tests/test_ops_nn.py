@@ -97,3 +97,38 @@ def test_scaled_dot_product_attention(causal, masked):
     for g, w in zip(got, want):
         torch.testing.assert_close(g.cpu(), w, atol=1e-5, rtol=1e-4)
     assert not _fallbacks()
+
+
+# (spatial dims, in, out, kernel, stride, padding, output_padding, dilation, groups, bias, batched)
+_CONV_T = [
+    (1, 4, 6, 3, 2, 1, 1, 1, 2, True, True),
+    (1, 3, 2, 4, 3, 0, 2, 2, 1, False, False),  # unbatched input, output_padding < stride
+    (2, 4, 6, 3, 2, 1, 1, 2, 2, True, True),  # groups > 1, dilation > 1, output_padding > 0
+    (2, 2, 3, (2, 3), (1, 2), (0, 3), (0, 1), 1, 1, True, True),  # padding > dilation * (kernel - 1): crops
+    (2, 6, 6, 1, 1, 0, 0, 1, 3, True, True),  # 1x1, depthwise-like groups
+    (3, 4, 2, 2, 2, (1, 0, 1), (1, 0, 0), (1, 2, 1), 2, True, True),
+]
+
+
+@pytest.mark.parametrize("nd, cin, cout, k, stride, pad, opad, dil, groups, bias, batched", _CONV_T)
+def test_conv_transpose_forward_backward(nd, cin, cout, k, stride, pad, opad, dil, groups, bias, batched):
+    """ConvTranspose1d/2d/3d against CPU eager: output and gradients w.r.t. input, weight and bias."""
+    torch.manual_seed(0)
+    cls = {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}[nd]
+    cpu = cls(cin, cout, k, stride, pad, opad, groups, bias, dil)
+    dev = cls(cin, cout, k, stride, pad, opad, groups, bias, dil)
+    dev.load_state_dict(cpu.state_dict())
+    dev.to("xla")
+    x = torch.randn(((2,) if batched else ()) + (cin,) + (5, 4, 3)[:nd], requires_grad=True)
+    out = cpu(x)
+    cot = torch.randn(out.shape)
+    want = torch.autograd.grad(out, [x, *cpu.parameters()], cot)
+    xx = x.detach().to("xla").requires_grad_()
+    xout = dev(xx)
+    got = torch.autograd.grad(xout, [xx, *dev.parameters()], cot.to("xla"))
+    xm.mark_step()
+    assert xout.shape == out.shape
+    torch.testing.assert_close(xout.cpu(), out.detach(), atol=1e-5, rtol=1e-5)
+    for name, g, w in zip(["input", "weight", "bias"], got, want):
+        torch.testing.assert_close(g.cpu(), w, atol=1e-4, rtol=1e-4, msg=lambda m, n=name: f"grad {n}: {m}")
+    assert not _fallbacks()

@@ -22,21 +22,54 @@ def _conv(x, w, stride, padding, dilation, groups):
     return lax.conv_general_dilated(
         x, w, window_strides=stride, padding=pads, rhs_dilation=dilation,
         dimension_numbers=_conv_dn(nd), feature_group_count=groups,
-        preferred_element_type=None,
-    )  # fmt: skip
+        preferred_element_type=_acc(x),
+    ).astype(x.dtype)  # fmt: skip
+
+
+def _acc(x):
+    """Accumulate low-precision convolutions in float32 (as PyTorch's CPU and cuDNN kernels do)."""
+    return jnp.float32 if x.dtype in (jnp.bfloat16, jnp.float16) else None
 
 
 def _expand(v, nd):
     return tuple(v) * nd if len(v) == 1 else tuple(v)
 
 
-def convolution(out, input, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+def _conv_transpose(x, w, stride, padding, dilation, output_padding, groups):
+    """PyTorch's transposed convolution: the gradient of ``_conv`` w.r.t. its input, as a forward op.
+
+    ``w`` is laid out (in, out / groups, *kernel). The input is dilated by the stride
+    (``lhs_dilation``) and convolved at stride 1 with the spatially flipped kernel, its
+    in/out channels swapped within each group; each side is padded by
+    ``dilation * (kernel - 1) - padding`` (negative pads crop), and the high side also by
+    ``output_padding``.
+    """
+    nd = x.ndim - 2
+    cin, cout_g, k = w.shape[0], w.shape[1], w.shape[2:]
+    w = w.reshape((groups, cin // groups, cout_g) + k).swapaxes(1, 2).reshape((groups * cout_g, cin // groups) + k)
+    w = jnp.flip(w, axis=tuple(range(2, nd + 2)))
+    pads = [(d * (n - 1) - p, d * (n - 1) - p + op) for n, p, d, op in zip(k, padding, dilation, output_padding)]
+    return lax.conv_general_dilated(
+        x, w, window_strides=(1,) * nd, padding=pads, lhs_dilation=stride, rhs_dilation=dilation,
+        dimension_numbers=_conv_dn(nd), feature_group_count=groups, preferred_element_type=_acc(x),
+    ).astype(x.dtype)  # fmt: skip
+
+
+def _conv_fn(nd, stride, padding, dilation, transposed, output_padding, groups):
+    """``(x, w) -> y`` for a (transposed) convolution with these static parameters."""
+    st, pd, dl = _expand(stride, nd), _expand(padding, nd), _expand(dilation, nd)
     if transposed:
-        raise NotImplementedError("transposed convolution is not lowered yet")
+        opd = _expand(output_padding, nd)
+        return lambda x, w: _conv_transpose(x, w, st, pd, dl, opd, groups)
+    return lambda x, w: _conv(x, w, st, pd, dl, groups)
+
+
+def convolution(out, input, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+    """aten.convolution, plain or transposed, 1-3 spatial dims, batched or not."""
     batched = input.ndim == weight.ndim
     x = input if batched else input[None]
     nd = x.ndim - 2
-    y = _conv(x, weight.astype(x.dtype), _expand(stride, nd), _expand(padding, nd), _expand(dilation, nd), groups)
+    y = _conv_fn(nd, stride, padding, dilation, transposed, output_padding, groups)(x, weight.astype(x.dtype))
     if bias is not None:
         y = y + bias.astype(y.dtype).reshape((1, -1) + (1,) * nd)
     return y if batched else y[0]
@@ -44,12 +77,11 @@ def convolution(out, input, weight, bias, stride, padding, dilation, transposed,
 
 def convolution_backward(out, grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed,
                          output_padding, groups, output_mask):  # fmt: skip
-    if transposed:
-        raise NotImplementedError("transposed convolution backward is not lowered yet")
+    """aten.convolution_backward: the VJP of the same forward, so the two always agree."""
     nd = input.ndim - 2
-    st, pd, dl = _expand(stride, nd), _expand(padding, nd), _expand(dilation, nd)
-    _, vjp = jax.vjp(lambda x, w: _conv(x, w, st, pd, dl, groups), input, weight)
-    gi, gw = vjp(grad_output)
+    fn = _conv_fn(nd, stride, padding, dilation, transposed, output_padding, groups)
+    _, vjp = jax.vjp(fn, input, weight)
+    gi, gw = vjp(grad_output.astype(input.dtype))
     gb = jnp.sum(grad_output, axis=(0,) + tuple(range(2, grad_output.ndim))) if bias_sizes is not None else None
     return gi, gw, gb
 

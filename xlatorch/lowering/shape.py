@@ -153,3 +153,10 @@ def complex_of_pairs(x):
     if x.dtype in (jnp.bfloat16, jnp.float16):
         x = x.astype(jnp.float32)
     return lax.complex(x[..., 0], x[..., 1])
+
+
+def narrow(out, self, dim, start, length):
+    """``narrow_copy``: ``length`` elements from ``start`` (negative counts from the end)."""
+    d = dim % max(self.ndim, 1)
+    s = int(start) + self.shape[d] if int(start) < 0 else int(start)
+    return lax.slice_in_dim(self, s, s + int(length), axis=d)

@@ -1,4 +1,4 @@
-"""Sorting and selection: sort, topk, kthvalue, median, mode, searchsorted.
+"""Sorting and selection: sort, topk, kthvalue, median, mode, searchsorted, isin.
 
 Every order is a stable sort with PyTorch's NaN rule (NaN is larger than any
 number), so indices of equal elements come out in their original order.
@@ -142,3 +142,29 @@ def searchsorted(out, sorted_sequence, self, out_int32=False, right=False, side=
 def bucketize(out, self, boundaries, out_int32=False, right=False):
     """aten.bucketize (Tensor/Scalar): searchsorted into 1-d ``boundaries``."""
     return searchsorted(out, boundaries, self, out_int32, right)
+
+
+# Above this many element pairs, isin sorts the test elements and binary-searches them
+# instead of comparing every pair (the pairwise compare materialises an N x M mask).
+_ISIN_PAIRWISE_MAX = 1 << 20
+
+
+def isin(out, elements, test_elements, assume_unique=False, invert=False):
+    """aten.isin (all overloads): whether each element occurs in ``test_elements``.
+
+    Both arguments arrive promoted to their common dtype. Small problems compare every
+    pair (one broadcasted ``==`` and an ``any``, what HF ``generate()`` needs for its stop
+    tokens); large ones sort the test elements and binary-search each element, O((N + M)
+    log M). ``assume_unique`` only licenses a faster algorithm; the result is the same.
+    """
+    x = jnp.asarray(elements)
+    t = jnp.asarray(test_elements).reshape(-1)
+    if t.size == 0:
+        hit = jnp.zeros(x.shape, jnp.bool_)
+    elif x.size * t.size <= _ISIN_PAIRWISE_MAX:
+        hit = jnp.any(x[..., None] == t, axis=-1)
+    else:
+        s = jnp.sort(t)
+        pos = jnp.clip(jnp.searchsorted(s, x.reshape(-1)), 0, t.size - 1)
+        hit = (s[pos] == x.reshape(-1)).reshape(x.shape)
+    return jnp.logical_not(hit) if invert else hit

@@ -309,8 +309,12 @@ def call_inplace(spec: OpSpec, args: tuple):
     return self
 
 
-def call_out(spec: OpSpec, args: tuple, outs: tuple):
-    """An ``out=`` op: compute functionally, then write each result into its ``out`` tensor."""
+def call_out(spec: OpSpec, args: tuple, outs: tuple, returns: bool = True):
+    """An ``out=`` op: compute functionally, then write each result into its ``out`` tensor.
+
+    ``returns=False`` for the out= overloads that take a list of tensors and return nothing
+    (``unbind_copy.int_out``, ``split_copy.Tensor_out``).
+    """
     n = _node(spec, *_prepare(spec, args))
     for t, v in zip(outs, n.outs):
         if type(t) is not XlaTensor:
@@ -321,6 +325,8 @@ def call_out(spec: OpSpec, args: tuple, outs: tuple):
             t.data = wrap(v)  # out= resizes, as in PyTorch
         else:
             write(t, v)
+    if not returns:
+        return None
     return outs[0] if len(outs) == 1 else tuple(outs)
 
 
