@@ -299,3 +299,64 @@ def test_reading_a_failed_value_raises_in_any_thread(monkeypatch):
     t.start()
     t.join()
     assert len(seen) == 1 and isinstance(seen[0], FailedValueError), seen
+
+
+_LAUNCHER = textwrap.dedent(
+    """
+    import os, sys, time
+    import xlatorch.distributed.xla_multiprocessing as xmp
+
+    def fn(index, out):
+        import torch, xlatorch.core.xla_model as xm
+        with open(os.path.join(out, f"worker{index}"), "w") as f:
+            f.write(f"{os.getpid()} {os.environ['XLATORCH_COORDINATOR']}")
+        while True:  # a long training run
+            (torch.ones(4, device="xla") * 2).sum().item()
+            time.sleep(0.05)
+
+    if __name__ == "__main__":
+        xmp.spawn(fn, args=(sys.argv[1],), nprocs=2)
+    """
+)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone for our purposes
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_workers_die_with_a_killed_launcher(tmp_path):
+    import signal
+    import socket
+    import time
+
+    script = tmp_path / "launch.py"
+    script.write_text(_LAUNCHER)
+    launcher = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=dict(os.environ, PYTHONPATH=ROOT),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.time() + 120
+        while not all((tmp_path / f"worker{i}").exists() for i in range(2)):
+            assert time.time() < deadline and launcher.poll() is None, "workers did not start"
+            time.sleep(0.2)
+        time.sleep(0.5)
+        info = [(tmp_path / f"worker{i}").read_text().split() for i in range(2)]
+        pids = [int(p) for p, _ in info]
+        assert all(_alive(p) for p in pids)
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+        t0 = time.time()
+        while any(_alive(p) for p in pids) and time.time() - t0 < 10:
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in pids), "workers outlived their launcher by 10 s"
+        host, port = info[0][1].rsplit(":", 1)
+        with socket.socket() as s:  # the coordinator's port is free again
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, int(port)))
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()

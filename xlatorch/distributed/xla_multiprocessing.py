@@ -21,6 +21,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 
@@ -51,9 +52,24 @@ def default_nprocs() -> int:
     return jax.local_device_count()
 
 
+def _watch_launcher(launcher: int, period: float = 0.5) -> None:
+    """End this worker when its launcher dies (even by SIGKILL, which runs none of the
+    launcher's cleanup): the worker is re-parented, so ``getppid`` changes. ``os._exit``
+    works even while the main thread is blocked in a collective or a device call."""
+    while True:
+        time.sleep(period)
+        if os.getppid() != launcher:
+            sys.stderr.write("xlatorch: the launcher of this worker died; exiting\n")
+            sys.stderr.flush()
+            os._exit(1)
+
+
 def _worker(index: int, fn, args, env: dict, conn) -> None:
     """The body of a spawned process: join the job, run ``fn``, report a failure to the parent."""
     os.environ.update(env)
+    launcher = int(env.get("XLATORCH_LAUNCHER_PID", "0"))
+    if launcher:
+        threading.Thread(target=_watch_launcher, args=(launcher,), daemon=True, name="xlatorch-launcher-watch").start()
     try:
         from xlatorch.runtime import distributed
 
@@ -106,6 +122,7 @@ def spawn(fn, args=(), nprocs: int | None = None, join: bool = True, daemon: boo
     ctx = multiprocessing.get_context(start_method)
     procs, conns = [], []
     for i, env in enumerate(_job_env(n)):
+        env["XLATORCH_LAUNCHER_PID"] = str(os.getpid())  # workers exit when it dies
         recv, send = ctx.Pipe(duplex=False)
         p = ctx.Process(target=_worker, args=(i, fn, args, env, send), daemon=daemon, name=f"xlatorch-worker-{i}")
         p.start()
