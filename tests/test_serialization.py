@@ -419,3 +419,22 @@ def test_xser_load_of_plain_torch_save_file(tmp_path):
         xser.load(path)
     with pytest.raises(FileNotFoundError):
         xser.load(tmp_path / "absent")
+
+
+@pytest.mark.parametrize("map_location,where", [
+    (None, "xla"), ("cpu", "cpu"), (torch.device("cpu"), "cpu"), ("xla", "xla"), ({"xla:0": "cpu"}, "cpu"),
+    (lambda storage, loc: storage, "cpu"),
+])  # fmt: skip
+def test_torch_load_honours_map_location(tmp_path, map_location, where):
+    w = torch.randn(4, 3)
+    sd = {"w": w.to("xla"), "row": None}
+    sd["row"] = sd["w"][1]  # a view: aliasing survives wherever the tensors land
+    path = tmp_path / "ckpt.pt"
+    torch.save(sd, path)
+    got = torch.load(path, map_location=map_location)  # weights_only=True, torch's default
+    assert got["w"].device.type == where and got["row"].device.type == where
+    torch.testing.assert_close(got["w"].cpu(), w)
+    torch.testing.assert_close(got["row"].cpu(), w[1])
+    with torch.no_grad():
+        got["row"].fill_(7.0)
+    assert got["w"][1].cpu().eq(7.0).all()

@@ -16,6 +16,7 @@ Three users: ``XlaTensor.__reduce_ex__`` (``torch.save``, ``pickle``, ``copy.cop
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import pickle
 import secrets
@@ -25,7 +26,7 @@ import weakref
 import torch
 
 from xlatorch.runtime.ir import Out, Scalar
-from xlatorch.runtime.tensor import PENDING, XlaTensor, _rebuild_xla
+from xlatorch.runtime.tensor import DEVICE, LOAD_TARGET, PENDING, XlaTensor, _rebuild_xla
 from xlatorch.runtime.transfer import _base_to_cpu
 
 __all__ = [
@@ -149,7 +150,7 @@ def reduce_tensor(t: XlaTensor):
 def _rebuild(base, steps, requires_grad, param=False):
     if type(base) is _StorageRef:  # copy.copy: the arguments were not pickled
         base = base.materialize()
-    if type(base) is not XlaTensor:
+    if type(base) is not XlaTensor and getattr(LOAD_TARGET, "device", None) is None:
         raise RuntimeError(f"xlatorch: a saved xla tensor's base loaded as {type(base).__name__}, not a device tensor")
     return replay(base, steps, requires_grad, param)
 
@@ -157,6 +158,61 @@ def _rebuild(base, steps, requires_grad, param=False):
 # torch.load's default (weights_only=True) may rebuild device tensors: both functions
 # only build tensors (view steps are checked to be ATen view ops).
 torch.serialization.add_safe_globals([_rebuild_xla, _rebuild])
+
+
+def load_target(map_location) -> torch.device | None:
+    """Where ``torch.load(..., map_location=...)`` puts a tensor saved from ``xla:0``: None
+    for the device (no map_location, or one naming the xla device), else that device.
+    ``map_location`` may be a device, a string, a dict of saved location -> location, or
+    a callable ``(storage, location) -> storage``, as PyTorch documents."""
+    if map_location is None:
+        return None
+    if callable(map_location) and not isinstance(map_location, (str, torch.device)):
+        probe = map_location(torch.empty(0).untyped_storage(), "xla:0")
+        return None if probe is None else torch.device(probe.device)
+    if isinstance(map_location, dict):
+        map_location = map_location.get("xla:0", map_location.get("xla"))
+        if map_location is None:
+            return None
+    return torch.device(map_location)
+
+
+def install_load() -> None:
+    """Wrap ``torch.load`` once so that device tensors honour ``map_location``."""
+    if getattr(torch.load, "_xlatorch", False):
+        return
+    original = torch.load
+
+    @functools.wraps(original)
+    def load(*args, **kwargs):
+        map_location = kwargs.get("map_location", args[1] if len(args) > 1 else None)
+        target = load_target(map_location)
+        to_device = target is not None and target.type == "xla"
+        if to_device:
+            # Storages cannot be restored onto the device itself: load them on CPU, then
+            # move the CPU tensors there (tensors saved from the device go there anyway).
+            if len(args) > 1:
+                args = (args[0], "cpu") + tuple(args[2:])
+            else:
+                kwargs["map_location"] = "cpu"
+            target = None
+        prev = getattr(LOAD_TARGET, "device", None)
+        LOAD_TARGET.device = target
+        try:
+            res = original(*args, **kwargs)
+        finally:
+            LOAD_TARGET.device = prev
+        if to_device:
+            from torch.utils._pytree import tree_map
+
+            res = tree_map(lambda t: t.to(DEVICE) if isinstance(t, torch.Tensor) and t.device.type == "cpu" else t, res)
+        return res
+
+    load._xlatorch = True
+    torch.load = load
+
+
+install_load()
 
 
 # --- picklers for torch.save(..., pickle_module=...) --------------------------------

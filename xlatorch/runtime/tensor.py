@@ -219,9 +219,16 @@ class XlaTensor(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
 
+# Where ``torch.load`` puts saved device tensors: None (the device, as saved) or a device
+# resolved from its ``map_location`` (set around each call; see serialization.load_target).
+LOAD_TARGET = threading.local()
+
+
 def _rebuild_xla(cpu, requires_grad):
-    # A CPU tensor moved to the device. Also loads files written before view steps were saved.
-    t = cpu.to(DEVICE)
+    # A saved device tensor's CPU data, moved to the device unless torch.load's map_location
+    # sends it elsewhere. Also loads files written before view steps were saved.
+    target = getattr(LOAD_TARGET, "device", None)
+    t = cpu.to(DEVICE) if target is None or target.type == "xla" else cpu.to(target)
     if requires_grad:
         t.requires_grad_()
     return t
