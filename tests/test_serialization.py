@@ -438,3 +438,72 @@ def test_torch_load_honours_map_location(tmp_path, map_location, where):
     with torch.no_grad():
         got["row"].fill_(7.0)
     assert got["w"][1].cpu().eq(7.0).all()
+
+
+def _saved(tmp_path, n=1000):
+    w = torch.arange(float(n)).to("xla")
+    path = tmp_path / "ckpt.pt"
+    xm.save({"w": w}, path)
+    return path
+
+
+def test_a_flipped_byte_in_tensor_data_is_an_error_naming_the_record(tmp_path):
+    import zipfile
+
+    from xlatorch.runtime.serialization import CheckpointCorruptError
+
+    path = _saved(tmp_path)
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if "/data/" in i.filename)
+    raw = bytearray(path.read_bytes())
+    offset = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra) + 100  # inside the data
+    raw[offset] ^= 0x40
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointCorruptError, match=f"record '{info.filename}'"):
+        torch.load(path)
+
+
+def test_a_truncated_checkpoint_is_an_error_naming_the_file(tmp_path):
+    from xlatorch.runtime.serialization import CheckpointCorruptError
+
+    path = _saved(tmp_path)
+    raw = path.read_bytes()
+    path.write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(CheckpointCorruptError, match="ckpt.pt is not a complete checkpoint"):
+        torch.load(path, map_location="cpu")
+
+
+def test_a_save_killed_midway_leaves_a_temporary_the_next_save_removes(tmp_path):
+    import subprocess
+    import sys
+
+    path = _saved(tmp_path, n=10)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f".ckpt.pt.{dead.pid}.0123456789ab.tmp"  # what a SIGKILLed writer leaves
+    stale.write_bytes(b"partial")
+    live = tmp_path / f".ckpt.pt.{os.getpid()}.ba9876543210.tmp"  # another writer, still running
+    live.write_bytes(b"in progress")
+    xm.save({"w": torch.ones(3).to("xla")}, path)
+    assert not stale.exists() and live.exists()
+    torch.testing.assert_close(torch.load(path)["w"], torch.ones(3))
+
+
+def test_a_full_disk_raises_enospc_and_keeps_the_previous_checkpoint(tmp_path):
+    import errno
+    import subprocess
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here")
+    try:
+        path = mnt / "ckpt.pt"
+        xm.save({"w": torch.ones(100).to("xla")}, path)
+        with pytest.raises(OSError) as info:
+            xm.save({"w": torch.ones(100_000).to("xla")}, path)  # 400 KB: does not fit
+        assert info.value.errno == errno.ENOSPC and str(path) in str(info.value)
+        torch.testing.assert_close(torch.load(path)["w"], torch.ones(100))
+        assert [p.name for p in mnt.iterdir()] == ["ckpt.pt"]  # no temporary left behind
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)
