@@ -213,7 +213,8 @@ def _verify(fh, name) -> None:
         with zipfile.ZipFile(fh) as z:
             bad = z.testzip()
     except (zipfile.BadZipFile, EOFError, OSError) as e:
-        raise CheckpointCorruptError(f"xlatorch: {name} is not a complete checkpoint (truncated or damaged: {e})") from None
+        msg = f"xlatorch: {name} is not a complete checkpoint (truncated or damaged: {e})"
+        raise CheckpointCorruptError(msg) from None
     if bad is not None:
         raise CheckpointCorruptError(f"xlatorch: {name} is corrupt: record '{bad}' does not match its CRC-32 "
                                      f"(the file was damaged after it was written)")  # fmt: skip
