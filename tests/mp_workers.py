@@ -53,8 +53,9 @@ def collectives(index, out):
     # A loader with a DistributedSampler is already sharded: MpDeviceLoader keeps its shard.
     ds = torch.utils.data.TensorDataset(torch.arange(8))
     sampler = torch.utils.data.distributed.DistributedSampler(ds, num_replicas=n, rank=r, shuffle=False)
-    res["sampled"] = [b[0].cpu() for b in pl.MpDeviceLoader(torch.utils.data.DataLoader(ds, batch_size=2,
-                                                                                          sampler=sampler), d)]
+    res["sampled"] = [
+        b[0].cpu() for b in pl.MpDeviceLoader(torch.utils.data.DataLoader(ds, batch_size=2, sampler=sampler), d)
+    ]
     res["rendezvous"] = xm.rendezvous("payloads", f"from {r}".encode())
     res["mesh_reduce"] = xm.mesh_reduce("sum", torch.tensor([r + 1.0]), lambda xs: torch.stack(xs).sum())
     _dump(out, res)

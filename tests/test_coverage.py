@@ -10,14 +10,16 @@ from tools import coverage_report
 
 def test_report_names_op_count_and_line(tmp_path):
     script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent("""\
+    script.write_text(
+        textwrap.dedent("""\
         import torch
         import xlatorch
         x = torch.randn(4, 5, device="xla")
         for _ in range(3):
             y = torch.special.bessel_j0(x) + 1
         print(float(y.sum()))
-        """))
+        """)
+    )
     r = subprocess.run([sys.executable, "tools/coverage_report", str(script)], cwd=ROOT, capture_output=True,
                        text=True, timeout=300)  # fmt: skip
     assert r.returncode == 0, r.stderr

@@ -27,6 +27,7 @@ _PROGRAM = textwrap.dedent(
 
     seed, n_signals, opt_name, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     dev = xm.xla_device()
+    STEPS = 400
 
     def setup():
         torch.manual_seed(0)
@@ -55,7 +56,7 @@ _PROGRAM = textwrap.dedent(
 
     model, opt = setup()
     reference = [state(model, opt)]
-    for _ in range(120):
+    for _ in range(STEPS + 20):
         step(model, opt)
         reference.append(state(model, opt))
 
@@ -82,7 +83,8 @@ _PROGRAM = textwrap.dedent(
                 continue
 
     def train():
-        while not stop.is_set() and done[0] < 100 and time.time() < t_end:
+        # Until every signal was sent (however fast the steps run), within bounds.
+        while not stop.is_set() and done[0] < STEPS and time.time() < t_end:
             try:
                 step(model, opt)
                 done[0] += 1

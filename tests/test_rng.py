@@ -17,27 +17,41 @@ _ones = lambda: torch.ones(N, device="xla")  # noqa: E731
 
 # name -> (draw on the device, check on CPU of the drawn values)
 OPS = {
-    "rand": (lambda: torch.rand(N, device="xla"),
-             lambda r: 0 <= r.min() and r.max() < 1 and abs(r.mean() - 0.5) < 0.02),
+    "rand": (
+        lambda: torch.rand(N, device="xla"),
+        lambda r: 0 <= r.min() and r.max() < 1 and abs(r.mean() - 0.5) < 0.02,
+    ),
     "randn": (lambda: torch.randn(N, device="xla"), lambda r: abs(r.mean()) < 0.05 and abs(r.std() - 1) < 0.05),
-    "randint": (lambda: torch.randint(3, 9, (N,), device="xla"),
-                lambda r: r.dtype == torch.int64 and set(r.unique().tolist()) == set(range(3, 9))),
-    "randperm": (lambda: torch.randperm(1000, device="xla"),
-                 lambda r: torch.equal(r.sort().values, torch.arange(1000))),
+    "randint": (
+        lambda: torch.randint(3, 9, (N,), device="xla"),
+        lambda r: r.dtype == torch.int64 and set(r.unique().tolist()) == set(range(3, 9)),
+    ),
+    "randperm": (
+        lambda: torch.randperm(1000, device="xla"),
+        lambda r: torch.equal(r.sort().values, torch.arange(1000)),
+    ),
     "bernoulli": (lambda: torch.bernoulli(_ones() * 0.3), lambda r: abs(r.mean() - 0.3) < 0.02),
     "bernoulli_": (lambda: _ones().bernoulli_(0.7), lambda r: abs(r.mean() - 0.7) < 0.02),
-    "dropout": (lambda: torch.nn.functional.dropout(_ones(), 0.25),
-                lambda r: r.unique().tolist() == [0.0, torch.tensor(4 / 3).item()]
-                and abs((r == 0).float().mean() - 0.25) < 0.02),
+    "dropout": (
+        lambda: torch.nn.functional.dropout(_ones(), 0.25),
+        lambda r: r.unique().tolist() == [0.0, torch.tensor(4 / 3).item()]
+        and abs((r == 0).float().mean() - 0.25) < 0.02,
+    ),
     "normal_": (lambda: _ones().normal_(2.0, 3.0), lambda r: abs(r.mean() - 2) < 0.1 and abs(r.std() - 3) < 0.1),
-    "normal": (lambda: torch.normal(_ones() * 5, 0.5),
-               lambda r: abs(r.mean() - 5) < 0.05 and abs(r.std() - 0.5) < 0.05),
+    "normal": (
+        lambda: torch.normal(_ones() * 5, 0.5),
+        lambda r: abs(r.mean() - 5) < 0.05 and abs(r.std() - 0.5) < 0.05,
+    ),
     "uniform_": (lambda: _ones().uniform_(-2, 4), lambda r: -2 <= r.min() and r.max() < 4 and abs(r.mean() - 1) < 0.1),
     "exponential_": (lambda: _ones().exponential_(2.0), lambda r: r.min() >= 0 and abs(r.mean() - 0.5) < 0.02),
-    "multinomial": (lambda: torch.multinomial(torch.arange(1.0, 11.0, device="xla"), 5),
-                    lambda r: len(set(r.tolist())) == 5 and 0 <= r.min() and r.max() < 10),
-    "multinomial_replacement": (lambda: torch.multinomial(torch.tensor([1.0, 3.0], device="xla"), N, True),
-                                lambda r: abs(r.float().mean() - 0.75) < 0.02),
+    "multinomial": (
+        lambda: torch.multinomial(torch.arange(1.0, 11.0, device="xla"), 5),
+        lambda r: len(set(r.tolist())) == 5 and 0 <= r.min() and r.max() < 10,
+    ),
+    "multinomial_replacement": (
+        lambda: torch.multinomial(torch.tensor([1.0, 3.0], device="xla"), N, True),
+        lambda r: abs(r.float().mean() - 0.75) < 0.02,
+    ),
 }
 
 

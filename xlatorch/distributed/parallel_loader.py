@@ -57,7 +57,7 @@ def _rounds(loader, per_round: int):
                 group.append(next(it))
             except StopIteration:
                 return
-        yield group[mine:mine + per_round]
+        yield group[mine : mine + per_round]
 
 
 def _shard_len(loader, per_round: int = 1) -> int:

@@ -99,8 +99,6 @@ class ProcessGroupXla(dist.ProcessGroup):
         output.copy_(collectives.all_gather(input, dim=0))
         return _done(output)
 
-
-
     def reduce_scatter(self, output_tensors, input_lists, opts=_REDUCESCATTEROPTIONS):
         kind, scale = self._reduce_args(opts.reduceOp)
         for out, ins in zip(output_tensors, input_lists):

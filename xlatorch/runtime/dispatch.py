@@ -19,7 +19,7 @@ from xlatorch.runtime.ir import VALUE_TYPES, Node, Scalar
 from xlatorch.runtime.record import COUNTERS
 from xlatorch.runtime.rng import next_key
 from xlatorch.runtime.source import user_frame
-from xlatorch.runtime.tensor import TICKS, XlaTensor, _get_ident, value_of, wrap, write
+from xlatorch.runtime.tensor import TICKS, XlaTensor, defer_to_owners, owner, value_of, wrap, write
 
 __all__ = ["OpSpec", "Info", "dispatch", "call", "call_inplace", "call_out", "scalar", "SHIMS", "RUNTIME_OPS",
            "DECOMPS"]  # fmt: skip
@@ -109,17 +109,30 @@ def dispatch(func, args, kwargs):
     return FALLBACK[0](func, args, kwargs)
 
 
+_PLACEHOLDER = {True: float("nan")}  # what a failed .item() gives a backward pass that will raise
+
+
 def defer_error(func, args, kwargs, error: Exception):
     """The outputs of an op that failed on autograd's device thread, carrying the error.
 
     An exception cannot leave ``__torch_dispatch__`` there (torch 2.13's Python device
     guard aborts the process while unwinding), so the outputs (shapes from the meta
     kernel) and any arguments the op writes hold a failed value instead, and the error
-    is raised by the sync that reads them. Raises if even the meta kernel fails.
+    is raised by the sync that reads them. An op with no tensor result to carry it
+    (``.item()``) returns a placeholder and the thread that called ``backward`` raises the
+    error when the backward pass returns (``runtime/modules.py``).
     """
     from torch.utils._pytree import tree_map
 
     from xlatorch.runtime.failure import FailedValueError, cause, failed_value
+
+    if isinstance(error, FailedValueError):  # an input had already failed: keep that cause
+        err = cause(error)
+    else:
+        err = RuntimeError(f"{func._schema.name} failed in a backward pass: {type(error).__name__}: {error}")
+    if func is torch.ops.aten._local_scalar_dense.default:
+        defer_to_owners(error if isinstance(error, FailedValueError) else err, (owner(),))
+        return _PLACEHOLDER.get(args[0].dtype.is_floating_point or args[0].dtype.is_complex, 0)
 
     def meta(a):
         if isinstance(a, torch.Tensor):
@@ -130,10 +143,6 @@ def defer_error(func, args, kwargs, error: Exception):
     if isinstance(mkwargs.get("device"), (str, torch.device)):
         mkwargs["device"] = "meta"
     res = func(*tree_map(meta, args), **mkwargs)
-    if isinstance(error, FailedValueError):  # an input had already failed: keep that cause
-        err = cause(error)
-    else:
-        err = RuntimeError(f"{func._schema.name} failed in a backward pass: {type(error).__name__}: {error}")
     written = []
     for i, arg in enumerate(func._schema.arguments):
         if arg.alias_info is not None and arg.alias_info.is_write:
@@ -221,7 +230,7 @@ def _node(spec: OpSpec, vals: tuple, sig: tuple) -> Node:
         info = spec.cache[sig] = _infer(spec, vals)
     n = Node(spec, vals, info, (spec, sig))
     if info.checked:
-        n.tick = (next(TICKS), _get_ident())  # this thread's later updates are undone if it fails (runtime/checks.py)
+        n.tick = (next(TICKS), owner())  # this thread's later updates are undone if it fails (runtime/checks.py)
         if getattr(n, "src", None) is None:
             n.src = user_frame()  # a failed check names the user's line
     return n

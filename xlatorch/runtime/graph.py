@@ -27,7 +27,16 @@ from xlatorch.runtime.emit import hlo_scopes
 from xlatorch.runtime.failure import FailedValueError, failed_value, is_failed
 from xlatorch.runtime.ir import Data, Out, Scalar, operands
 from xlatorch.runtime.record import COUNTERS
-from xlatorch.runtime.tensor import DEFERRED, LOCK, PENDING, pending_storages, reroot_lone_views
+from xlatorch.runtime.tensor import (
+    DEFERRED,
+    LOCK,
+    PENDING,
+    _in_backward,
+    defer_to_owners,
+    owner,
+    pending_storages,
+    reroot_lone_views,
+)
 
 __all__ = ["sync", "CACHE", "set_cache_size"]
 
@@ -53,6 +62,7 @@ def _evict() -> None:
         oldest = min(CACHE, key=lambda k: CACHE[k].used)
         del CACHE[oldest]
         COUNTERS["CompileCacheEviction"] += 1
+
 
 # Donation is offered whenever shapes match; XLA declining it (layouts) is not the user's concern.
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
@@ -285,16 +295,17 @@ def sync(reason: str = "mark_step", dev: int | None = None) -> None:
 def _raise_owned(error: BaseException, storages) -> None:
     """Raise ``error`` if one of ``storages`` (those it affects) is this thread's (or none is
     known); otherwise leave it for the threads that made them."""
-    me = threading.get_ident()
     owners = {st.owner for st in storages}
-    if not owners or me in owners:
-        raise error
-    for owner in owners:
-        DEFERRED.setdefault(owner, error)
+    if _in_backward() == -1:
+        if not owners or None in owners or threading.get_ident() in owners:
+            raise error
+    elif not owners:  # on autograd's device thread nothing may raise: the caller raises it
+        owners = {owner()}
+    defer_to_owners(error, owners)
 
 
 def _sync(reason, dev, timed) -> None:
-    if DEFERRED:
+    if DEFERRED and _in_backward() == -1:
         error = DEFERRED.pop(threading.get_ident(), None)
         if error is not None:
             raise error
@@ -558,8 +569,8 @@ def _undoable(storages, nodes, leaves) -> tuple:
             keep.append(None)
             continue
         before = 0
-        for k, (t, owner) in ticks:
-            if t < st.gen and owner == st.owner:  # traced after the check, by the same thread
+        for k, (t, who) in ticks:
+            if t < st.gen and who == st.owner:  # traced after the check, by the same thread
                 before |= 1 << k
         keep.append((j, before))
     return tuple(keep)
@@ -743,6 +754,7 @@ def _compile_spmd(body, args, out_avals, donate, kept, table):
 
     def run_all(contribs):
         """[(arrays, packed) per local replica] -> [outputs per local replica]."""
+
         def column(which, i):  # input i of every replica (which: 0 data, 1 packed scalars)
             return to_global([c[which][i] for c in contribs])
 

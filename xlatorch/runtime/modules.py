@@ -22,6 +22,9 @@ import threading
 
 import torch.nn as nn
 
+from xlatorch.runtime import ir
+from xlatorch.runtime.tensor import CALLERS, DEFERRED, XlaTensor, _get_ident, _in_backward
+
 __all__ = ["install"]
 
 _IMPORT_ORDER = (
@@ -32,6 +35,7 @@ _IMPORT_ORDER = (
 )
 
 _tls = threading.local()
+_BACKWARD = threading.Lock()
 _original = None
 
 
@@ -68,17 +72,36 @@ def _apply(self, fn, recurse=True):
 
 
 def _checked_backward(run):
-    """``torch.autograd``'s engine entry, turning the engine's internal assert about its
-    device queues (a backward ran before xlatorch was imported) into an error that says
-    what happened and what to do."""
+    """``torch.autograd``'s engine entry. Counts the calling thread's backward passes (the
+    device ops autograd runs on its own thread work for it), raises there the errors that
+    thread could not raise, and turns the engine's internal assert about its device queues
+    (a backward ran before xlatorch was imported) into an error that says what to do."""
 
-    def engine_run_backward(*args, **kwargs):
+    def engine_run_backward(t_outputs, *args, **kwargs):
+        mine = _in_backward() == -1 and not ir._multi and any(type(t) is XlaTensor for t in t_outputs)
+        if mine:
+            # One user thread's device backward pass at a time, so that autograd's device
+            # thread knows whom its ops work for (tensor.owner). Its ops are serialised by
+            # tensor.LOCK anyway. Not from autograd's thread (a backward inside a backward)
+            # nor under dp.DataParallel, whose threads meet in replicated executions.
+            _BACKWARD.acquire()
+            me = _get_ident()
+            CALLERS[me] = 1
         try:
-            return run(*args, **kwargs)
+            result = run(t_outputs, *args, **kwargs)
         except RuntimeError as e:
             if "device_ready_queues_" in str(e):
                 raise RuntimeError(_IMPORT_ORDER) from None
             raise
+        finally:
+            if mine:
+                del CALLERS[me]
+                _BACKWARD.release()
+        if mine and DEFERRED:  # an error autograd's device thread could not raise (tensor.defer_to_owners)
+            error = DEFERRED.pop(me, None)
+            if error is not None:
+                raise error
+        return result
 
     return engine_run_backward
 

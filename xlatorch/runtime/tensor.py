@@ -46,6 +46,31 @@ _get_ident = threading.get_ident
 # Errors of values that other threads made, found by this thread's sync: thread id -> error,
 # raised at that thread's next op or sync (an error stays in the thread that caused it).
 DEFERRED: dict[int, BaseException] = {}
+# The user thread whose device backward pass is running (one at a time: runtime/modules.py).
+# Autograd runs device ops on its own thread, for the thread that called backward: what
+# they make belongs to that thread, and their errors are raised there, never on the device
+# thread (an exception there aborts the process, see __torch_dispatch__).
+CALLERS: dict[int, int] = {}
+
+
+def owner() -> int | None:
+    """The user thread this thread's ops work for: itself or, on autograd's device thread,
+    the thread that called ``backward`` (None if unknown: a backward pass that does not
+    start from a device tensor, or dp.DataParallel's concurrent ones)."""
+    if _in_backward() == -1:
+        return _get_ident()
+    if len(CALLERS) == 1:
+        for caller in CALLERS:
+            return caller
+    return None
+
+
+def defer_to_owners(error: BaseException, owners) -> None:
+    """Leave ``error`` for the user threads in ``owners`` (None: the one in a backward pass,
+    if any) to raise at their next op, sync or the end of their backward pass."""
+    for o in owners:
+        for t in CALLERS if o is None else (o,):
+            DEFERRED.setdefault(t, error)
 
 
 def pending_storages() -> list:
@@ -71,7 +96,7 @@ class Storage:
 
     def __init__(self, value):
         self.refs = []
-        self.owner = _get_ident()  # the thread that made it: errors of its value are raised there
+        self.owner = owner()  # the user thread that made it: errors of its value are raised there
         self.gen = next(TICKS)
         # The device data this storage held when the step began writing it: a step whose
         # on-device check fails gives it back (runtime/checks.py). Reset at each commit.
