@@ -11,42 +11,10 @@ from __future__ import annotations
 
 from xlatorch.debug import knob
 from xlatorch.debug.explain import aval_text, dtype_name, op_name
-from xlatorch.runtime.emit import hlo_scopes
+from xlatorch.runtime.lowered import graph_of, lower
 from xlatorch.runtime.source import fmt_src
 
-__all__ = ["ir_text", "hlo_text", "dot_text", "graph_text", "hlo_scopes"]
-
-
-def _graph(tensors):
-    """(nodes, leaves, root_refs) of the graph computing ``tensors`` (already computed ones
-    are inputs that are also outputs)."""
-    import torch
-
-    from xlatorch.runtime.graph import _collect
-    from xlatorch.runtime.ir import Out
-    from xlatorch.runtime.tensor import XlaTensor, value_of
-
-    if isinstance(tensors, torch.Tensor):
-        tensors = [tensors]
-    vals = []
-    for t in tensors:
-        if type(t) is not XlaTensor:
-            raise TypeError(f"xlatorch.debug: expected tensors on the xla device, got one on '{t.device}'")
-        vals.append(value_of(t))
-    pending = [v for v in vals if type(v) is Out]
-    nodes, leaves, _, refs, _ = _collect(pending)
-    by_id = {id(v): -1 - i for i, v in enumerate(leaves)}
-    it = iter(refs)
-    root_refs = []
-    for v in vals:
-        if type(v) is Out:
-            root_refs.append(next(it))
-            continue
-        if id(v) not in by_id:
-            by_id[id(v)] = -1 - len(leaves)
-            leaves.append(v)
-        root_refs.append(by_id[id(v)])
-    return nodes, leaves, tuple(root_refs)
+__all__ = ["ir_text", "hlo_text", "dot_text", "graph_text"]
 
 
 def _ref_namer(nodes, leaves):
@@ -130,7 +98,7 @@ def ir_text(tensors) -> str:
     Args:
       tensors: a tensor or a list of tensors on the xla device.
     """
-    return graph_text(*_graph(tensors))
+    return graph_text(*graph_of(tensors, "xlatorch.debug"))
 
 
 def hlo_text(tensors, dialect: str = "stablehlo", debug_info: bool | None = None) -> str:
@@ -143,21 +111,7 @@ def hlo_text(tensors, dialect: str = "stablehlo", debug_info: bool | None = None
       debug_info: include op metadata / locations (default: when ``XLA_HLO_DEBUG`` is set,
         whose ``aten::<op>(file.py:12)`` names then appear in every ``op_name``).
     """
-    import jax
-
-    from xlatorch.runtime.collectives import SPECS as COLLECTIVES
-    from xlatorch.runtime.dtypes import to_jax
-    from xlatorch.runtime.graph import _lower_fn, _pack, _plan
-    from xlatorch.runtime.ir import Data
-
-    nodes, leaves, root_refs = _graph(tensors)
-    if any(n.spec in COLLECTIVES for n in nodes):
-        raise NotImplementedError("xlatorch.debug.hlo_text: graphs with collectives (lowered per replica under "
-                                  "shard_map) are not supported yet; ir_text shows them")  # fmt: skip
-    packed, kinds = _pack(leaves)
-    fn = _lower_fn(_plan(nodes, leaves), kinds, root_refs, hlo_scopes(nodes))
-    data = [jax.ShapeDtypeStruct(v.aval[0], to_jax(v.aval[1])) for v in leaves if type(v) is Data]
-    lowered = jax.jit(fn).lower(data, [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in packed])
+    lowered = lower(tensors, "xlatorch.debug.hlo_text")[0]
     return lowered.as_text(dialect=dialect, debug_info=knob.hlo_debug() if debug_info is None else debug_info)
 
 
@@ -171,7 +125,7 @@ def dot_text(tensors) -> str:
     source line), one ellipse per input, outputs drawn with a double border. Does not sync."""
     from xlatorch.runtime.ir import operands
 
-    nodes, leaves, root_refs = _graph(tensors)
+    nodes, leaves, root_refs = graph_of(tensors, "xlatorch.debug")
     name = _ref_namer(nodes, leaves)
     roots = {_root_name(r, nodes).split(".")[0] for r in root_refs}
     lines = ["digraph xla_graph {", '  node [shape=box, fontname="monospace", fontsize=10];']
