@@ -7,12 +7,16 @@ graph structure) and runs it.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 
 import jax
 
 jax.config.update("jax_enable_x64", True)  # int64 / float64 are exact, as in PyTorch
+from xlatorch import runtime as _xr  # noqa: E402
+
+_xr._from_environment()  # PJRT_DEVICE=CPU|GPU|TPU
 from xlatorch.runtime import compile_cache  # noqa: E402
 
 compile_cache.configure()  # before any compile: JAX's persistent cache lives in ours
@@ -91,4 +95,39 @@ def launch(fn, args=(), start_method: str = "spawn", debug_single_process: bool 
     xmp.spawn(fn, args=args, nprocs=1 if debug_single_process else None, start_method=start_method)
 
 
-__all__ = ["device", "sync", "launch"]
+def devices() -> list[torch.device]:
+    """Every xla device this process can address (``[device('xla:0')]`` with one)."""
+    return [torch.device("xla", i) for i in range(torch.xla.device_count())]
+
+
+def device_count() -> int:
+    """How many xla devices this process can address."""
+    return torch.xla.device_count()
+
+
+def real_devices() -> list[str]:
+    """The hardware devices behind the xla devices, as ``'CPU:0'``, ``'TPU:0'`` ..."""
+    from xlatorch import runtime as xr
+
+    return [f"{xr.device_type()}:{i}" for i in range(torch.xla.device_count())]
+
+
+def manual_seed(seed: int, device=None) -> None:
+    """Seed the device's random number generator (``xm.set_rng_state``)."""
+    from xlatorch.core.xla_model import set_rng_state
+
+    set_rng_state(seed, device)
+
+
+@contextlib.contextmanager
+def step():
+    """A training step: what is pending is run on entry, the step's work on exit (``sync``),
+    even when the body raises."""
+    sync()
+    try:
+        yield
+    finally:
+        sync()
+
+
+__all__ = ["device", "devices", "device_count", "real_devices", "manual_seed", "step", "sync", "launch"]

@@ -7,8 +7,9 @@ import os
 import jax
 import torch
 
+from xlatorch.core import step_closures
 from xlatorch.runtime import record, rng
-from xlatorch.runtime.collectives import all_gather, all_reduce, all_to_all, reduce_scatter
+from xlatorch.runtime.collectives import all_gather, all_reduce, all_to_all, broadcast, reduce_scatter
 from xlatorch.runtime.distributed import reduce_gradients, rendezvous
 from xlatorch.runtime.graph import sync as _sync
 from xlatorch.runtime.memory import get_memory_info
@@ -17,7 +18,8 @@ from xlatorch.runtime.record import COUNTERS
 __all__ = [
     "xla_device", "get_xla_supported_devices", "xla_device_hw", "mark_step", "wait_device_ops",
     "optimizer_step", "save", "is_master_ordinal", "get_ordinal", "get_local_ordinal",
-    "xrt_world_size", "set_rng_state", "get_rng_state", "master_print",
+    "xrt_world_size", "set_rng_state", "get_rng_state", "master_print", "add_step_closure", "is_xla_tensor",
+    "reduce_scatter_bucketized", "broadcast_master_param",
     "get_memory_info",
     "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "reduce_gradients", "rendezvous", "mesh_reduce",
     "REDUCE_SUM", "REDUCE_MUL", "REDUCE_AND", "REDUCE_OR", "REDUCE_MIN", "REDUCE_MAX",
@@ -75,6 +77,51 @@ def _mark_step(wait: bool) -> None:
     _sync("mark_step", current_device() if thread_replicas() else None)
     if wait:
         wait_device_ops()
+    step_closures.run()
+
+
+add_step_closure = step_closures.add
+
+
+def is_xla_tensor(tensor) -> bool:
+    """Whether ``tensor`` is a tensor on the xla device."""
+    return isinstance(tensor, torch.Tensor) and tensor.device.type == "xla"
+
+
+def reduce_scatter_bucketized(reduce_type: str, input_list, scale: float, scatter_dim: int, shard_count: int,
+                              groups=None, output=None, pin_layout: bool = False,
+                              bucket_cap_mb: int = 160) -> list:  # fmt: skip
+    """``reduce_scatter`` of each tensor of ``input_list``, coalesced into buckets of at most
+    ``bucket_cap_mb`` MB (a tensor larger than the cap is a bucket of its own); returns the
+    outputs in input order (written into ``output``'s tensors if given)."""
+    cap = bucket_cap_mb * 1024 * 1024
+    results, bucket, size = [], [], 0
+
+    def flush():
+        if bucket:
+            results.extend(reduce_scatter(reduce_type, list(bucket), scale, scatter_dim, shard_count, groups=groups))
+            bucket.clear()
+
+    for t in input_list:
+        n = t.numel() * t.element_size()
+        if bucket and size + n > cap:
+            flush()
+            size = 0
+        bucket.append(t)
+        size += n
+    flush()
+    if output is not None:
+        for o, r in zip(output, results):
+            o.copy_(r)
+        return output
+    return results
+
+
+def broadcast_master_param(model: torch.nn.Module) -> None:
+    """Overwrite every parameter of ``model`` on every replica with the master ordinal's."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(broadcast(p, 0))
 
 
 def wait_device_ops(devices=None) -> None:

@@ -34,7 +34,62 @@ def local_ordinal() -> int:
 
 
 def addressable_device_count() -> int:
+    """How many devices this process can address."""
     return len(jax.local_devices())
 
 
-__all__ = ["device_type", "world_size", "global_ordinal", "local_ordinal", "addressable_device_count"]
+addressable_runtime_device_count = addressable_device_count
+
+
+def global_runtime_device_count() -> int:
+    """How many devices the whole job has (every process's)."""
+    return jax.device_count()
+
+
+def local_process_count() -> int:
+    """How many processes of the job run on this host."""
+    from xlatorch.runtime.distributed import local_world_size
+
+    return local_world_size()
+
+
+def process_index() -> int:
+    """This process's index in the job."""
+    return global_ordinal()
+
+
+_PLATFORMS = {"CPU": "cpu", "GPU": "cuda", "CUDA": "cuda", "ROCM": "rocm", "TPU": "tpu"}
+
+
+def set_device_type(pjrt_device: str) -> None:
+    """Choose the platform behind the xla device ('CPU', 'GPU', 'TPU'), before its first use.
+
+    Raises ``RuntimeError`` once the device has been used with another platform, and
+    ``ValueError`` for a name that is not a platform.
+    """
+    name = pjrt_device.upper()
+    if name not in _PLATFORMS:
+        raise ValueError(f"xlatorch: unknown device type {pjrt_device!r} (one of {', '.join(sorted(_PLATFORMS))})")
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        current = device_type()
+        if {"CUDA": "GPU", "ROCM": "GPU"}.get(name, name) != current:
+            raise RuntimeError(f"xlatorch: the xla device already runs on {current}; set_device_type({pjrt_device!r}) "
+                               "must come before the device's first use (or set PJRT_DEVICE)")  # fmt: skip
+        return
+    jax.config.update("jax_platforms", _PLATFORMS[name])
+
+
+def _from_environment() -> None:
+    """``PJRT_DEVICE`` (torch_xla's variable) picks the platform, as ``set_device_type``."""
+    import os
+
+    name = os.environ.get("PJRT_DEVICE")
+    if name:
+        set_device_type(name)
+
+
+__all__ = ["device_type", "set_device_type", "world_size", "global_ordinal", "local_ordinal", "process_index",
+           "local_process_count", "addressable_device_count", "addressable_runtime_device_count",
+           "global_runtime_device_count"]  # fmt: skip
