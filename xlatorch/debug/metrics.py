@@ -42,11 +42,13 @@ def counter_value(name: str) -> int | None:
 
 def metric_names() -> list[str]:
     """Names of the metrics that have samples."""
+    record.flush()
     return [k for k, v in _METRICS.items() if v]
 
 
 def metric_data(name: str):
     """``(total_samples, accumulator, [(timestamp, value), ...])`` as torch_xla returns, or None."""
+    record.flush()
     samples = _METRICS.get(name)
     if not samples:
         return None
@@ -58,6 +60,7 @@ def clear_counters() -> None:
 
 
 def clear_metrics() -> None:
+    record.flush()
     _METRICS.clear()
 
 
@@ -98,6 +101,7 @@ def _metric_text(name: str, samples: list[float]) -> str:
 
 def metrics_report() -> str:
     """Every metric and counter in torch_xla's text format."""
+    record.flush()
     out = [_metric_text(k, v) for k, v in _METRICS.items() if v]
     out += [f"Counter: {k}\n  Value: {v}\n" for k, v in COUNTERS.items() if v]
     return "".join(out)
@@ -105,6 +109,7 @@ def metrics_report() -> str:
 
 def short_metrics_report(counter_names: list[str] | None = None, metric_names: list[str] | None = None) -> str:
     """The metrics and counters that matter most: compiles, executions, transfers, fallbacks."""
+    record.flush()
     metric_names = metric_names or ["CompileTime", "ExecuteTime", "TransferFromDeviceTime", "TransferToDeviceTime"]
     counter_names = counter_names or ["CachedCompile", "MarkStep"]
     out = [_metric_text(k, _METRICS[k]) for k in metric_names if _METRICS.get(k)]

@@ -131,7 +131,7 @@ def phase(name: str, **kwargs):
 
 _SPANS = {
     "CompileTime": "xlatorch.compile",
-    "ExecuteTime": "xlatorch.execute",
+    "ExecuteDispatchTime": "xlatorch.execute",
     "TransferToDeviceTime": "xlatorch.transfer_to_device",
     "TransferFromDeviceTime": "xlatorch.transfer_from_device",
 }

@@ -64,6 +64,7 @@ class OpSpec:
     __slots__ = (
         "name", "overload", "emit", "arg_names", "kinds", "kwarg_only", "returns",
         "promote", "promote_idx", "view", "scatter", "cache", "meta_overload", "check", "check_integral",
+        "counter",
     )  # fmt: skip
 
     def __init__(self, name, overload, emit, arg_names, kinds, kwarg_only, returns,
@@ -88,6 +89,8 @@ class OpSpec:
         # The on-device check (ops.yaml ``check``): called like ``emit``, gives L.checks results.
         self.check = check
         self.check_integral = check_integral  # check only when the computation dtype is integral
+        # torch_xla's per-op counter: how many times the op was recorded for the device
+        self.counter = "xla::" + (name.split("::")[-1].split(".")[0])
 
     def __repr__(self):
         return f"OpSpec({self.name})"
@@ -229,6 +232,7 @@ def _node(spec: OpSpec, vals: tuple, sig: tuple) -> Node:
     if info is None:
         info = spec.cache[sig] = _infer(spec, vals)
     n = Node(spec, vals, info, (spec, sig))
+    COUNTERS[spec.counter] += 1
     if info.checked:
         n.tick = (next(TICKS), owner())  # this thread's later updates are undone if it fails (runtime/checks.py)
         if getattr(n, "src", None) is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import queue
 import signal
 import threading
 import time
@@ -445,8 +446,10 @@ def _run_storages(storages, nodes, leaves, enc, root_refs, reason, dev, timed, e
     try:
         if exe is None:
             COUNTERS["UncachedCompile"] += 1
+            COUNTERS["CreateCompileHandles"] += 1  # torch_xla's name for the same event
             with timed("CompileTime") as tm:
                 exe = _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, gdev, keep)
+            record.add_sample("InputOutputAliasCount", len(donate))  # buffers the executable may reuse
             exe.used = next(_uses)
             CACHE[key] = exe
             if len(CACHE) > CACHE_SIZE:
@@ -481,7 +484,8 @@ def _run_and_commit(exe, storages, data, packed, gdev, nodes, keep, everything, 
     """Execute, then give each storage its result; returns ``(error, fired rows)`` when an
     on-device check failed, else None. Raises (after ``_fail``) if the execution fails."""
     try:
-        with timed("ExecuteTime"):
+        t_run = time.perf_counter_ns()
+        with timed("ExecuteDispatchTime"):
             arrays = [d.array for d in data]
             if exe.threads:
                 from xlatorch.runtime.replication import run_replicated
@@ -514,7 +518,50 @@ def _run_and_commit(exe, storages, data, packed, gdev, nodes, keep, everything, 
         for st in storages:
             PENDING.pop(st.sid, None)
     _last[:] = outs
+    _executions.started(outs, t_run)
     return failed
+
+
+class _Executions:
+    """``ExecuteTime``: from an execution's launch to its end. Executions run asynchronously
+    (the launch returns at once on GPU/TPU), so one background thread waits for each in
+    turn and records the sample; ``record.flush`` (before metrics are read) and ``wait``
+    let it catch up."""
+
+    def __init__(self):
+        self.queue = None
+        self.busy = 0
+        self.cv = threading.Condition()
+
+    def started(self, outs, t0: int) -> None:
+        with self.cv:
+            if self.queue is None:
+                self.queue = queue.SimpleQueue()
+                threading.Thread(target=self._wait_each, name="xlatorch-execute-time", daemon=True).start()
+            self.busy += 1
+        self.queue.put((outs, t0))
+
+    def _wait_each(self) -> None:
+        while True:
+            outs, t0 = self.queue.get()
+            try:
+                jax.block_until_ready(outs)
+            except Exception:  # donated to a later execution (so it had ended) or failed: it is over
+                pass
+            record.add_sample("ExecuteTime", time.perf_counter_ns() - t0)
+            del outs
+            with self.cv:
+                self.busy -= 1
+                self.cv.notify_all()
+
+    def flush(self) -> None:
+        with self.cv:
+            while self.busy:
+                self.cv.wait()
+
+
+_executions = _Executions()
+record.FLUSH_HOOKS.append(_executions.flush)
 
 
 class uninterrupted:
@@ -616,6 +663,7 @@ _last: list = []  # the newest execution's outputs, for wait()
 def wait() -> None:
     """Block until the newest execution (and so every earlier one) has finished."""
     jax.block_until_ready(list(_last))
+    _executions.flush()
 
 
 def _pack(leaves):

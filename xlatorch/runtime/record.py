@@ -23,6 +23,17 @@ COUNTERS: defaultdict[str, int] = defaultdict(int)  # CachedCompile, MarkStep, a
 METRICS: dict[str, list[float]] = {}  # samples: times in ns (CompileTime ...) or numbers
 
 
+# Called before metrics are read: samples measured off the calling thread (``ExecuteTime``,
+# taken when an execution ends) are all in once they return.
+FLUSH_HOOKS: list = []
+
+
+def flush() -> None:
+    """Wait for the samples still being measured (see ``FLUSH_HOOKS``)."""
+    for hook in FLUSH_HOOKS:
+        hook()
+
+
 def add_sample(name: str, value: float) -> None:
     """Record one sample of metric ``name``."""
     METRICS.setdefault(name, []).append(value)

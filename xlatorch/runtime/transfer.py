@@ -57,6 +57,7 @@ def to_device(t: torch.Tensor, dev: int | None = None) -> Data:
     jdev = jax_device(dev)  # first: starting the runtime is not a transfer (and may start a capture)
     with record.TIMED("TransferToDeviceTime"):
         arr = jax.device_put(_to_numpy(t.cpu()), jdev)
+    record.COUNTERS["TensorToData"] += 1
     return Data(arr, (tuple(t.shape), t.dtype), dev)
 
 
