@@ -182,3 +182,59 @@ def ddp(index, out, steps, per_replica):
     dist.barrier()
     _dump(out, {"params": {k: v.cpu() for k, v in model.module.state_dict().items()}, "compiles": compiles})
     dist.destroy_process_group()
+
+
+class BNNet(torch.nn.Module):
+    def __init__(self, norm):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3)
+        self.bn = norm(4)
+        self.head = torch.nn.Linear(4 * 6 * 6, 3)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.bn(self.conv(x))).flatten(1))
+
+
+def bn_data(steps, per_replica, replicas):
+    g = torch.Generator().manual_seed(7)
+    xs = torch.randn(steps, per_replica * replicas, 3, 8, 8, generator=g)
+    ys = torch.randint(0, 3, (steps, per_replica * replicas), generator=g)
+    return xs, ys
+
+
+def sync_batch_norm(index, out, steps, per_replica):
+    """SyncBatchNorm training with data parallelism, plus the autograd collectives and
+    reduce_scatter_bucketized."""
+    import xlatorch.core.functions as xf
+
+    n, r = xr.world_size(), xr.global_ordinal()
+    torch.manual_seed(0)
+    model = BNNet(xf.SyncBatchNorm).to(xm.xla_device())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    xs, ys = bn_data(steps, per_replica, n)
+    losses = []
+    for s in range(steps):
+        x, y = batch(xs, ys, s, per_replica)
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()  # through the statistics' all-reduce: every replica's loss reaches every input
+        xm.optimizer_step(opt)  # averages the gradients over replicas
+        xm.mark_step()
+        losses.append(xm.all_reduce(xm.REDUCE_SUM, loss.detach(), scale=1.0 / n))
+    d = xm.xla_device()
+    v = (torch.arange(6.0) + 10 * r).reshape(2, 3).to(d).requires_grad_()
+    gathered = xf.all_gather(v, dim=0)
+    (gathered * torch.arange(1.0, 2 * n * 3 + 1).reshape(2 * n, 3).to(d)).sum().backward()
+    w = (torch.arange(8.0) * (r + 1)).reshape(4, 2).to(d).requires_grad_()
+    scattered = xf.reduce_scatter(xm.REDUCE_SUM, w, 0.5, 0, n)
+    (scattered * (r + 1)).sum().backward()
+    summed = xf.all_reduce(xm.REDUCE_SUM, w * 1.0)
+    buckets = xm.reduce_scatter_bucketized(xm.REDUCE_SUM, [torch.full((4, 2), r + 1.0, device=d),
+                                                           torch.full((2, 2), r + 2.0, device=d)],
+                                           1.0, 0, n, bucket_cap_mb=0)  # fmt: skip
+    xm.mark_step()
+    _dump(out, {"params": {k: v.cpu() for k, v in model.state_dict().items()},
+                "losses": [v.item() for v in losses],
+                "gathered": gathered.detach().cpu(), "gather_grad": v.grad.cpu(),
+                "scattered": scattered.detach().cpu(), "scatter_grad": w.grad.cpu(),
+                "summed": summed.detach().cpu(), "buckets": [b.cpu() for b in buckets]})  # fmt: skip

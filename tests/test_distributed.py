@@ -84,6 +84,43 @@ def _assert_equals_one_process(res, steps, per):
         torch.testing.assert_close(res[0]["params"][k], v, rtol=1e-5, atol=1e-6)
 
 
+def test_sync_batch_norm_and_autograd_collectives(tmp_path):
+    steps, per = 3, 4
+    xmp.spawn(mp_workers.sync_batch_norm, args=(str(tmp_path), steps, per), nprocs=N)
+    res = _load(tmp_path)
+    # One process, plain BatchNorm on the whole batch.
+    torch.manual_seed(0)
+    model = mp_workers.BNNet(torch.nn.BatchNorm2d)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    xs, ys = mp_workers.bn_data(steps, per, N)
+    losses = []
+    for s in range(steps):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(xs[s]), ys[s])
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    for r in res:
+        torch.testing.assert_close(r["losses"], losses, rtol=1e-5, atol=1e-6)
+        for k, v in model.state_dict().items():  # running statistics included
+            torch.testing.assert_close(r["params"][k], v, rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+    for r, got in enumerate(res):
+        v = [(torch.arange(6.0) + 10 * q).reshape(2, 3) for q in range(N)]
+        torch.testing.assert_close(got["gathered"], torch.cat(v))
+        weights = torch.arange(1.0, 2 * N * 3 + 1).reshape(2 * N, 3)
+        torch.testing.assert_close(got["gather_grad"], weights[2 * r : 2 * r + 2])  # this replica's slice
+        w = [(torch.arange(8.0) * (q + 1)).reshape(4, 2) for q in range(N)]
+        total = sum(w) * 0.5
+        torch.testing.assert_close(got["scattered"], total[2 * r : 2 * r + 2])
+        # d/dw of sum_q (q+1) * scattered_q: all_gather of the output gradients, scaled by 0.5
+        want = torch.cat([torch.full((2, 2), q + 1.0) for q in range(N)]) * 0.5
+        torch.testing.assert_close(got["scatter_grad"], want)
+        torch.testing.assert_close(got["summed"], sum(w))
+        full = [sum(torch.full((4, 2), q + 1.0) for q in range(N)), sum(torch.full((2, 2), q + 2.0) for q in range(N))]
+        torch.testing.assert_close(got["buckets"][0], full[0][2 * r : 2 * r + 2])
+        torch.testing.assert_close(got["buckets"][1], full[1][r : r + 1])
+
+
 def test_ddp_with_the_xla_backend(tmp_path):
     steps, per = 6, 6
     xmp.spawn(mp_workers.ddp, args=(str(tmp_path), steps, per), nprocs=N)

@@ -71,7 +71,14 @@ def _to_device(batch, dev: int):
     from xlatorch.runtime.tensor import wrap
     from xlatorch.runtime.transfer import to_device
 
-    return tree_map(lambda t: wrap(to_device(t, dev)) if isinstance(t, torch.Tensor) else t, batch)
+    def send(x):
+        if isinstance(x, torch.Tensor):
+            return wrap(to_device(x, dev))
+        if hasattr(x, "get_tensors") and hasattr(x, "from_tensors"):  # a utils.DataWrapper
+            return x.from_tensors([send(t) for t in x.get_tensors()])
+        return x
+
+    return tree_map(send, batch)
 
 
 class PerDeviceLoader:
