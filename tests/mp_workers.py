@@ -238,3 +238,85 @@ def sync_batch_norm(index, out, steps, per_replica):
                 "gathered": gathered.detach().cpu(), "gather_grad": v.grad.cpu(),
                 "scattered": scattered.detach().cpu(), "scatter_grad": w.grad.cpu(),
                 "summed": summed.detach().cpu(), "buckets": [b.cpu() for b in buckets]})  # fmt: skip
+
+
+def dist_api(index, out):
+    """torch.distributed's collectives on the xla backend, and what it refuses."""
+    import torch.distributed as dist
+
+    import xlatorch.distributed.xla_backend  # noqa: F401 (registers the backend)
+
+    dist.init_process_group("xla", init_method="xla://")
+    n, r = dist.get_world_size(), dist.get_rank()
+    d = xm.xla_device()
+    res, errors = {}, {}
+
+    def attempt(name, fn):
+        try:
+            res[name] = fn()
+        except Exception as e:  # what the test checks: the type and the message
+            errors[name] = (type(e).__name__, str(e))
+
+    t = (torch.arange(3.0) + 10 * r).to(d)
+
+    def all_gather():
+        outs = [torch.zeros(3, device=d) for _ in range(n)]
+        dist.all_gather(outs, t)
+        return outs
+
+    def all_gather_into_tensor():
+        o = torch.zeros(3 * n, device=d)
+        dist.all_gather_into_tensor(o, t)
+        return o
+
+    def all_gather_coalesced():
+        outs = [[torch.zeros(3, device=d) for _ in range(n)], [torch.zeros(2, device=d) for _ in range(n)]]
+        dist.all_gather_coalesced(outs, [t, t[:2] * 2])
+        return outs
+
+    def all_reduce():
+        x = t.clone()
+        dist.all_reduce(x)
+        return x
+
+    def broadcast():
+        x = t.clone()
+        dist.broadcast(x, src=1)
+        return x
+
+    def reduce_scatter():
+        o = torch.zeros(3, device=d)
+        dist.reduce_scatter(o, [t * (q + 1) for q in range(n)])
+        return o
+
+    def whole_group():
+        g = dist.new_group(ranks=list(range(n)))
+        x = t.clone()
+        dist.all_reduce(x, group=g)
+        return x
+
+    attempt("all_gather", all_gather)
+    attempt("all_gather_into_tensor", all_gather_into_tensor)
+    attempt("all_gather_coalesced", all_gather_coalesced)
+    attempt("all_reduce", all_reduce)
+    attempt("broadcast", broadcast)
+    attempt("reduce_scatter", reduce_scatter)
+    attempt("whole_group", whole_group)
+    attempt("bad_ranks", lambda: (dist.new_group(ranks=[0, n + 3]), "created")[1])
+    sub = dist.new_group(ranks=[0])  # every process calls new_group; only rank 0 is a member
+
+    def use_subgroup():
+        if r == 0:
+            dist.all_reduce(t.clone(), group=sub)
+        return "not a member"
+
+    attempt("subgroup", use_subgroup)
+    attempt("send", lambda: dist.send(t, dst=1 - r) if r == 0 else dist.recv(t, src=0))
+    attempt("gather", lambda: dist.gather(t, [torch.zeros(3, device=d) for _ in range(n)] if r == 0 else None))
+    xm.mark_step()
+    res = {k: [[x.cpu() for x in v] if isinstance(v, list) else v.cpu() for v in vs] if isinstance(vs, list)
+           and vs and isinstance(vs[0], list) else ([v.cpu() for v in vs] if isinstance(vs, list) else
+                                                    (vs.cpu() if isinstance(vs, torch.Tensor) else vs))
+           for k, vs in res.items()}  # fmt: skip
+    _dump(out, {"res": res, "errors": errors})
+    dist.destroy_process_group()

@@ -121,6 +121,29 @@ def test_sync_batch_norm_and_autograd_collectives(tmp_path):
         torch.testing.assert_close(got["buckets"][1], full[1][r : r + 1])
 
 
+def test_torch_distributed_on_the_xla_backend(tmp_path):
+    xmp.spawn(mp_workers.dist_api, args=(str(tmp_path),), nprocs=N)
+    res = _load(tmp_path)
+    ts = [torch.arange(3.0) + 10 * q for q in range(N)]
+    for r, got in enumerate(res):
+        out, err = got["res"], got["errors"]
+        torch.testing.assert_close(out["all_gather"], ts)
+        torch.testing.assert_close(out["all_gather_into_tensor"], torch.cat(ts))
+        torch.testing.assert_close(out["all_gather_coalesced"], [ts, [t[:2] * 2 for t in ts]])
+        torch.testing.assert_close(out["all_reduce"], sum(ts))
+        torch.testing.assert_close(out["whole_group"], sum(ts))
+        torch.testing.assert_close(out["broadcast"], ts[1])
+        torch.testing.assert_close(out["reduce_scatter"], sum(t * (r + 1) for t in ts))
+        assert err["bad_ranks"][0] == "ValueError" and "out of range" in err["bad_ranks"][1]  # PyTorch's own check
+        if r == 0:
+            assert err["subgroup"][0] == "NotImplementedError" and "all_reduce over a process group" in err["subgroup"][1]
+        else:
+            assert out["subgroup"] == "not a member"
+        assert err["send"][0] == "NotImplementedError" and ("send" if r == 0 else "recv") in err["send"][1]
+        assert err["gather"][0] == "NotImplementedError" and "torch.distributed.gather" in err["gather"][1]
+        assert set(err) == {"bad_ranks", "send", "gather"} | ({"subgroup"} if r == 0 else set()), err
+
+
 def test_ddp_with_the_xla_backend(tmp_path):
     steps, per = 6, 6
     xmp.spawn(mp_workers.ddp, args=(str(tmp_path), steps, per), nprocs=N)
