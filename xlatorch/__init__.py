@@ -8,6 +8,7 @@ graph structure) and runs it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import os
 
@@ -39,6 +40,9 @@ _DECOMPS.update({op: torch._decomp.decomposition_table[op] for op in _table.DECO
 _device.install(_table.SPECS)
 _device.check_runtime(_table.RUNTIME)
 _device.register(_table.FACTORIES)
+from xlatorch.runtime import fx as _fx  # noqa: E402
+
+_fx.SPECS.update({s.overload: s for s in _table.SPECS.values() if s.overload is not None})
 
 import xlatorch.debug  # noqa: E402,F401  (the compile explainer, sync report and metrics hook into the runtime)
 from xlatorch.debug import profiler as _profiler  # noqa: E402
@@ -47,6 +51,21 @@ from xlatorch.runtime import interrupts as _interrupts  # noqa: E402
 from xlatorch.runtime import serialization as _serialization  # noqa: E402,F401  (torch.load of device tensors)
 
 _interrupts.install()  # Ctrl-C is raised in the user's code, not inside dispatch or a sync
+
+_torch_compile = torch.compile
+
+
+def _compile_with_xla_backends(*args, **kwargs):
+    import xlatorch.dynamo  # noqa: F401  (backend="openxla" / "xlatorch"; Dynamo meets xla tensors)
+
+    if kwargs.get("backend") in ("openxla", "xlatorch"):
+        # XLA compiles one program per shape anyway: a new shape is a new static graph, not
+        # a symbolic one (which could only run op by op).
+        kwargs.setdefault("dynamic", False)
+    return _torch_compile(*args, **kwargs)
+
+
+torch.compile = functools.wraps(_torch_compile)(_compile_with_xla_backends)
 
 _profiler._from_environment()  # XLATORCH_PROFILE=<dir>: capture the first steps
 

@@ -16,6 +16,7 @@ import traceback
 import weakref
 
 import torch
+import torch._guards
 
 from xlatorch.runtime import ir
 from xlatorch.runtime.ir import Data
@@ -218,7 +219,15 @@ class XlaTensor(torch.Tensor):
                 setattr(new, k, copy.deepcopy(v, memo))
         return new
 
+    def __coerce_same_metadata_as_tangent__(self, expected_metadata, expected_type=None):
+        # torch.compile's backward (AOTAutograd) takes gradients of plain-tensor outputs:
+        # an xla tensor is one, to the lowering of that backward graph.
+        return self
+
     def untyped_storage(self):  # type: ignore[override]
+        if torch._guards.TracingContext.try_get() is not None:
+            # torch.compile making a fake tensor of this one: the wrapper's empty storage.
+            return torch.Tensor.untyped_storage(self)
         raise RuntimeError(
             "xla tensors have no storage: their data lives on the device. Move the tensor "
             "to CPU (t.cpu()) to reach its storage"

@@ -1,0 +1,123 @@
+"""torch.compile(backend="openxla" | "xlatorch") on the xla device (issue 15 §2)."""
+
+import pytest
+import torch
+import torch._dynamo
+import torch.nn as nn
+
+import xlatorch.core.xla_model as xm
+import xlatorch.debug.metrics as met
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def _mlp():
+    return nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 4))
+
+
+def _pair(make, seed=0):
+    torch.manual_seed(seed)
+    cpu = make()
+    dev = make()
+    dev.load_state_dict(cpu.state_dict())
+    return cpu, dev.to("xla")
+
+
+def _compiled_nodes() -> int:
+    return sum(v for k, v in met.COUNTERS.items() if k.startswith("xlatorch::compiled_"))
+
+
+@pytest.mark.parametrize("backend", ["openxla", "xlatorch"])
+def test_training_equals_eager_with_whole_graphs_and_flat_compiles(backend):
+    cpu, dev = _pair(_mlp)
+    step = torch.compile(dev, backend=backend)
+    opt_c = torch.optim.AdamW(cpu.parameters(), lr=1e-2)
+    opt_d = torch.optim.AdamW(dev.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    compiles = []
+    met.clear_counters()
+    for _ in range(5):
+        x, y = torch.randn(8, 6, generator=g), torch.randint(0, 4, (8,), generator=g)
+        loss_c = nn.functional.cross_entropy(cpu(x), y)
+        loss_c.backward()
+        opt_c.step()
+        opt_c.zero_grad()
+        loss_d = nn.functional.cross_entropy(step(x.to("xla")), y.to("xla"))
+        loss_d.backward()
+        opt_d.step()
+        opt_d.zero_grad()
+        xm.mark_step()
+        torch.testing.assert_close(loss_d.item(), loss_c.item(), rtol=1e-5, atol=1e-6)
+        compiles.append(met.counter_value("UncachedCompile"))
+    for (k, v), w in zip(dev.state_dict().items(), cpu.state_dict().values()):
+        torch.testing.assert_close(v.cpu(), w, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+    assert not torch._dynamo.utils.counters["graph_break"]  # one whole graph, no breaks
+    assert met.counter_value("DynamoCompile") == 2  # its forward and its backward, once
+    assert met.counter_value("CompiledGraphOpByOp") is None
+    assert _compiled_nodes() == 10  # one node per forward and per backward, per step
+    assert compiles[-1] == compiles[1], compiles  # nothing compiles after the first steps
+
+
+def test_inference_recompiles_for_a_new_shape_and_uses_the_emitters():
+    cpu, dev = _pair(_mlp)
+    dev.eval()
+    cpu.eval()
+    fn = torch.compile(dev, backend="openxla")
+    met.clear_counters()
+    with torch.no_grad():
+        for n in (3, 3, 5, 5):
+            x = torch.randn(n, 6)
+            torch.testing.assert_close(fn(x.to("xla")).cpu(), cpu(x), rtol=1e-5, atol=1e-6)
+    assert met.counter_value("DynamoCompile") == 2  # one graph per batch size Dynamo saw
+    assert met.counter_value("xla::addmm") is None  # no per-op dispatch: one node per call
+    assert _compiled_nodes() == 4
+
+
+def test_a_graph_with_an_op_without_lowering_runs_op_by_op():
+    def f(x):
+        return torch.special.airy_ai(x) * 2 + 1
+
+    x = torch.rand(5) * 3
+    met.clear_counters()
+    got = torch.compile(f, backend="openxla")(x.to("xla"))
+    torch.testing.assert_close(got.cpu(), f(x), rtol=1e-5, atol=1e-6)
+    assert met.counter_value("CompiledGraphOpByOp") == 1
+    assert met.counter_value("aten::special_airy_ai") == 1  # the CPU fallback, counted as always
+
+
+def test_ops_without_lowering_but_with_a_decomposition_are_composed():
+    def f(x):
+        return (x[:, 1] * 3).square().sum()  # its backward holds aten::select_backward: no lowering, a decomposition
+
+    x = torch.randn(4, 3)
+    xd = x.to("xla").requires_grad_()
+    met.clear_counters()
+    torch.compile(f, backend="openxla")(xd).backward()
+    xc = x.clone().requires_grad_()
+    f(xc).backward()
+    torch.testing.assert_close(xd.grad.cpu(), xc.grad, rtol=1e-5, atol=1e-6)
+    assert met.counter_value("CompiledGraphOpByOp") is None and met.executed_fallback_ops() == []
+
+
+def test_dropout_draws_new_masks_without_recompiling():
+    torch.manual_seed(0)
+    layer = nn.Dropout(0.5).to("xla").train()
+    fn = torch.compile(layer, backend="openxla")
+    x = torch.ones(64, device="xla")
+    a, b = fn(x).cpu(), fn(x).cpu()
+    assert set(a.unique().tolist()) <= {0.0, 2.0} and not torch.equal(a, b)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_index_checks_still_raise_inside_a_compiled_graph():
+    emb = nn.Embedding(10, 3).to("xla")
+    fn = torch.compile(emb, backend="openxla")
+    bad = torch.tensor([1, 12]).to("xla")
+    with pytest.raises(IndexError, match="out of range"):
+        fn(bad).cpu()
