@@ -6,6 +6,8 @@ measured in one process. Not a test: it prints ratios.
 ATen ops it dispatches to the device; the micro-benchmark that follows (``bench/trace_ops.py``)
 times single ops against the floor PyTorch's Python dispatch costs any backend.
 
+"compiled" runs the same step with the model under ``torch.compile(backend="openxla")``.
+
 Usage: python -m bench.bench [--steps N] [--small] [--programs mnist,mlp,gpt] [--no-micro]
 """
 
@@ -56,8 +58,15 @@ def run_eager(p, steps):
     return statistics.median(times[2:]), times[0]
 
 
-def run_xla(p, steps):
+def run_xla(p, steps, compiled=False):
+    """xlatorch's lazy path, or with ``compiled`` the model under ``torch.compile(backend="openxla")``
+    (its forward and backward each one node of the step's graph)."""
     model, opt, batches = _setup(p, xm.xla_device())
+    if compiled:
+        import torch._dynamo
+
+        torch._dynamo.reset()
+        model = torch.compile(model, backend="openxla")
     met.clear_all()
     first = time.perf_counter()
     loss = _step(p, model, opt, batches[0])
@@ -158,7 +167,8 @@ def main() -> None:
     if importlib.util.find_spec("torch_xla") is not None:
         print("torch_xla is importable, but its column is not implemented yet", flush=True)
     print(f"{'program':8} {'eager ms':>9} {'jax ms':>7} {'xla ms':>7} {'xla/jax':>7} {'xla/eager':>9} "
-          f"{'first s':>7} {'jax 1st':>7} {'trace ms':>8} {'us/aten op':>10} {'nodes':>5} {'compiles':>8} "
+          f"{'compiled ms':>11} {'compiled/jax':>12} {'first s':>7} {'jax 1st':>7} {'trace ms':>8} "
+          f"{'us/aten op':>10} {'nodes':>5} {'compiles':>8} "
           f"{'transfers':>9} "
           f"{'loss xla/jax':>13} fallbacks")  # fmt: skip
     for name in a.programs.split(","):
@@ -166,14 +176,18 @@ def main() -> None:
         eager, _ = run_eager(p, a.steps)
         j = run_jax(name, p, a.steps)
         x = run_xla(p, a.steps)
-        row = dict(program=name, small=a.small, eager_ms=eager * 1e3, jax_ms=j["step"] * 1e3, xla_ms=x["step"] * 1e3,
+        c = run_xla(p, a.steps, compiled=True)
+        row = dict(compiled_ms=c["step"] * 1e3, ratio_compiled_jax=c["step"] / j["step"],
+                   compiled_trace_ms=c["trace_ms"], compiled_first_s=c["first"],
+                   program=name, small=a.small, eager_ms=eager * 1e3, jax_ms=j["step"] * 1e3, xla_ms=x["step"] * 1e3,
                    ratio=x["step"] / eager, ratio_jax=x["step"] / j["step"], first_s=x["first"],
                    jax_first_s=j["first"], first_loss=x["first_loss"], jax_first_loss=j["first_loss"],
                    **{k: x[k] for k in ("trace_ms", "trace_us_per_op", "aten_ops", "graph_nodes", "steady_compiles",
                                          "steady_transfers", "fallbacks")},
                    time=time.time())  # fmt: skip
         print(f"{name:8} {row['eager_ms']:9.2f} {row['jax_ms']:7.2f} {row['xla_ms']:7.2f} {row['ratio_jax']:7.2f} "
-              f"{row['ratio']:9.2f} {row['first_s']:7.2f} {row['jax_first_s']:7.2f} {row['trace_ms']:8.2f} "
+              f"{row['ratio']:9.2f} {row['compiled_ms']:11.2f} {row['ratio_compiled_jax']:12.2f} "
+              f"{row['first_s']:7.2f} {row['jax_first_s']:7.2f} {row['trace_ms']:8.2f} "
               f"{row['trace_us_per_op']:10.1f} "
               f"{row['graph_nodes']:5d} {row['steady_compiles']:8d} {row['steady_transfers']:9d} "
               f"{row['first_loss']:6.3f}/{row['jax_first_loss']:<6.3f} {row['fallbacks']}", flush=True)  # fmt: skip
