@@ -48,7 +48,6 @@ ALIASES: dict[str, str] = {
     "torch_xla_py.xla_multiprocessing": "xlatorch.distributed.xla_multiprocessing",
     "torch_xla_py.parallel_loader": "xlatorch.distributed.parallel_loader",
     # lazy_tensor_core
-    "lazy_tensor_core._LAZYC": "xlatorch.compat.xlac",
     "lazy_tensor_core.core.lazy_model": "xlatorch.compat.lazy_model",
     "lazy_tensor_core.utils": "xlatorch.utils",
     "lazy_tensor_core.utils.serialization": "xlatorch.utils.serialization",

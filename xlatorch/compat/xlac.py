@@ -1,4 +1,4 @@
-"""``torch_xla._XLAC`` (and ``lazy_tensor_core._LAZYC``): the C extension's functions that
+"""``torch_xla._XLAC``: the C extension's functions that
 guides call directly, on xlatorch's Python runtime. Only these exist here; any other
 name raises ``AttributeError``."""
 
