@@ -421,6 +421,23 @@ for epoch in range(1, num_epochs + 1):
   model_parallel(train_loop_fn, train_loader)
 record("initial", _INITIAL[-1]); record("final", cpu_state(model_parallel.models[0]))  # (test)
 
+def clip_grad_norm(parameters, max_norm, norm_type=2.0):  # (test) the guide's fragment, in the
+    if not parameters:  # (test) function it comes from (torch.nn.utils.clip_grad_norm_)
+      return  # (test)
+    else:
+      device = parameters[0].device
+      total_norm = torch.zeros([], device=device if parameters else None)
+      for p in parameters:
+        param_norm = p.grad.data.norm(norm_type) ** norm_type
+        total_norm.add_(param_norm)
+      total_norm = (total_norm ** (1. / norm_type))
+    clip_coef = torch.tensor(max_norm, device=device) / (total_norm + 1e-6)
+    for p in parameters:
+      p.grad.data.mul_(torch.where(clip_coef < 1, clip_coef, torch.tensor(1., device=device)))
+params = list(model_parallel.models[0].parameters())  # (test)
+record("grads", [p.grad for p in params]); clip_grad_norm(params, 0.01)  # (test)
+record("clipped", [p.grad for p in params])  # (test)
+
 print(torch_xla._XLAC._xla_metrics_report())
 record("report", torch_xla._XLAC._xla_metrics_report())  # (test)
 torch.save(OUT, sys.argv[1])  # (test)

@@ -147,6 +147,12 @@ def test_seed_003_torch_xla_py(tmp_path):
     want = _sgd(ns["MNIST"](), out["initial"], _one_batch_steps(ns), ns["lr"], ns["momentum"])
     _close(out["final"], want)
     assert "Metric: CompileTime" in out["report"] and "Metric: CompileTime" in p.stdout
+    # The guide's clip_grad_norm_ without .item(), against PyTorch's own on the same gradients.
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in out["grads"]]
+    for q, g in zip(params, out["grads"]):
+        q.grad = g.clone()
+    assert torch.nn.utils.clip_grad_norm_(params, 0.01) > 0.01  # the gradients were clipped
+    _close(out["clipped"], [q.grad for q in params])
 
 
 def test_seed_004_single_device(tmp_path):
