@@ -8,10 +8,11 @@ method, ``subprocess`` children): the stub packages of ``front/`` lead ``PYTHONP
 which children inherit, and their first import installs the aliases.
 
 The runner replaces itself with that Python (``exec``, same process id) rather than
-running the script inside this process: this process has imported xlatorch already
-(the parent package of this module), and a script that sets ``XLA_USE_BF16`` or
-``PJRT_DEVICE`` in ``os.environ`` before ``import torch_xla`` must be seen doing so
-before xlatorch reads them, as in the processes it spawns.
+running the script inside this process, so that xlatorch is imported at the script's own
+``import torch_xla``: a script that sets ``XLA_USE_BF16`` or ``PJRT_DEVICE`` in
+``os.environ`` before that import is seen doing so, as it is in the processes it spawns.
+``xlatorch/__init__.py`` hands a ``python -m xlatorch.compat`` process over to ``main``
+before it imports PyTorch and JAX, so the hand-over costs no import.
 """
 
 from __future__ import annotations
