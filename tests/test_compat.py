@@ -14,6 +14,7 @@ import sys
 from types import SimpleNamespace
 
 import compat_snippets as snip
+import compat_snippets_004 as snip4
 import pytest
 import torch
 import torch.nn.functional as F
@@ -43,7 +44,7 @@ def _run(tmp_path, name, text, *args, env=None, status=0):
 
 def _prelude() -> dict:
     ns: dict = {}
-    exec(snip.PRELUDE + snip.MNIST_NET, ns)
+    exec(snip.PRELUDE + snip4.MNIST_NET, ns)
     return ns
 
 
@@ -156,7 +157,7 @@ def test_seed_003_torch_xla_py(tmp_path):
 
 
 def test_seed_004_single_device(tmp_path):
-    _, out = _run(tmp_path, "seed004", snip.SEED_004)
+    _, out = _run(tmp_path, "seed004", snip4.SEED_004)
     assert out["model_device"] == out["data_device"] == "xla:0"
     ns = _prelude()
     batch = next(iter(ns["train_loader"]))
@@ -182,7 +183,7 @@ def test_seed_004_single_device(tmp_path):
 def test_seed_004_launch(tmp_path):
     # torch_xla.launch(_mp_mnist_fn, args=(args,)) with one device: the replica runs in the
     # launcher (the two-process path is test_seed_001_spawned_workers_see_the_aliases).
-    text = snip.SEED_004_LAUNCH.replace("synthetic_mnist(256)", "synthetic_mnist(128)")
+    text = snip4.SEED_004_LAUNCH.replace("synthetic_mnist(256)", "synthetic_mnist(128)")
     p, _ = _run(tmp_path, "seed004launch", text, env={"CPU_NUM_DEVICES": "1"})
     assert "Process 0 (Global Ordinal 0): Starting training on CPU..." in p.stdout
     assert "Process 0: Training finished!" in p.stdout
