@@ -1,8 +1,9 @@
 """The package's imports follow the pipeline (ARCHITECTURE.md, "Layering"), read with ``ast``.
 
 The runtime records and the debug tools report: nothing under ``xlatorch/runtime/`` imports
-``xlatorch.debug``, ``xlatorch.core``, ``xlatorch.distributed`` or ``xlatorch.fallback``
-(lazy imports inside functions included), ``runtime/record.py`` imports nothing of xlatorch,
+``xlatorch.debug``, ``xlatorch.core``, ``xlatorch.distributed``, ``xlatorch.fallback`` or
+``xlatorch.compat`` (lazy imports inside functions included), only the package root imports
+``xlatorch.compat``, ``runtime/record.py`` imports nothing of xlatorch,
 and no import circle joins the package's top-level folders.
 """
 
@@ -13,7 +14,7 @@ import os
 from collections import defaultdict
 
 PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "xlatorch")
-ABOVE_RUNTIME = ("xlatorch.debug", "xlatorch.core", "xlatorch.distributed", "xlatorch.fallback")
+ABOVE_RUNTIME = ("xlatorch.debug", "xlatorch.core", "xlatorch.distributed", "xlatorch.fallback", "xlatorch.compat")
 
 
 def _modules() -> dict[str, str]:
@@ -55,6 +56,17 @@ def test_the_runtime_imports_nothing_above_it():
         if mod.startswith("xlatorch.runtime"):
             bad += [f"{mod} imports {m}" for m in sorted(_imports(path, mod)) if m.startswith(ABOVE_RUNTIME)]
     assert not bad, "\n".join(bad)
+
+
+def test_only_the_package_root_uses_the_front_doors():
+    # xlatorch.compat sits on top of everything: only xlatorch/__init__ (which hands a
+    # ``python -m xlatorch.compat`` process to the runner before loading anything) imports it.
+    bad = []
+    for mod, path in _modules().items():
+        if mod != "xlatorch" and not mod.startswith("xlatorch.compat"):
+            bad += [f"{mod} imports {m}" for m in sorted(_imports(path, mod)) if m.startswith("xlatorch.compat")]
+    assert not bad, "\n".join(bad)
+    assert "xlatorch.compat" in _imports(_modules()["xlatorch"], "xlatorch")  # the walk sees the root's import
 
 
 def test_the_recording_module_is_the_bottom():

@@ -7,6 +7,13 @@ graph structure) and runs it.
 
 from __future__ import annotations
 
+import sys as _sys
+
+if _sys.argv[:1] == ["-m"]:  # Python is locating a ``python -m`` module: if it is the compat runner,
+    from xlatorch.compat import exec_if_runner  # it replaces this process with the user's program here
+
+    exec_if_runner()
+
 import contextlib
 import functools
 import gc
