@@ -529,6 +529,10 @@ class _Executions:
     let it catch up."""
 
     def __init__(self):
+        self._reset()
+        os.register_at_fork(after_in_child=self._reset)  # a forked child has no waiting thread
+
+    def _reset(self) -> None:
         self.queue = None
         self.busy = 0
         self.cv = threading.Condition()
