@@ -45,7 +45,9 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
     t = t.detach().contiguous()
     a = t.view(torch.int16).numpy().view(EXACT[torch.bfloat16]) if t.dtype == torch.bfloat16 else t.numpy()
     want = TORCH_TO_JAX[t.dtype]
-    return a if a.dtype == want else a.astype(want)
+    # Always a new host array: on CPU, jax.device_put may alias an aligned numpy array, and
+    # the device value must not change when the host tensor is later written in place.
+    return a.copy() if a.dtype == want else a.astype(want)
 
 
 def to_device(t: torch.Tensor, dev: int | None = None) -> Data:
