@@ -63,21 +63,31 @@ OPS = [
     ("smooth_l1_loss", F.smooth_l1_loss, lambda: (_r(4, 7, dtype=BF), _r(4, 7, dtype=BF))),
     ("cross_entropy_loss", F.cross_entropy, lambda: (_r(6, 5, dtype=BF), torch.randint(0, 5, (6,)))),
     ("nll_loss", F.nll_loss, lambda: (F.log_softmax(_r(6, 5), -1).to(BF), torch.randint(0, 5, (6,)))),
-    ("binary_cross_entropy_with_logits", F.binary_cross_entropy_with_logits,
-     lambda: (_r(6, 5, dtype=BF), torch.rand(6, 5).to(BF))),  # fmt: skip
+    (
+        "binary_cross_entropy_with_logits",
+        F.binary_cross_entropy_with_logits,
+        lambda: (_r(6, 5, dtype=BF), torch.rand(6, 5).to(BF)),
+    ),
     ("cat", lambda a, b: torch.cat([a, b]), lambda: (_r(2, 3, dtype=BF), _r(4, 3))),
     ("stack", lambda a, b: torch.stack([a, b]), lambda: (_r(2, 3), _r(2, 3, dtype=BF))),
-    ("index_copy", lambda a, s: a.index_copy(0, torch.tensor([2, 0], device=a.device), s),
-     lambda: (_r(4, 3, dtype=BF), _r(2, 3))),  # fmt: skip
+    (
+        "index_copy",
+        lambda a, s: a.index_copy(0, torch.tensor([2, 0], device=a.device), s),
+        lambda: (_r(4, 3, dtype=BF), _r(2, 3)),
+    ),
     ("addcmul", torch.addcmul, lambda: (_r(4, 3, dtype=BF), _r(4, 3), _r(4, 3, dtype=BF))),
     ("addcdiv", lambda a, b, c: torch.addcdiv(a, b, c.abs() + 1), lambda: (_r(4, 3), _r(4, 3, dtype=BF), _r(4, 3))),
     ("atan2", torch.atan2, lambda: (_r(4, 3, dtype=BF), _r(4, 3))),
 ]
 
 # The ops whose class in PyTorch's CPU autocast policy is the same as ours (PyTorch 2.13).
-CPU_SAME = {"mm", "bmm", "addmm", "baddbmm", "addbmm", "matmul", "linear", "conv1d", "conv2d", "conv_transpose2d.input",
-            "prelu", "scaled_dot_product_attention", "prod", "mse_loss", "l1_loss", "smooth_l1_loss",
-            "cross_entropy_loss", "nll_loss", "binary_cross_entropy_with_logits", "cat", "stack", "index_copy"}  # fmt: skip
+CPU_SAME = set(
+    """
+    mm bmm addmm baddbmm addbmm matmul linear conv1d conv2d conv_transpose2d.input prelu scaled_dot_product_attention
+    prod mse_loss l1_loss smooth_l1_loss cross_entropy_loss nll_loss binary_cross_entropy_with_logits
+    cat stack index_copy
+""".split()
+)
 
 
 def _policy_cast(name, args):
@@ -194,10 +204,10 @@ def test_grad_scaler_float16_skips_an_inf_step_without_syncing():
     agree exactly, the parameters within float16 rounding; the device never syncs."""
     cpu = _mlp()
     dev = copy.deepcopy(cpu).to("xla")
-    ref_opt, opt = torch.optim.SGD(cpu.parameters(), lr=0.1, momentum=0.9), syncfree.SGD(dev.parameters(), lr=0.1,
-                                                                                          momentum=0.9)  # fmt: skip
-    ref_scaler, scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2), GradScaler(2.0**10,
-                                                                                                       growth_interval=2)  # fmt: skip
+    ref_opt = torch.optim.SGD(cpu.parameters(), lr=0.1, momentum=0.9)
+    opt = syncfree.SGD(dev.parameters(), lr=0.1, momentum=0.9)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    scaler = GradScaler(init_scale=2.0**10, growth_interval=2)
     g = torch.Generator().manual_seed(1)
     batches = [torch.randn(8, 4, generator=g) for _ in range(5)]
     batches[2][0, 0] = float("inf")  # step 2 overflows: skipped, scale halved

@@ -37,14 +37,13 @@ _device.check_runtime(_table.RUNTIME)
 _device.register(_table.FACTORIES)
 
 import xlatorch.debug  # noqa: E402,F401  (the compile explainer, sync report and metrics hook into the runtime)
+from xlatorch.amp import autocast_mode as _autocast  # noqa: E402
 from xlatorch.debug import profiler as _profiler  # noqa: E402
 from xlatorch.fallback import cpu as _fallback  # noqa: E402,F401  (ops with no lowering run on CPU)
 from xlatorch.runtime import interrupts as _interrupts  # noqa: E402
-from xlatorch.amp import autocast_mode as _autocast  # noqa: E402
-
-_autocast.install()  # torch.autocast("xla"): the policy table's kernels on AutocastPrivateUse1
 from xlatorch.runtime import serialization as _serialization  # noqa: E402,F401  (torch.load of device tensors)
 
+_autocast.install()  # torch.autocast("xla"): the policy table's kernels on AutocastPrivateUse1
 _interrupts.install()  # Ctrl-C is raised in the user's code, not inside dispatch or a sync
 
 _profiler._from_environment()  # XLATORCH_PROFILE=<dir>: capture the first steps

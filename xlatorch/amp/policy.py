@@ -20,32 +20,28 @@ from __future__ import annotations
 
 LOW, FP32, PROMOTE = "low", "fp32", "promote"
 
-# "op.overload" ("op" for the default overload) -> cast class. One line per op family;
-# keep the families in the order of the module docstring.
-POLICY: dict[str, str] = {
-    # --- in the autocast dtype: matmuls, convolutions, attention ---
-    **dict.fromkeys(["mm", "bmm", "addmm", "addbmm", "baddbmm", "addmv", "addr", "mv", "matmul", "linear",
-                     "einsum", "linalg_vecdot", "chain_matmul", "linalg_multi_dot"], LOW),  # fmt: skip
-    **dict.fromkeys(["conv1d", "conv1d.padding", "conv2d", "conv2d.padding", "conv3d", "conv3d.padding",
-                     "conv_tbc", "conv_transpose1d", "conv_transpose2d.input", "conv_transpose3d.input",
-                     "convolution", "_convolution"], LOW),  # fmt: skip
-    **dict.fromkeys(["scaled_dot_product_attention", "prelu", "relu", "max_pool2d"], LOW),
-    # --- in float32: softmax, norms, reductions, losses, exp/log-like pointwise ---
-    **dict.fromkeys(["softmax.int", "log_softmax.int", "logsumexp"], FP32),
-    **dict.fromkeys(["layer_norm", "native_layer_norm", "group_norm", "batch_norm", "instance_norm", "rms_norm",
-                     "norm.Scalar", "norm.ScalarOpt_dim", "frobenius_norm.dim", "nuclear_norm", "linalg_vector_norm",
-                     "cosine_similarity", "renorm"], FP32),  # fmt: skip
-    **dict.fromkeys(["sum", "sum.dim_IntList", "prod", "prod.dim_int", "cumsum", "cumprod", "dist", "pdist", "cdist",
-                     "trace"], FP32),  # fmt: skip
-    **dict.fromkeys(["binary_cross_entropy", "binary_cross_entropy_with_logits", "cross_entropy_loss", "nll_loss",
-                     "nll_loss2d", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "kl_div",
-                     "poisson_nll_loss", "cosine_embedding_loss", "hinge_embedding_loss", "margin_ranking_loss",
-                     "multilabel_margin_loss", "soft_margin_loss", "triplet_margin_loss", "multi_margin_loss",
-                     "ctc_loss.IntList", "ctc_loss.Tensor"], FP32),  # fmt: skip
-    **dict.fromkeys(["exp", "expm1", "log", "log10", "log2", "log1p", "pow.Tensor_Scalar", "pow.Tensor_Tensor",
-                     "pow.Scalar", "reciprocal", "rsqrt", "acos", "asin", "cosh", "sinh", "tan", "erfinv",
-                     "softplus"], FP32),  # fmt: skip
-    # --- in the widest input type ---
-    **dict.fromkeys(["cat", "stack", "index_copy", "addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot",
-                     "tensordot", "index_put", "scatter_add"], PROMOTE),  # fmt: skip
+# "op.overload" ("op" for the default overload), one family a line, by cast class.
+_TABLE = {
+    LOW: """
+        mm bmm addmm addbmm baddbmm addmv addr mv matmul linear einsum linalg_vecdot chain_matmul linalg_multi_dot
+        conv1d conv1d.padding conv2d conv2d.padding conv3d conv3d.padding conv_tbc convolution _convolution
+        conv_transpose1d conv_transpose2d.input conv_transpose3d.input
+        scaled_dot_product_attention prelu relu max_pool2d
+    """,
+    FP32: """
+        softmax.int log_softmax.int logsumexp
+        layer_norm native_layer_norm group_norm batch_norm instance_norm rms_norm
+        norm.Scalar norm.ScalarOpt_dim frobenius_norm.dim nuclear_norm linalg_vector_norm cosine_similarity renorm
+        sum sum.dim_IntList prod prod.dim_int cumsum cumprod dist pdist cdist trace
+        binary_cross_entropy binary_cross_entropy_with_logits cross_entropy_loss nll_loss nll_loss2d
+        mse_loss l1_loss smooth_l1_loss huber_loss kl_div poisson_nll_loss cosine_embedding_loss
+        hinge_embedding_loss margin_ranking_loss multilabel_margin_loss soft_margin_loss triplet_margin_loss
+        multi_margin_loss ctc_loss.IntList ctc_loss.Tensor
+        exp expm1 log log10 log2 log1p pow.Tensor_Scalar pow.Tensor_Tensor pow.Scalar reciprocal rsqrt
+        acos asin cosh sinh tan erfinv softplus
+    """,
+    PROMOTE: """
+        cat stack index_copy addcdiv addcmul atan2 bilinear cross dot vdot tensordot index_put scatter_add
+    """,
 }
+POLICY: dict[str, str] = {op: cls for cls, ops in _TABLE.items() for op in ops.split()}
