@@ -139,6 +139,8 @@ def test_autocast_region_boundaries():
         with torch.autocast("xla", dtype=torch.float16):
             assert torch.mm(x, x).dtype == torch.float16
     assert torch.mm(x, x).dtype == F32
+    with torch.autocast("xla"):  # no dtype: bfloat16 in the thread that imported xlatorch
+        assert torch.mm(x, x).dtype == BF
     with torch.autocast("xla", dtype=BF):
         assert torch.mm(x.double(), x.double()).dtype == torch.float64  # float64 is never cast
         assert (x + x).dtype == F32  # ops outside the table fall through
@@ -284,6 +286,9 @@ def test_syncfree_optimizer_matches_torch_optim(cls, kw):
     assert xd.sync_counts() == {}, xd.sync_report()
     for a, b in zip(cpu.parameters(), dev.parameters()):
         torch.testing.assert_close(b.detach().cpu(), a.detach(), rtol=1e-5, atol=1e-6)
+    want, got = ref.state_dict(), opt.state_dict()
+    assert got["param_groups"] == [dict(g, capturable=True) if "capturable" in g else g for g in want["param_groups"]]
+    assert {i: set(s) for i, s in got["state"].items()} == {i: set(s) for i, s in want["state"].items()}
 
 
 @pytest.mark.parametrize("cls, kw", OPTIMIZERS, ids=[f"{c.__name__}-{i}" for i, (c, _) in enumerate(OPTIMIZERS)])

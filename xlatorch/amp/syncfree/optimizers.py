@@ -50,7 +50,7 @@ class _SkipOnInf:
             skip = found_inf != 0
             for p, (old, old_state) in before.items():
                 p.copy_(torch.where(skip, old, p))
-                for k, v in self.state[p].items():
+                for k, v in self.state.get(p, {}).items():  # .get: no empty state where PyTorch keeps none
                     if torch.is_tensor(v):
                         v.copy_(torch.where(skip, old_state[k] if k in old_state else torch.zeros_like(v), v))
         return loss
