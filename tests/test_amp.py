@@ -171,6 +171,17 @@ def test_weight_cast_cache_sees_in_place_updates():
     torch.testing.assert_close(b.cpu().float(), 2 * a.cpu().float(), rtol=1.6e-2, atol=1e-2)
 
 
+def test_a_cast_made_under_no_grad_is_not_reused_with_grad():
+    w = nn.Parameter(torch.randn(4, 4).to("xla"))
+    x = torch.randn(3, 4, device="xla")
+    with autocast(xlatorch.device()):
+        with torch.no_grad():
+            F.linear(x, w)
+        y = F.linear(x, w)
+    y.float().sum().backward()
+    assert w.grad is not None
+
+
 # --- loss scaling ----------------------------------------------------------------------------
 
 

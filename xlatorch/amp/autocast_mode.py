@@ -41,7 +41,10 @@ def _device_float(t) -> bool:
 def _cast(t, dtype: torch.dtype):
     if not _device_float(t) or t.dtype == dtype or t.dtype == torch.float64:
         return t
-    cacheable = dtype in _LOW_FLOATS and t.is_leaf and t.requires_grad and torch.is_autocast_cache_enabled()
+    # Not under no_grad: a cast made there has no grad_fn, and reusing it later would cut the
+    # weight out of the backward pass.
+    cacheable = (dtype in _LOW_FLOATS and t.is_leaf and t.requires_grad and torch.is_grad_enabled()
+                 and torch.is_autocast_cache_enabled())  # fmt: skip
     if cacheable:
         hit = _CACHE.get(id(t))
         if hit is not None and hit[0]() is t and hit[1] == t._version and hit[2].dtype == dtype:
