@@ -406,6 +406,7 @@ def test_a_transformer_trains_under_bf16_autocast_as_on_cpu():
             out.append(loss.detach())
         xm.mark_step()
     assert xd.sync_counts() == {}, xd.sync_report()  # zero graph cuts besides mark_step
+    assert met.executed_fallback_ops() == []
     dev_l = torch.stack(dev_losses).cpu()
     cpu_l = torch.stack(cpu_losses)
     assert dev_l[-4:].mean() < dev_l[:4].mean() - 0.5  # it learns
