@@ -56,7 +56,7 @@ def _cast(t, dtype: torch.dtype):
 
 
 def clear_cache() -> None:
-    """Drop the casts of weights kept for the current autocast region."""
+    """Drop the kept casts of weights (called after every ``mark_step`` and when ``autocast`` exits)."""
     _CACHE.clear()
 
 
