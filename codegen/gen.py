@@ -64,6 +64,7 @@ class _Spec:
     """What the templates need for one OpSpec (functional, in-place or scatter)."""
 
     def __init__(self, **kw):
+        self.mutates = ()
         self.__dict__.update(kw)
 
 
@@ -106,6 +107,14 @@ def build(entries):
             check=check,
             check_integral=e.check_if == "integral",
         )
+        meta = "None"
+        if s.inplace and len(s.mutated) > 1:
+            # Writes several arguments: the node's outputs are their new values in schema order,
+            # with the avals of the functional op (the in-place op's meta returns only `self`).
+            names_ = [a.name for a in fargs]
+            common["mutates"] = tuple(names_.index(m) for m in s.mutated)
+            common["returns"] = "LIST" if s.returns == "NONE" else s.returns
+            meta = _aten(s.name.replace("_.", ".", 1))
         var = f"S_{fn}"
         scatter_var = "None"
         if e.scatter is not None:
@@ -120,7 +129,7 @@ def build(entries):
                                promote_args="None", view=False, scatter="None", meta="_scatter_meta",
                                check="None", check_integral=False))  # fmt: skip
         specs.append(_Spec(var=var, name=e.name, overload=_aten(e.name), view=s.view, scatter=scatter_var,
-                           meta="None", **common))  # fmt: skip
+                           meta=meta, **common))  # fmt: skip
         entry_shim = "call_inplace" if s.inplace else "call"
         if e.dispatch == "shim":
             shims.append(dict(fn=fn, aten=_aten(e.name), params=_params(fargs),

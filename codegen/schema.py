@@ -39,6 +39,7 @@ class Schema:
     inplace: bool
     tags: frozenset
     factory: bool
+    mutated: tuple[str, ...] = ()  # the arguments written in place (``Tensor(a!)``), outs excluded
 
 
 def _kind(t: str) -> str:
@@ -104,6 +105,7 @@ def _schema(f) -> Schema:
     inplace = fn.name.name.inplace
     has_tensor = any(a.kind != "STATIC" and a.type.startswith("Tensor") for a in args if not a.is_out)
     factory = not has_tensor and any(a.name == "device" for a in args) and not fn.arguments.out
+    mutated = tuple(a.name for a in fn.arguments.flat_non_out if a.annotation is not None and a.annotation.is_write)
     return Schema(
         name=name if "." in name else name + ".default",
         op=base,
@@ -115,6 +117,7 @@ def _schema(f) -> Schema:
         inplace=inplace,
         tags=frozenset(f.tags),
         factory=factory,
+        mutated=mutated,
     )
 
 

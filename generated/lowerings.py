@@ -2453,3 +2453,11 @@ def _foreach_zero(out, self):
 
 def _foreach_norm_Scalar(out, self, ord, dtype):
     return [L.linalg.vector_norm(o, a, ord, None, False, dtype) for o, a in zip(out, self)]
+
+
+def _amp_foreach_non_finite_check_and_unscale_(out, self, found_inf, inv_scale):
+    return L.amp.non_finite_check_and_unscale(out, self, found_inf, inv_scale)
+
+
+def _amp_update_scale_(out, self, growth_tracker, found_inf, scale_growth_factor, scale_backoff_factor, growth_interval):
+    return L.amp.update_scale(out, self, growth_tracker, found_inf, scale_growth_factor, scale_backoff_factor, growth_interval)

@@ -72,3 +72,15 @@ def test_keyword_overload_names_generate(tmp_path):
     text = "random_.from:\n  lower: L.pointwise.random_int(out, seed, from_, to)\n  random: true\n"
     ctx = build(_load(tmp_path, text))
     assert ctx["shims"][0]["aten"] == 'getattr(aten.random_, "from")'
+
+
+def test_an_in_place_op_writing_several_arguments(tmp_path):
+    """``_amp_update_scale_`` writes ``self`` and ``growth_tracker``: its spec lists both and takes
+    its avals from the functional op; an op returning nothing is accepted only in that case."""
+    from codegen.gen import build
+
+    ctx = build(_load(tmp_path, "_amp_update_scale_:\n  helper: amp.update_scale\n"))
+    (spec,) = ctx["specs"]
+    assert spec.mutates == (0, 1) and spec.meta == "aten._amp_update_scale.default"
+    with pytest.raises(registry.RegistryError, match="returns NONE"):
+        _load(tmp_path, "_foreach_zero_:\n  lower: '[a * 0 for a in self]'\n")

@@ -173,3 +173,11 @@ def test_tensor_constructor_on_the_device():
     t = torch.tensor([[1, 2], [3, 4]], device="xla")
     assert t.device.type == "xla" and t.dtype == torch.int64
     assert torch.equal((t + 1).cpu(), torch.tensor([[2, 3], [4, 5]]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_writing_the_host_tensor_after_an_upload_leaves_the_device_copy(dtype):
+    x = torch.ones(5, dtype=dtype)
+    d = x.to("xla")
+    x.mul_(2)
+    assert torch.equal(d.cpu(), torch.ones(5, dtype=dtype))

@@ -52,11 +52,13 @@ from xlatorch.runtime import fx as _fx  # noqa: E402
 _fx.SPECS.update({s.overload: s for s in _table.SPECS.values() if s.overload is not None})
 
 import xlatorch.debug  # noqa: E402,F401  (the compile explainer, sync report and metrics hook into the runtime)
+from xlatorch.amp import autocast_mode as _autocast  # noqa: E402
 from xlatorch.debug import profiler as _profiler  # noqa: E402
 from xlatorch.fallback import cpu as _fallback  # noqa: E402,F401  (ops with no lowering run on CPU)
 from xlatorch.runtime import interrupts as _interrupts  # noqa: E402
 from xlatorch.runtime import serialization as _serialization  # noqa: E402,F401  (torch.load of device tensors)
 
+_autocast.install()  # torch.autocast("xla"): the policy table's kernels on AutocastPrivateUse1
 _interrupts.install()  # Ctrl-C is raised in the user's code, not inside dispatch or a sync
 
 _torch_compile = torch.compile

@@ -5,6 +5,7 @@ ATen schema's arguments in order, and returns JAX values.
 """
 
 from xlatorch.lowering import (  # noqa: F401
+    amp,
     checks,
     fft,
     index,

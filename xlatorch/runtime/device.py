@@ -55,6 +55,11 @@ class _DeviceModule:
     manual_seed = manual_seed_all
 
     @staticmethod
+    def get_amp_supported_dtype() -> list[torch.dtype]:
+        """The low precision dtypes ``torch.autocast("xla", dtype=...)`` accepts."""
+        return [torch.bfloat16, torch.float16]
+
+    @staticmethod
     def get_rng_state(device="xla"):
         return torch.tensor([rng.get_seed()], dtype=torch.uint64)
 

@@ -64,12 +64,12 @@ class OpSpec:
     __slots__ = (
         "name", "overload", "emit", "arg_names", "kinds", "kwarg_only", "returns",
         "promote", "promote_idx", "view", "scatter", "cache", "meta_overload", "check", "check_integral",
-        "counter",
+        "counter", "mutates",
     )  # fmt: skip
 
     def __init__(self, name, overload, emit, arg_names, kinds, kwarg_only, returns,
                  promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-                 check=None, check_integral=False):  # fmt: skip
+                 check=None, check_integral=False, mutates=()):  # fmt: skip
         self.name = name
         self.overload = overload
         self.emit = emit
@@ -91,6 +91,9 @@ class OpSpec:
         self.check_integral = check_integral  # check only when the computation dtype is integral
         # torch_xla's per-op counter: how many times the op was recorded for the device
         self.counter = "xla::" + (name.split("::")[-1].split(".")[0])
+        # An in-place op writing several arguments (``_amp_update_scale_``): their positions, in
+        # schema order; the node's outputs are their new values, a list argument's one per tensor.
+        self.mutates = mutates
 
     def __repr__(self):
         return f"OpSpec({self.name})"
@@ -269,6 +272,8 @@ def _infer(spec: OpSpec, vals: tuple) -> Info:
         kwargs["device"] = "meta"
     res = spec.meta_overload(*args, **kwargs)
     res = [res] if isinstance(res, torch.Tensor) else list(res)
+    if spec.mutates:  # the functional op's results, e.g. (Tensor[], Tensor): one flat list
+        res = [x for r in res for x in (r if isinstance(r, (list, tuple)) else (r,))]
     # None: an output PyTorch leaves undefined (e.g. a gradient masked out by output_mask).
     avals = tuple(None if r is None else (tuple(r.shape), r.dtype) for r in res)
     cdtype = None
@@ -310,6 +315,8 @@ def _view_of(base: XlaTensor, step, value) -> XlaTensor:
 def call_inplace(spec: OpSpec, args: tuple):
     """An in-place op: the lowering's result (cast to ``self``'s dtype) becomes ``self``'s value."""
     self = args[0]
+    if spec.mutates:
+        return _call_mutating(spec, args)
     if spec.kinds[0] is TENSOR_LIST:  # _foreach_*_: one result per tensor of the list
         n = _node(spec, *_prepare(spec, args))
         for t, v in zip(self, n.outs):
@@ -320,6 +327,21 @@ def call_inplace(spec: OpSpec, args: tuple):
     n = _node(spec, *_prepare(spec, args))
     write(self, n.outs[0])
     return self
+
+
+def _call_mutating(spec: OpSpec, args: tuple):
+    """An in-place op writing several arguments: each gets its part of the node's outputs."""
+    targets = []
+    for i in spec.mutates:
+        a = args[i]
+        targets += list(a) if spec.kinds[i] is TENSOR_LIST else [a]
+    for t in targets:
+        if type(t) is not XlaTensor:
+            raise _not_xla(spec, t)
+    n = _node(spec, *_prepare(spec, args))
+    for t, v in zip(targets, n.outs, strict=True):
+        write(t, v if v.aval[1] == t.dtype else convert_value(v, t.dtype))
+    return args[0] if spec.returns is ONE else None
 
 
 def call_out(spec: OpSpec, args: tuple, outs: tuple, returns: bool = True):

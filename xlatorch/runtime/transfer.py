@@ -35,8 +35,9 @@ def local_device_count() -> int:
     return len(_devices)
 
 
-def _to_numpy(t: torch.Tensor) -> np.ndarray:
-    """The host array the device stores for ``t``, in its storage dtype.
+def _to_numpy(t: torch.Tensor, private: bool = False) -> np.ndarray:
+    """The host array the device stores for ``t``, in its storage dtype (``private``: never
+    sharing ``t``'s memory).
 
     A precision mode rounds float32/float64 here, on the host, so only the narrow data is
     transferred; with numpy (ml_dtypes): round to nearest even like PyTorch, but NaN keeps
@@ -45,7 +46,9 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
     t = t.detach().contiguous()
     a = t.view(torch.int16).numpy().view(EXACT[torch.bfloat16]) if t.dtype == torch.bfloat16 else t.numpy()
     want = TORCH_TO_JAX[t.dtype]
-    return a if a.dtype == want else a.astype(want)
+    if a.dtype != want:
+        return a.astype(want)
+    return a.copy() if private else a
 
 
 def to_device(t: torch.Tensor, dev: int | None = None) -> Data:
@@ -56,7 +59,9 @@ def to_device(t: torch.Tensor, dev: int | None = None) -> Data:
         dev = current_device()
     jdev = jax_device(dev)  # first: starting the runtime is not a transfer (and may start a capture)
     with record.TIMED("TransferToDeviceTime"):
-        arr = jax.device_put(_to_numpy(t.cpu()), jdev)
+        # jax.device_put on CPU may alias an aligned numpy array: the device value must not
+        # change when the host tensor is later written in place (other platforms copy anyway).
+        arr = jax.device_put(_to_numpy(t.cpu(), private=jdev.platform == "cpu"), jdev)
     record.COUNTERS["TensorToData"] += 1
     return Data(arr, (tuple(t.shape), t.dtype), dev)
 
