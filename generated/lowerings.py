@@ -67,6 +67,46 @@ def full_like(out, self, fill_value, dtype, layout, device, pin_memory, memory_f
     return jnp.full(out.shape, fill_value, out.dtype)
 
 
+def linspace(out, start, end, steps, dtype, layout, device, pin_memory):
+    return L.factory.linspace(out, start, end, steps, dtype, layout, device, pin_memory)
+
+
+def linspace_Tensor_Tensor(out, start, end, steps, dtype, layout, device, pin_memory):
+    return L.factory.linspace(out, start, end, steps, dtype, layout, device, pin_memory)
+
+
+def linspace_Tensor_Scalar(out, start, end, steps, dtype, layout, device, pin_memory):
+    return L.factory.linspace(out, start, end, steps, dtype, layout, device, pin_memory)
+
+
+def linspace_Scalar_Tensor(out, start, end, steps, dtype, layout, device, pin_memory):
+    return L.factory.linspace(out, start, end, steps, dtype, layout, device, pin_memory)
+
+
+def logspace(out, start, end, steps, base, dtype, layout, device, pin_memory):
+    return L.factory.logspace(out, start, end, steps, base, dtype, layout, device, pin_memory)
+
+
+def logspace_Tensor_Tensor(out, start, end, steps, base, dtype, layout, device, pin_memory):
+    return L.factory.logspace(out, start, end, steps, base, dtype, layout, device, pin_memory)
+
+
+def logspace_Tensor_Scalar(out, start, end, steps, base, dtype, layout, device, pin_memory):
+    return L.factory.logspace(out, start, end, steps, base, dtype, layout, device, pin_memory)
+
+
+def logspace_Scalar_Tensor(out, start, end, steps, base, dtype, layout, device, pin_memory):
+    return L.factory.logspace(out, start, end, steps, base, dtype, layout, device, pin_memory)
+
+
+def triu_indices(out, row, col, offset, dtype, layout, device, pin_memory):
+    return L.factory.triu_indices(out, row, col, offset)
+
+
+def tril_indices(out, row, col, offset, dtype, layout, device, pin_memory):
+    return L.factory.tril_indices(out, row, col, offset)
+
+
 def new_empty(out, self, size, dtype, layout, device, pin_memory):
     return jnp.zeros(out.shape, out.dtype)
 
