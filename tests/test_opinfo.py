@@ -142,7 +142,8 @@ class _Moved:
         # A factory sample that names no device (torch.linspace(1, 3, 1)) makes its result on
         # the default device: the xla device here, CPU for the reference.
         self.default_xla = "device" not in self.kwargs and not any(
-            isinstance(t, torch.Tensor) for t in tree_flatten((self.input, self.args, self.kwargs))[0])
+            isinstance(t, torch.Tensor) for t in tree_flatten((self.input, self.args, self.kwargs))[0]
+        )
 
 
 def _samples(op, dtype, requires_grad, full):
