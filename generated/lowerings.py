@@ -667,6 +667,14 @@ def index_add__check(out, self, dim, index, source, alpha):
     return L.checks.along_dim(self, dim, index)
 
 
+def index_reduce(out, self, dim, index, source, reduce, include_self):
+    return L.index.index_reduce(out, self, dim, index, source, reduce, include_self)
+
+
+def index_reduce__check(out, self, dim, index, source, reduce, include_self):
+    return L.checks.index_range(self, dim, index)
+
+
 def index_copy(out, self, dim, index, source):
     return L.index.index_copy(out, self, dim, index, source)
 
