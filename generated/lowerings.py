@@ -1787,6 +1787,10 @@ def linalg_cross(out, self, other, dim):
     return L.linalg.linalg_cross(out, self, other, dim)
 
 
+def _trilinear(out, i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim):
+    return L.linalg.trilinear(out, i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim)
+
+
 def diag_embed(out, self, offset, dim1, dim2):
     return L.linalg.diag_embed(out, self, offset, dim1, dim2)
 

@@ -238,3 +238,26 @@ def lu_solve(out, LU, pivots, B, left=True, adjoint=False):
     # X A = B  <=>  A^H X^H = B^H
     bh = jnp.conj(jnp.swapaxes(b, -1, -2))
     return jnp.conj(jnp.swapaxes(jsl.lu_solve((lu, piv), bh, trans=0 if adjoint else 2), -1, -2))
+
+
+def trilinear(out, i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
+    """aten._trilinear (``F.bilinear``): two einsums, as CPU contracts: ``i1`` with ``i2`` over
+    the summed dims ``i3`` lacks, the result (rounded to the output dtype, as CPU's bfloat16
+    kernels round it) with ``i3`` over the rest; each input unsqueezed at its ``expand`` dims,
+    size-1 dims broadcast."""
+    n = i1.ndim + len(expand1)
+    ops = []
+    for x, expand in ((i1, expand1), (i2, expand2), (i3, expand3)):
+        gone = {e % n for e in expand}
+        ops.append((x, [d for d in range(n) if d not in gone]))
+    size = [max([x.shape[dims.index(d)] for x, dims in ops if d in dims], default=1) for d in range(n)]
+    args = []
+    for x, dims in ops:
+        keep = [k for k, d in enumerate(dims) if x.shape[k] != 1 or size[d] == 1]  # drop broadcast dims
+        args.append((x.reshape([x.shape[k] for k in keep]), [dims[k] for k in keep]))
+    summed = {s % n for s in sumdim}
+    (a, la), (b, lb), (c, lc) = args
+    first = [d for d in range(n) if d in set(la) | set(lb) and not (d in summed and d not in lc)]
+    ab = jnp.einsum(a, la, b, lb, first).astype(out.dtype)
+    last = [d for d in range(n) if d not in summed and d in set(first) | set(lc)]
+    return jnp.einsum(ab, first, c, lc, last).reshape(out.shape)
