@@ -1679,6 +1679,18 @@ def logcumsumexp(out, self, dim):
     return L.reduce.logcumsumexp(out, self, dim)
 
 
+def segment_reduce(out, data, reduce, lengths, indices, offsets, axis, unsafe, initial):
+    return L.segment.segment_reduce(out, data, reduce, lengths, indices, offsets, axis, unsafe, initial)
+
+
+def segment_reduce__check(out, data, reduce, lengths, indices, offsets, axis, unsafe, initial):
+    return L.checks.segments(data, lengths, offsets, unsafe)
+
+
+def _segment_reduce_backward(out, grad, output, data, reduce, lengths, offsets, axis, initial):
+    return L.segment.segment_reduce_backward(out, grad, output, data, reduce, lengths, offsets, axis, initial)
+
+
 def cummax(out, self, dim):
     return L.reduce.cummax(out, self, dim)
 

@@ -17,6 +17,7 @@ from xlatorch.lowering import (  # noqa: F401
     pool,
     reduce,
     sample,
+    segment,
     shape,
     sort,
 )
