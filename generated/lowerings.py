@@ -1799,6 +1799,14 @@ def linalg_cross(out, self, other, dim):
     return L.linalg.linalg_cross(out, self, other, dim)
 
 
+def linalg_pinv_atol_rtol_tensor(out, self, atol, rtol, hermitian):
+    return L.linalg.pinv(out, self, atol, rtol, hermitian)
+
+
+def lu_unpack(out, LU_data, LU_pivots, unpack_data, unpack_pivots):
+    return L.linalg.lu_unpack(out, LU_data, LU_pivots, unpack_data, unpack_pivots)
+
+
 def _trilinear(out, i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim):
     return L.linalg.trilinear(out, i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim)
 

@@ -261,3 +261,51 @@ def trilinear(out, i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
     ab = jnp.einsum(a, la, b, lb, first).astype(out.dtype)
     last = [d for d in range(n) if d not in summed and d in set(first) | set(lc)]
     return jnp.einsum(ab, first, c, lc, last).reshape(out.shape)
+
+
+def pinv(out, self, atol=None, rtol=None, hermitian=False):
+    """aten.linalg_pinv.atol_rtol_tensor: the pseudo-inverse from an SVD (an eigendecomposition
+    when ``hermitian``), singular values at or below ``max(atol, rtol * largest)`` dropped;
+    ``rtol`` defaults to eps * max(m, n), or 0 when a positive ``atol`` is given (PyTorch's rule)."""
+    if 0 in self.shape:
+        return jnp.zeros(out.shape, out.dtype)
+    a = self.astype(jnp.float32) if self.dtype in _LOW else self
+    real = jnp.finfo(a.dtype).dtype
+    default_rtol = jnp.finfo(real).eps * max(a.shape[-2], a.shape[-1])
+    atol_ = jnp.zeros((), real) if atol is None else atol.astype(real)
+    if rtol is not None:
+        rtol_ = rtol.astype(real)
+    elif atol is not None:
+        rtol_ = jnp.where(atol_ > 0, 0, default_rtol).astype(real)
+    else:
+        rtol_ = jnp.asarray(default_rtol, real)
+    if hermitian:
+        s, u = jnp.linalg.eigh(a, symmetrize_input=False)
+        big = jnp.max(jnp.abs(s), axis=-1, keepdims=True)
+        tol = jnp.maximum(atol_[..., None], rtol_[..., None] * big)
+        inv = jnp.where(jnp.abs(s) > tol, 1 / s, 0).astype(a.dtype)
+        return jnp.matmul(u * inv[..., None, :], jnp.conj(jnp.swapaxes(u, -1, -2)))
+    u, s, vh = jnp.linalg.svd(a, full_matrices=False)
+    tol = jnp.maximum(atol_[..., None], rtol_[..., None] * s[..., :1])
+    inv = jnp.where(s > tol, 1 / s, 0).astype(a.dtype)
+    return jnp.matmul(jnp.conj(jnp.swapaxes(vh, -1, -2)) * inv[..., None, :], jnp.conj(jnp.swapaxes(u, -1, -2)))
+
+
+def lu_unpack(out, LU_data, LU_pivots, unpack_data=True, unpack_pivots=True):
+    """aten.lu_unpack: (P, L, U) with A = P @ L @ U from LAPACK-style LU and 1-based pivots."""
+    m, n = LU_data.shape[-2:]
+    k = min(m, n)
+    P = L = U = None
+    if unpack_data:
+        L = jnp.tril(LU_data[..., :, :k], -1) + jnp.eye(m, k, dtype=LU_data.dtype)
+        U = jnp.triu(LU_data[..., :k, :])
+    else:
+        L, U = jnp.zeros(out[1].shape, out[1].dtype), jnp.zeros(out[2].shape, out[2].dtype)
+    if unpack_pivots:
+        perm = lax.linalg.lu_pivots_to_permutation(LU_pivots.astype(jnp.int32) - 1, m)
+        # P^T A = L U with (P^T)[i] = e_perm[i]: P[perm[i], i] = 1.
+        P = jnp.swapaxes(jnp.eye(m, dtype=out[0].dtype)[perm], -1, -2)
+        P = jnp.broadcast_to(P, out[0].shape)
+    else:
+        P = jnp.zeros(out[0].shape, out[0].dtype)
+    return P, L, U
