@@ -91,18 +91,25 @@ def _perm_sign(piv):
     return jnp.where(swaps % 2 == 0, 1, -1)
 
 
+def _lu_as_cpu(A):
+    """The LU that PyTorch's det/slogdet save for their backward: of A^T for a real A (CPU
+    factors the transpose of a C-contiguous real matrix, which device tensors always are, and
+    the backward solves with ``adjoint=False`` on that assumption), of A for a complex one."""
+    return _lu(A if jnp.iscomplexobj(A) else jnp.swapaxes(A, -1, -2))
+
+
 @_lapack
 def linalg_det(out, A):
-    """aten._linalg_det: (det, LU, pivots)."""
-    lu, piv = _lu(A)
+    """aten._linalg_det: (det, LU, pivots), the LU of A^T for real A (see ``_lu_as_cpu``)."""
+    lu, piv = _lu_as_cpu(A)
     diag = jnp.diagonal(lu, axis1=-2, axis2=-1)
     return jnp.prod(diag, axis=-1) * _perm_sign(piv).astype(lu.dtype), lu, piv
 
 
 @_lapack
 def linalg_slogdet(out, A):
-    """aten._linalg_slogdet: (sign, logabsdet, LU, pivots)."""
-    lu, piv = _lu(A)
+    """aten._linalg_slogdet: (sign, logabsdet, LU, pivots), the LU of A^T for real A."""
+    lu, piv = _lu_as_cpu(A)
     diag = jnp.diagonal(lu, axis1=-2, axis2=-1)
     sign = _perm_sign(piv).astype(lu.dtype) * jnp.prod(diag / jnp.abs(diag), axis=-1)
     logabs = jnp.sum(jnp.log(jnp.abs(diag)), axis=-1)
