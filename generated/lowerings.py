@@ -1847,6 +1847,10 @@ def view_as_real__scatter(out, self, src, idx):
     return L.shape.complex_of_pairs(src)
 
 
+def polar(out, abs, angle):
+    return lax.complex(*jnp.broadcast_arrays(abs * jnp.cos(angle), abs * jnp.sin(angle)))
+
+
 def view_as_complex(out, self):
     return L.shape.complex_of_pairs(self)
 
