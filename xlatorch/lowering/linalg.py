@@ -58,6 +58,15 @@ def addr(out, self, vec1, vec2, beta=1, alpha=1):
     beta, alpha = _scalars(out, beta, alpha)
     if out.dtype == jnp.bool_:
         return (beta & self) | (alpha & jnp.outer(vec1, vec2))
+    if out.dtype in _LOW:
+        # CPU's kernel rounds each product to the dtype: (beta * self) + ((alpha * vec1) * vec2).
+        # reduce_precision keeps XLA from skipping those roundings (excess precision).
+        info = jnp.finfo(out.dtype)
+        r = functools.partial(lax.reduce_precision, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+        f32 = jnp.float32
+        prod = r(r(alpha.astype(f32) * vec1.astype(f32)[:, None]) * vec2.astype(f32)[None, :])
+        scaled = jnp.where(beta == 0, 0, r(beta.astype(f32) * self.astype(f32)))  # beta == 0 ignores self
+        return (scaled + prod).astype(out.dtype)
     return _beta_self(beta, self) + alpha * jnp.outer(vec1, vec2)
 
 
