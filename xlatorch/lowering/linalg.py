@@ -71,22 +71,27 @@ def addr(out, self, vec1, vec2, beta=1, alpha=1):
 
 
 def vector_norm(out, self, ord=2, dim=None, keepdim=False, dtype=None):
-    """aten.linalg_vector_norm (``ord`` static): inf/-inf/0/p norms, computed in ``out``'s dtype."""
+    """aten.linalg_vector_norm (``ord`` static): inf/-inf/0/p norms, computed in ``out``'s dtype
+    (in float32 for bfloat16/float16, rounded once, as CPU accumulates them)."""
     x = jnp.abs(self.astype(out.dtype) if not jnp.iscomplexobj(self) else self).astype(out.dtype)
+    if x.dtype in _LOW:
+        x = x.astype(jnp.float32)
     axes = None if dim is None or len(dim) == 0 else tuple(d % max(x.ndim, 1) for d in dim)
     if x.ndim == 0:
         axes = None
     if ord == float("inf"):
-        return jnp.max(x, axis=axes, keepdims=keepdim)
-    if ord == float("-inf"):
-        return jnp.min(x, axis=axes, keepdims=keepdim)
-    if ord == 0:
-        return jnp.sum(x != 0, axis=axes, keepdims=keepdim).astype(out.dtype)
-    if ord == 1:
-        return jnp.sum(x, axis=axes, keepdims=keepdim)
-    if ord == 2:
-        return jnp.sqrt(jnp.sum(x * x, axis=axes, keepdims=keepdim))
-    return jnp.sum(x**ord, axis=axes, keepdims=keepdim) ** (1.0 / ord)
+        res = jnp.max(x, axis=axes, keepdims=keepdim)
+    elif ord == float("-inf"):
+        res = jnp.min(x, axis=axes, keepdims=keepdim)
+    elif ord == 0:
+        res = jnp.sum(x != 0, axis=axes, keepdims=keepdim)
+    elif ord == 1:
+        res = jnp.sum(x, axis=axes, keepdims=keepdim)
+    elif ord == 2:
+        res = jnp.sqrt(jnp.sum(x * x, axis=axes, keepdims=keepdim))
+    else:
+        res = jnp.sum(x**ord, axis=axes, keepdims=keepdim) ** (1.0 / ord)
+    return res.astype(out.dtype)
 
 
 def _lu(a):
