@@ -44,7 +44,7 @@ def arange_start_step(out, start, end, step, dtype, layout, device, pin_memory):
 
 
 def arange(out, end, dtype, layout, device, pin_memory):
-    return jnp.arange(end, dtype=out.dtype)
+    return jnp.arange(out.shape[0], dtype=out.dtype)
 
 
 def arange_start(out, start, end, dtype, layout, device, pin_memory):
