@@ -2309,6 +2309,7 @@ S_linalg_pinv_atol_rtol_tensor = OpSpec(
 S_lu_unpack = OpSpec(
     "lu_unpack.default", aten.lu_unpack.default, E.lu_unpack, ('LU_data', 'LU_pivots', 'unpack_data', 'unpack_pivots'), (TENSOR, TENSOR, STATIC, STATIC,), (False, False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    check=E.lu_unpack__check, check_integral=False,
 )
 S__trilinear = OpSpec(
     "_trilinear.default", aten._trilinear.default, E._trilinear, ('i1', 'i2', 'i3', 'expand1', 'expand2', 'expand3', 'sumdim', 'unroll_dim'), (TENSOR, TENSOR, TENSOR, STATIC, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False, False, False, False), ONE,

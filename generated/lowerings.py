@@ -1807,6 +1807,10 @@ def lu_unpack(out, LU_data, LU_pivots, unpack_data, unpack_pivots):
     return L.linalg.lu_unpack(out, LU_data, LU_pivots, unpack_data, unpack_pivots)
 
 
+def lu_unpack__check(out, LU_data, LU_pivots, unpack_data, unpack_pivots):
+    return L.checks.lu_pivots(LU_data, LU_pivots, unpack_pivots)
+
+
 def _trilinear(out, i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim):
     return L.linalg.trilinear(out, i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim)
 

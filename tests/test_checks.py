@@ -75,6 +75,8 @@ BAD = {
     "segment_reduce_sum": lambda x, d: torch.segment_reduce(x, "sum", lengths=I([1, 1], device=d)),
     "segment_reduce_negative": lambda x, d: torch.segment_reduce(x, "max", lengths=I([4, -1], device=d)),
     "segment_reduce_unsafe": lambda x, d: torch.segment_reduce(x, "sum", lengths=I([4, -1], device=d), unsafe=True),
+    "lu_unpack": lambda x, d: torch.lu_unpack(x[:, :3].to(d), I([1, 4, 3], dtype=torch.int32, device=d)),
+    "lu_unpack_zero": lambda x, d: torch.lu_unpack(x[:, :3].to(d), I([0, 2, 3], dtype=torch.int32, device=d)),
     "segment_reduce_offsets": lambda x, d: torch.segment_reduce(x, "sum", offsets=I([0, 2, 1, 3], device=d)),
 }
 

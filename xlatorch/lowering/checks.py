@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 __all__ = ["in_range", "index_range", "along_dim", "advanced", "targets", "bag", "divisor", "index_out_of_range",
-           "flat", "segments"]  # fmt: skip
+           "flat", "segments", "lu_pivots"]  # fmt: skip
 
 
 def in_range(index, low, high, exc, msg):
@@ -118,3 +118,12 @@ def segments(data, lengths, offsets, unsafe: bool):
     msg = ("segment_reduce(): Expected all rows of lengths along axis to sum to data.size(lengths.dim()-1) "
            "when !unsafe.")  # fmt: skip
     return [negative(lengths, "lengths contains negative value!"), (jnp.any(wrong), 0, 0, RuntimeError, msg)]
+
+
+def lu_pivots(LU_data, LU_pivots, unpack_pivots: bool):
+    """``lu_unpack``: every pivot in ``[1, LU.size(-2)]`` (checked only when unpacking them)."""
+    if not unpack_pivots:
+        return None
+    msg = ("pivots passed to lu_unpack must be between 1 and LU.size(-2) inclusive.Did you properly pass the "
+           "result of lu_factor?")  # fmt: skip
+    return in_range(LU_pivots, 1, LU_data.shape[-2] + 1, RuntimeError, msg)
