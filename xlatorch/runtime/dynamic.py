@@ -132,7 +132,7 @@ def equal(self, other):
     """
     if tuple(self.shape) != tuple(other.shape):
         return False
-    with cause("aten::equal returns a Python bool"):
+    with cause("torch.equal"):
         return bool(aten._local_scalar_dense(aten.all.default(aten.eq.Tensor(self, other))))
 
 
