@@ -44,7 +44,7 @@ def arange_start_step(out, start, end, step, dtype, layout, device, pin_memory):
 
 
 def arange(out, end, dtype, layout, device, pin_memory):
-    return jnp.arange(end, dtype=out.dtype)
+    return jnp.arange(out.shape[0], dtype=out.dtype)
 
 
 def arange_start(out, start, end, dtype, layout, device, pin_memory):
@@ -65,6 +65,46 @@ def ones_like(out, self, dtype, layout, device, pin_memory, memory_format):
 
 def full_like(out, self, fill_value, dtype, layout, device, pin_memory, memory_format):
     return jnp.full(out.shape, fill_value, out.dtype)
+
+
+def linspace(out, start, end, steps, dtype, layout, device, pin_memory):
+    return L.factory.linspace(out, start, end, steps, dtype, layout, device, pin_memory)
+
+
+def linspace_Tensor_Tensor(out, start, end, steps, dtype, layout, device, pin_memory):
+    return L.factory.linspace(out, start, end, steps, dtype, layout, device, pin_memory)
+
+
+def linspace_Tensor_Scalar(out, start, end, steps, dtype, layout, device, pin_memory):
+    return L.factory.linspace(out, start, end, steps, dtype, layout, device, pin_memory)
+
+
+def linspace_Scalar_Tensor(out, start, end, steps, dtype, layout, device, pin_memory):
+    return L.factory.linspace(out, start, end, steps, dtype, layout, device, pin_memory)
+
+
+def logspace(out, start, end, steps, base, dtype, layout, device, pin_memory):
+    return L.factory.logspace(out, start, end, steps, base, dtype, layout, device, pin_memory)
+
+
+def logspace_Tensor_Tensor(out, start, end, steps, base, dtype, layout, device, pin_memory):
+    return L.factory.logspace(out, start, end, steps, base, dtype, layout, device, pin_memory)
+
+
+def logspace_Tensor_Scalar(out, start, end, steps, base, dtype, layout, device, pin_memory):
+    return L.factory.logspace(out, start, end, steps, base, dtype, layout, device, pin_memory)
+
+
+def logspace_Scalar_Tensor(out, start, end, steps, base, dtype, layout, device, pin_memory):
+    return L.factory.logspace(out, start, end, steps, base, dtype, layout, device, pin_memory)
+
+
+def triu_indices(out, row, col, offset, dtype, layout, device, pin_memory):
+    return L.factory.triu_indices(out, row, col, offset)
+
+
+def tril_indices(out, row, col, offset, dtype, layout, device, pin_memory):
+    return L.factory.tril_indices(out, row, col, offset)
 
 
 def new_empty(out, self, size, dtype, layout, device, pin_memory):
@@ -625,6 +665,14 @@ def index_add(out, self, dim, index, source, alpha):
 
 def index_add__check(out, self, dim, index, source, alpha):
     return L.checks.along_dim(self, dim, index)
+
+
+def index_reduce(out, self, dim, index, source, reduce, include_self):
+    return L.index.index_reduce(out, self, dim, index, source, reduce, include_self)
+
+
+def index_reduce__check(out, self, dim, index, source, reduce, include_self):
+    return L.checks.index_range(self, dim, index)
 
 
 def index_copy(out, self, dim, index, source):
@@ -1631,6 +1679,18 @@ def logcumsumexp(out, self, dim):
     return L.reduce.logcumsumexp(out, self, dim)
 
 
+def segment_reduce(out, data, reduce, lengths, indices, offsets, axis, unsafe, initial):
+    return L.segment.segment_reduce(out, data, reduce, lengths, indices, offsets, axis, unsafe, initial)
+
+
+def segment_reduce__check(out, data, reduce, lengths, indices, offsets, axis, unsafe, initial):
+    return L.checks.segments(data, lengths, offsets, unsafe)
+
+
+def _segment_reduce_backward(out, grad, output, data, reduce, lengths, offsets, axis, initial):
+    return L.segment.segment_reduce_backward(out, grad, output, data, reduce, lengths, offsets, axis, initial)
+
+
 def cummax(out, self, dim):
     return L.reduce.cummax(out, self, dim)
 
@@ -1739,6 +1799,22 @@ def linalg_cross(out, self, other, dim):
     return L.linalg.linalg_cross(out, self, other, dim)
 
 
+def linalg_pinv_atol_rtol_tensor(out, self, atol, rtol, hermitian):
+    return L.linalg.pinv(out, self, atol, rtol, hermitian)
+
+
+def lu_unpack(out, LU_data, LU_pivots, unpack_data, unpack_pivots):
+    return L.linalg.lu_unpack(out, LU_data, LU_pivots, unpack_data, unpack_pivots)
+
+
+def lu_unpack__check(out, LU_data, LU_pivots, unpack_data, unpack_pivots):
+    return L.checks.lu_pivots(LU_data, LU_pivots, unpack_pivots)
+
+
+def _trilinear(out, i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim):
+    return L.linalg.trilinear(out, i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim)
+
+
 def diag_embed(out, self, offset, dim1, dim2):
     return L.linalg.diag_embed(out, self, offset, dim1, dim2)
 
@@ -1773,6 +1849,10 @@ def view_as_real(out, self):
 
 def view_as_real__scatter(out, self, src, idx):
     return L.shape.complex_of_pairs(src)
+
+
+def polar(out, abs, angle):
+    return lax.complex(*jnp.broadcast_arrays(abs * jnp.cos(angle), abs * jnp.sin(angle)))
 
 
 def view_as_complex(out, self):

@@ -70,6 +70,14 @@ BAD = {
     "float_index": lambda x, d: x[I([0.0], device=d)],
     "mask_shape": lambda x, d: x[I([True], device=d)],
     "mask_shape_dim1": lambda x, d: x[:, I([True, False], device=d)],
+    "index_reduce_": lambda x, d: x.clone().index_reduce_(0, I([0, 3], device=d), _ones(2, 4).to(d), "amax"),
+    "index_reduce_negative": lambda x, d: x.clone().index_reduce_(0, I([-1], device=d), _ones(1, 4).to(d), "prod"),
+    "segment_reduce_sum": lambda x, d: torch.segment_reduce(x, "sum", lengths=I([1, 1], device=d)),
+    "segment_reduce_negative": lambda x, d: torch.segment_reduce(x, "max", lengths=I([4, -1], device=d)),
+    "segment_reduce_unsafe": lambda x, d: torch.segment_reduce(x, "sum", lengths=I([4, -1], device=d), unsafe=True),
+    "lu_unpack": lambda x, d: torch.lu_unpack(x[:, :3].to(d), I([1, 4, 3], dtype=torch.int32, device=d)),
+    "lu_unpack_zero": lambda x, d: torch.lu_unpack(x[:, :3].to(d), I([0, 2, 3], dtype=torch.int32, device=d)),
+    "segment_reduce_offsets": lambda x, d: torch.segment_reduce(x, "sum", offsets=I([0, 2, 1, 3], device=d)),
 }
 
 # Valid inputs of the same ops: same results as CPU, no error.
@@ -78,6 +86,7 @@ GOOD = {
     "index_put_negative": lambda x, d: x.clone().index_put_((I([-3], device=d),), I(1.0, device=d)),
     "index_fill_negative": lambda x, d: x.clone().index_fill_(0, I([-1], device=d), 1.0),
     "take_negative": lambda x, d: torch.take(x, I([-12, 11], device=d)),
+    "segment_reduce_unsafe": lambda x, d: torch.segment_reduce(x, "mean", lengths=I([1, 1], device=d), unsafe=True),
     "cross_entropy_ignore_index": lambda x, d: F.cross_entropy(x, I([0, 1, -100], device=d)),
     "nll_loss_ignore_index": lambda x, d: F.nll_loss(x, I([0, 7, 1], device=d), ignore_index=7),
     "true_division_by_zero": lambda x, d: I([3], device=d) / I([0], device=d),

@@ -15,6 +15,7 @@ all of them. Select ops with ``-k``, e.g. ``pytest tests/test_opinfo.py -k "sort
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections import defaultdict
@@ -138,6 +139,11 @@ class _Moved:
         self.input, self.args, self.kwargs = tree_map(_to_xla, (s.input, s.args, s.kwargs))
         if "device" in self.kwargs:  # factories: made on the device
             self.kwargs = dict(self.kwargs, device="xla")
+        # A factory sample that names no device (torch.linspace(1, 3, 1)) makes its result on
+        # the default device: the xla device here, CPU for the reference.
+        self.default_xla = "device" not in self.kwargs and not any(
+            isinstance(t, torch.Tensor) for t in tree_flatten((self.input, self.args, self.kwargs))[0]
+        )
 
 
 def _samples(op, dtype, requires_grad, full):
@@ -150,7 +156,8 @@ def _samples(op, dtype, requires_grad, full):
 
 
 def _call(op, s):
-    return op(s.input, *s.args, **s.kwargs)
+    with torch.device("xla") if getattr(s, "default_xla", False) else contextlib.nullcontext():
+        return op(s.input, *s.args, **s.kwargs)
 
 
 def _meta_compare(entries) -> bool:

@@ -7,6 +7,7 @@ ATen schema's arguments in order, and returns JAX values.
 from xlatorch.lowering import (  # noqa: F401
     amp,
     checks,
+    factory,
     fft,
     index,
     linalg,
@@ -17,6 +18,7 @@ from xlatorch.lowering import (  # noqa: F401
     pool,
     reduce,
     sample,
+    segment,
     shape,
     sort,
 )

@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 __all__ = ["in_range", "index_range", "along_dim", "advanced", "targets", "bag", "divisor", "index_out_of_range",
-           "flat"]  # fmt: skip
+           "flat", "segments", "lu_pivots"]  # fmt: skip
 
 
 def in_range(index, low, high, exc, msg):
@@ -92,3 +92,38 @@ def divisor(other):
     if other.size == 0:
         return None
     return jnp.any(other == 0), 0, 0, RuntimeError, "ZeroDivisionError"
+
+
+_SEGMENT_LENGTH = ("Expected segment_length >= 0 to be true, but got false.  (Could this error message be "
+                   "improved?  If so, please report an enhancement request to PyTorch.)")  # fmt: skip
+
+
+def segments(data, lengths, offsets, unsafe: bool):
+    """``segment_reduce``: no negative length; unless ``unsafe``, each row of ``lengths`` sums to
+    the size of the reduced dim (the dim after ``lengths``' leading ones)."""
+
+    def negative(seglen, msg):
+        flat = seglen.reshape(-1)
+        if flat.size == 0:
+            return None
+        pos = jnp.argmax(flat < 0)
+        return jnp.any(flat < 0), flat[pos], pos, RuntimeError, msg
+
+    if offsets is not None:
+        return [negative(jnp.diff(offsets.astype(jnp.int64), axis=-1), _SEGMENT_LENGTH)]
+    if unsafe:
+        return [negative(lengths, _SEGMENT_LENGTH)]
+    sums = jnp.sum(lengths.astype(jnp.int64), axis=-1).reshape(-1)
+    wrong = sums != data.shape[lengths.ndim - 1]
+    msg = ("segment_reduce(): Expected all rows of lengths along axis to sum to data.size(lengths.dim()-1) "
+           "when !unsafe.")  # fmt: skip
+    return [negative(lengths, "lengths contains negative value!"), (jnp.any(wrong), 0, 0, RuntimeError, msg)]
+
+
+def lu_pivots(LU_data, LU_pivots, unpack_pivots: bool):
+    """``lu_unpack``: every pivot in ``[1, LU.size(-2)]`` (checked only when unpacking them)."""
+    if not unpack_pivots:
+        return None
+    msg = ("pivots passed to lu_unpack must be between 1 and LU.size(-2) inclusive.Did you properly pass the "
+           "result of lu_factor?")  # fmt: skip
+    return in_range(LU_pivots, 1, LU_data.shape[-2] + 1, RuntimeError, msg)

@@ -131,6 +131,26 @@ def index_add(out, self, dim, index, source, alpha=1):
     return _apply(x.at[ix], "add", src, x.dtype).reshape(self.shape)
 
 
+def index_reduce(out, self, dim, index, source, reduce, include_self=True):
+    """aten.index_reduce: ``self[..., index[i], ...]`` combined with ``source[..., i, ...]`` by
+    prod/mean/amax/amin along ``dim`` (a scatter); integer means round down, as on CPU."""
+    x = _flat0(self)
+    src = _flat0(source).astype(x.dtype)
+    d = dim % x.ndim
+    index = index.reshape(-1)
+    ix = (slice(None),) * d + (index,)
+    if not include_self:
+        init = {"mean": 0, "prod": 1, "amax": _lowest(x.dtype), "amin": _highest(x.dtype)}[reduce]
+        x = x.at[ix].set(jnp.asarray(init).astype(x.dtype))
+    how = {"mean": "add", "prod": "multiply", "amax": "max", "amin": "min"}[reduce]
+    res = _apply(x.at[ix], how, src, x.dtype)
+    if reduce == "mean":
+        cnt = jnp.zeros(x.shape[d], jnp.int64).at[index].add(1) + (1 if include_self else 0)
+        cnt = jnp.maximum(cnt, 1).astype(x.dtype).reshape((-1,) + (1,) * (x.ndim - d - 1))
+        res = res / cnt if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.floor_divide(res, cnt)
+    return res.reshape(self.shape)
+
+
 def index_copy(out, self, dim, index, source):
     """aten.index_copy: ``self[..., index, ...] = source`` along ``dim``."""
     x, src = _flat0(self), _flat0(source)

@@ -58,26 +58,40 @@ def addr(out, self, vec1, vec2, beta=1, alpha=1):
     beta, alpha = _scalars(out, beta, alpha)
     if out.dtype == jnp.bool_:
         return (beta & self) | (alpha & jnp.outer(vec1, vec2))
+    if out.dtype in _LOW:
+        # CPU's kernel rounds each product to the dtype: (beta * self) + ((alpha * vec1) * vec2).
+        # reduce_precision keeps XLA from skipping those roundings (excess precision).
+        info = jnp.finfo(out.dtype)
+        r = functools.partial(lax.reduce_precision, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+        f32 = jnp.float32
+        prod = r(r(alpha.astype(f32) * vec1.astype(f32)[:, None]) * vec2.astype(f32)[None, :])
+        scaled = jnp.where(beta == 0, 0, r(beta.astype(f32) * self.astype(f32)))  # beta == 0 ignores self
+        return (scaled + prod).astype(out.dtype)
     return _beta_self(beta, self) + alpha * jnp.outer(vec1, vec2)
 
 
 def vector_norm(out, self, ord=2, dim=None, keepdim=False, dtype=None):
-    """aten.linalg_vector_norm (``ord`` static): inf/-inf/0/p norms, computed in ``out``'s dtype."""
+    """aten.linalg_vector_norm (``ord`` static): inf/-inf/0/p norms, computed in ``out``'s dtype
+    (in float32 for bfloat16/float16, rounded once, as CPU accumulates them)."""
     x = jnp.abs(self.astype(out.dtype) if not jnp.iscomplexobj(self) else self).astype(out.dtype)
+    if x.dtype in _LOW:
+        x = x.astype(jnp.float32)
     axes = None if dim is None or len(dim) == 0 else tuple(d % max(x.ndim, 1) for d in dim)
     if x.ndim == 0:
         axes = None
     if ord == float("inf"):
-        return jnp.max(x, axis=axes, keepdims=keepdim)
-    if ord == float("-inf"):
-        return jnp.min(x, axis=axes, keepdims=keepdim)
-    if ord == 0:
-        return jnp.sum(x != 0, axis=axes, keepdims=keepdim).astype(out.dtype)
-    if ord == 1:
-        return jnp.sum(x, axis=axes, keepdims=keepdim)
-    if ord == 2:
-        return jnp.sqrt(jnp.sum(x * x, axis=axes, keepdims=keepdim))
-    return jnp.sum(x**ord, axis=axes, keepdims=keepdim) ** (1.0 / ord)
+        res = jnp.max(x, axis=axes, keepdims=keepdim)
+    elif ord == float("-inf"):
+        res = jnp.min(x, axis=axes, keepdims=keepdim)
+    elif ord == 0:
+        res = jnp.sum(x != 0, axis=axes, keepdims=keepdim)
+    elif ord == 1:
+        res = jnp.sum(x, axis=axes, keepdims=keepdim)
+    elif ord == 2:
+        res = jnp.sqrt(jnp.sum(x * x, axis=axes, keepdims=keepdim))
+    else:
+        res = jnp.sum(x**ord, axis=axes, keepdims=keepdim) ** (1.0 / ord)
+    return res.astype(out.dtype)
 
 
 def _lu(a):
@@ -91,18 +105,25 @@ def _perm_sign(piv):
     return jnp.where(swaps % 2 == 0, 1, -1)
 
 
+def _lu_as_cpu(A):
+    """The LU that PyTorch's det/slogdet save for their backward: of A^T for a real A (CPU
+    factors the transpose of a C-contiguous real matrix, which device tensors always are, and
+    the backward solves with ``adjoint=False`` on that assumption), of A for a complex one."""
+    return _lu(A if jnp.iscomplexobj(A) else jnp.swapaxes(A, -1, -2))
+
+
 @_lapack
 def linalg_det(out, A):
-    """aten._linalg_det: (det, LU, pivots)."""
-    lu, piv = _lu(A)
+    """aten._linalg_det: (det, LU, pivots), the LU of A^T for real A (see ``_lu_as_cpu``)."""
+    lu, piv = _lu_as_cpu(A)
     diag = jnp.diagonal(lu, axis1=-2, axis2=-1)
     return jnp.prod(diag, axis=-1) * _perm_sign(piv).astype(lu.dtype), lu, piv
 
 
 @_lapack
 def linalg_slogdet(out, A):
-    """aten._linalg_slogdet: (sign, logabsdet, LU, pivots)."""
-    lu, piv = _lu(A)
+    """aten._linalg_slogdet: (sign, logabsdet, LU, pivots), the LU of A^T for real A."""
+    lu, piv = _lu_as_cpu(A)
     diag = jnp.diagonal(lu, axis1=-2, axis2=-1)
     sign = _perm_sign(piv).astype(lu.dtype) * jnp.prod(diag / jnp.abs(diag), axis=-1)
     logabs = jnp.sum(jnp.log(jnp.abs(diag)), axis=-1)
@@ -238,3 +259,74 @@ def lu_solve(out, LU, pivots, B, left=True, adjoint=False):
     # X A = B  <=>  A^H X^H = B^H
     bh = jnp.conj(jnp.swapaxes(b, -1, -2))
     return jnp.conj(jnp.swapaxes(jsl.lu_solve((lu, piv), bh, trans=0 if adjoint else 2), -1, -2))
+
+
+def trilinear(out, i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
+    """aten._trilinear (``F.bilinear``): two einsums, as CPU contracts: ``i1`` with ``i2`` over
+    the summed dims ``i3`` lacks, the result (rounded to the output dtype, as CPU's bfloat16
+    kernels round it) with ``i3`` over the rest; each input unsqueezed at its ``expand`` dims,
+    size-1 dims broadcast."""
+    n = i1.ndim + len(expand1)
+    ops = []
+    for x, expand in ((i1, expand1), (i2, expand2), (i3, expand3)):
+        gone = {e % n for e in expand}
+        ops.append((x, [d for d in range(n) if d not in gone]))
+    size = [max([x.shape[dims.index(d)] for x, dims in ops if d in dims], default=1) for d in range(n)]
+    args = []
+    for x, dims in ops:
+        keep = [k for k, d in enumerate(dims) if x.shape[k] != 1 or size[d] == 1]  # drop broadcast dims
+        args.append((x.reshape([x.shape[k] for k in keep]), [dims[k] for k in keep]))
+    summed = {s % n for s in sumdim}
+    (a, la), (b, lb), (c, lc) = args
+    first = [d for d in range(n) if d in set(la) | set(lb) and not (d in summed and d not in lc)]
+    ab = jnp.einsum(a, la, b, lb, first).astype(out.dtype)
+    last = [d for d in range(n) if d not in summed and d in set(first) | set(lc)]
+    return jnp.einsum(ab, first, c, lc, last).reshape(out.shape)
+
+
+def pinv(out, self, atol=None, rtol=None, hermitian=False):
+    """aten.linalg_pinv.atol_rtol_tensor: the pseudo-inverse from an SVD (an eigendecomposition
+    when ``hermitian``), singular values at or below ``max(atol, rtol * largest)`` dropped;
+    ``rtol`` defaults to eps * max(m, n), or 0 when a positive ``atol`` is given (PyTorch's rule)."""
+    if 0 in self.shape:
+        return jnp.zeros(out.shape, out.dtype)
+    a = self.astype(jnp.float32) if self.dtype in _LOW else self
+    real = jnp.finfo(a.dtype).dtype
+    default_rtol = jnp.finfo(real).eps * max(a.shape[-2], a.shape[-1])
+    atol_ = jnp.zeros((), real) if atol is None else atol.astype(real)
+    if rtol is not None:
+        rtol_ = rtol.astype(real)
+    elif atol is not None:
+        rtol_ = jnp.where(atol_ > 0, 0, default_rtol).astype(real)
+    else:
+        rtol_ = jnp.asarray(default_rtol, real)
+    if hermitian:
+        s, u = jnp.linalg.eigh(a, symmetrize_input=False)
+        big = jnp.max(jnp.abs(s), axis=-1, keepdims=True)
+        tol = jnp.maximum(atol_[..., None], rtol_[..., None] * big)
+        inv = jnp.where(jnp.abs(s) > tol, 1 / s, 0).astype(a.dtype)
+        return jnp.matmul(u * inv[..., None, :], jnp.conj(jnp.swapaxes(u, -1, -2)))
+    u, s, vh = jnp.linalg.svd(a, full_matrices=False)
+    tol = jnp.maximum(atol_[..., None], rtol_[..., None] * s[..., :1])
+    inv = jnp.where(s > tol, 1 / s, 0).astype(a.dtype)
+    return jnp.matmul(jnp.conj(jnp.swapaxes(vh, -1, -2)) * inv[..., None, :], jnp.conj(jnp.swapaxes(u, -1, -2)))
+
+
+def lu_unpack(out, LU_data, LU_pivots, unpack_data=True, unpack_pivots=True):
+    """aten.lu_unpack: (P, L, U) with A = P @ L @ U from LAPACK-style LU and 1-based pivots."""
+    m, n = LU_data.shape[-2:]
+    k = min(m, n)
+    P = L = U = None
+    if unpack_data:
+        L = jnp.tril(LU_data[..., :, :k], -1) + jnp.eye(m, k, dtype=LU_data.dtype)
+        U = jnp.triu(LU_data[..., :k, :])
+    else:
+        L, U = jnp.zeros(out[1].shape, out[1].dtype), jnp.zeros(out[2].shape, out[2].dtype)
+    if unpack_pivots:
+        perm = lax.linalg.lu_pivots_to_permutation(LU_pivots.astype(jnp.int32) - 1, m)
+        # P^T A = L U with (P^T)[i] = e_perm[i]: P[perm[i], i] = 1.
+        P = jnp.swapaxes(jnp.eye(m, dtype=out[0].dtype)[perm], -1, -2)
+        P = jnp.broadcast_to(P, out[0].shape)
+    else:
+        P = jnp.zeros(out[0].shape, out[0].dtype)
+    return P, L, U

@@ -91,7 +91,12 @@ def log_softmax_backward(out, grad_output, output, dim, input_dtype):
 
 
 def softmax_backward(out, grad_output, output, dim, input_dtype):
-    return output * (grad_output - jnp.sum(grad_output * output, axis=dim, keepdims=True))
+    """aten._softmax_backward_data: y * (g - sum(g * y)), in float32 for bfloat16/float16 and
+    rounded once, as CPU's kernel computes it."""
+    low = (jnp.bfloat16, jnp.float16)
+    g = grad_output.astype(jnp.float32) if grad_output.dtype in low else grad_output
+    y = output.astype(jnp.float32) if output.dtype in low else output
+    return (y * (g - jnp.sum(g * y, axis=dim, keepdims=True))).astype(out.dtype)
 
 
 def _nll_parts(self, target, weight, ignore_index):

@@ -17,9 +17,13 @@ def _is_float(x) -> bool:
 
 
 def sign(out, self):
-    """``sign`` / ``sgn`` (real): -1, 0 or 1; NaN and -0.0 give 0 as in PyTorch."""
+    """``sign`` / ``sgn``: -1, 0 or 1 (NaN and -0.0 give 0 as in PyTorch); complex ``sgn`` is
+    z / |z|, and 0 at 0."""
     if self.dtype == jnp.bool_:
         return self
+    if jnp.iscomplexobj(self):
+        mag = jnp.abs(self)
+        return jnp.where(mag == 0, jnp.zeros((), self.dtype), self / jnp.where(mag == 0, 1, mag).astype(self.dtype))
     return (self > 0).astype(out.dtype) - (self < 0).astype(out.dtype)
 
 

@@ -125,6 +125,17 @@ def _index_put(shim, self, indices, values, accumulate=False):
     return shim(self, indices, values, accumulate)
 
 
+def equal(self, other):
+    """aten.equal: same sizes and every element equal (dtypes promote, NaN is unequal to itself).
+
+    Its result is a Python bool, so it syncs like ``.item()``: one graph cut, one value read.
+    """
+    if tuple(self.shape) != tuple(other.shape):
+        return False
+    with cause("torch.equal"):
+        return bool(aten._local_scalar_dense(aten.all.default(aten.eq.Tensor(self, other))))
+
+
 def resize_(self, size, *, memory_format=None):
     """aten.resize_: a new value of the new size (old elements first, new ones zero).
 
@@ -157,6 +168,7 @@ def install() -> None:
             aten.nonzero.default: nonzero,
             aten.masked_select.default: masked_select,
             aten.resize_.default: resize_,
+            aten.equal.default: equal,
             # Asked by the ``data`` setter (resize_, out=): any two device tensors are compatible.
             aten._has_compatible_shallow_copy_type.default: lambda self, from_: True,
             # Device factorizations report info 0 (no host check, so no graph cut).
