@@ -1880,7 +1880,7 @@ def max_pool2d_with_indices_backward(out, grad_output, self, kernel_size, stride
 
 
 def _log_softmax(out, self, dim, half_to_float):
-    return jax.nn.log_softmax(self.astype(out.dtype), axis=dim)
+    return L.nn.log_softmax(out, self, dim)
 
 
 def _log_softmax_backward_data(out, grad_output, output, dim, input_dtype):
@@ -1888,7 +1888,7 @@ def _log_softmax_backward_data(out, grad_output, output, dim, input_dtype):
 
 
 def _softmax(out, self, dim, half_to_float):
-    return jax.nn.softmax(self.astype(out.dtype), axis=dim)
+    return L.nn.softmax(out, self, dim)
 
 
 def _softmax_backward_data(out, grad_output, output, dim, input_dtype):

@@ -86,8 +86,26 @@ def convolution_backward(out, grad_output, input, weight, bias_sizes, stride, pa
     return gi, gw, gb
 
 
+def _on_vectors(fn, *xs):
+    """``fn`` of 0-d arrays applied as to 1-element vectors: PyTorch lets dim 0 (or -1) name
+    a 0-d tensor's only element, jax has no axis there."""
+    if xs[0].ndim:
+        return fn(*xs)
+    return fn(*(x.reshape(1) for x in xs)).reshape(())
+
+
+def softmax(out, self, dim):
+    """aten._softmax (0-d inputs included)."""
+    return _on_vectors(lambda x: jax.nn.softmax(x, axis=dim), self.astype(out.dtype))
+
+
+def log_softmax(out, self, dim):
+    """aten._log_softmax (0-d inputs included)."""
+    return _on_vectors(lambda x: jax.nn.log_softmax(x, axis=dim), self.astype(out.dtype))
+
+
 def log_softmax_backward(out, grad_output, output, dim, input_dtype):
-    return grad_output - jnp.exp(output) * jnp.sum(grad_output, axis=dim, keepdims=True)
+    return _on_vectors(lambda g, y: g - jnp.exp(y) * jnp.sum(g, axis=dim, keepdims=True), grad_output, output)
 
 
 def softmax_backward(out, grad_output, output, dim, input_dtype):
@@ -96,7 +114,7 @@ def softmax_backward(out, grad_output, output, dim, input_dtype):
     low = (jnp.bfloat16, jnp.float16)
     g = grad_output.astype(jnp.float32) if grad_output.dtype in low else grad_output
     y = output.astype(jnp.float32) if output.dtype in low else output
-    return (y * (g - jnp.sum(g * y, axis=dim, keepdims=True))).astype(out.dtype)
+    return _on_vectors(lambda g, y: y * (g - jnp.sum(g * y, axis=dim, keepdims=True)), g, y).astype(out.dtype)
 
 
 def _nll_parts(self, target, weight, ignore_index):
