@@ -121,3 +121,32 @@ def test_index_checks_still_raise_inside_a_compiled_graph():
     bad = torch.tensor([1, 12]).to("xla")
     with pytest.raises(IndexError, match="out of range"):
         fn(bad).cpu()
+
+
+def test_the_gpt_program_compiled_equals_the_lazy_path():
+    from examples.models import programs
+
+    p = programs(small=True)["gpt"]
+
+    def run(compiled):
+        torch.manual_seed(0)
+        model = p.make_model().to("xla")
+        opt = p.make_opt(model.parameters())
+        fwd = torch.compile(model, backend="openxla") if compiled else model
+        gen = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(3):
+            x, y = (t.to("xla") for t in p.make_batch(gen))
+            opt.zero_grad()
+            loss = p.loss_fn(fwd(x), y)
+            loss.backward()
+            opt.step()
+            xm.mark_step()
+            losses.append(loss.item())
+        return losses
+
+    lazy = run(False)
+    met.clear_counters()
+    assert run(True) == lazy  # the same emitters, the same program: bit for bit
+    assert met.counter_value("CompiledGraphOpByOp") is None and _compiled_nodes() == 6
+    assert not torch._dynamo.utils.counters["graph_break"]
