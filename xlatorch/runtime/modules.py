@@ -72,8 +72,8 @@ def _apply(self, fn, recurse=True):
 
 
 def _checked_backward(run):
-    """``torch.autograd``'s engine entry. Counts the calling thread's backward passes (the
-    device ops autograd runs on its own thread work for it), raises there the errors that
+    """``torch.autograd``'s engine entry. Records the thread that calls a device backward pass
+    (the device ops autograd runs on its own thread work for it), raises there the errors that
     thread could not raise, and turns the engine's internal assert about its device queues
     (a backward ran before xlatorch was imported) into an error that says what to do."""
 
