@@ -120,11 +120,13 @@ def _check_test(name: str, t: dict) -> None:
     unknown = set(t) - TEST_KEYS
     if unknown:
         raise RegistryError(f"ops.yaml entry '{name}': unknown test field(s) {sorted(unknown)}")
-    for tag, reason in (t.get("xfail") or {}).items():
+    for key, reason in (t.get("xfail") or {}).items():
+        tag = key.rpartition("/")[2]  # "<tag>", or "<OpInfo name>/<tag>" for one of the entry's OpInfos
         if tag not in TEST_TAGS:
-            raise RegistryError(f"ops.yaml entry '{name}': xfail key '{tag}' is not one of {sorted(TEST_TAGS)}")
+            raise RegistryError(f"ops.yaml entry '{name}': xfail key '{key}' is not one of {sorted(TEST_TAGS)} "
+                                f"(optionally after '<OpInfo name>/')")  # fmt: skip
         if not isinstance(reason, str) or not reason.strip():
-            raise RegistryError(f"ops.yaml entry '{name}': xfail '{tag}' needs a reason")
+            raise RegistryError(f"ops.yaml entry '{name}': xfail '{key}' needs a reason")
     if t.get("compare", "values") not in ("values", "meta"):
         raise RegistryError(f"ops.yaml entry '{name}': test compare must be 'values' or 'meta'")
     if isinstance(t.get("opinfo"), str):

@@ -78,14 +78,15 @@ def _full(config) -> bool:
     return config.getoption("--opinfo-full", False) or os.environ.get("XLATORCH_OPINFO_FULL") == "1"
 
 
-def _hints(entries, tag: str):
-    """(xfail reason or None, atol, rtol) for a test of ``entries`` under dtype/grad ``tag``."""
+def _hints(entries, tag: str, key: str = ""):
+    """(xfail reason or None, atol, rtol) for a test of ``entries`` under dtype/grad ``tag``
+    (xfails may name one OpInfo: ``"<OpInfo key>/<tag>"``)."""
     reason = None
     grad = tag == "grad"
     atol, rtol = GRAD_TOL if grad else (0, 0)  # forward: raised to the result dtype's default
     for e in entries:
         x = e.test.get("xfail") or {}
-        reason = reason or x.get(tag) or x.get("all")
+        reason = reason or x.get(f"{key}/{tag}") or x.get(f"{key}/all") or x.get(tag) or x.get("all")
         atol = max(atol, _tol(e.test.get("grad_atol" if grad else "atol", 0), tag))
         rtol = max(rtol, _tol(e.test.get("grad_rtol" if grad else "rtol", 0), tag))
     return reason, atol, rtol
@@ -118,7 +119,7 @@ def _result_tol(entries, tag: str):
 def _setup(key, tag, request):
     """(OpInfo, entries, atol, rtol), marking the test as an expected failure if ops.yaml says so."""
     op, entries = _plan()[key]
-    reason, atol, rtol = _hints(entries, tag)
+    reason, atol, rtol = _hints(entries, tag, key)
     if reason:
         # Strict when every sample runs; CI's few samples may miss the failing one.
         request.applymarker(pytest.mark.xfail(reason=reason, strict=_full(request.config)))
