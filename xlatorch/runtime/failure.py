@@ -10,9 +10,11 @@ that depend on it, and raises the original error.
 
 from __future__ import annotations
 
-from xlatorch.runtime.ir import Node, Out
+from xlatorch.runtime.ir import Node, Out, operands
+from xlatorch.runtime.tensor import PENDING
 
-__all__ = ["FailedValueError", "failed_value", "fail_node", "is_failed", "is_failed_storage", "cause"]
+__all__ = ["FailedValueError", "failed_value", "fail_node", "is_failed", "is_failed_storage", "cause",
+           "fail_storages", "give_back_or_fail", "split_failed", "components"]  # fmt: skip
 
 
 class FailedValueError(RuntimeError):
@@ -65,3 +67,72 @@ def cause(error: Exception) -> Exception:
     while isinstance(error, FailedValueError) and error.__cause__ is not None:
         error = error.__cause__
     return error
+
+
+def give_back_or_fail(storages, error) -> None:
+    """Each storage gets back its device data from before the step if it still has it (the
+    step's update did not happen), else holds ``error`` as a failed value."""
+    for st in storages:
+        prev = st.prev
+        if prev is not None and prev.aval == st.value.aval and not prev.array.is_deleted():
+            st.set(prev)  # nothing ran: the step's update of this tensor is dropped
+            st.prev = None
+            PENDING.pop(st.sid, None)
+        else:
+            fail_storages([st], error)
+
+
+def components(storages, nodes) -> list[list]:
+    """The storages grouped by the independent parts of their graph (no shared node or leaf)."""
+    parent: dict[int, int] = {}
+
+    def find(x):
+        while parent.setdefault(x, x) != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for n in nodes:
+        a = find(id(n))
+        for v in operands(n.args):
+            b = find(id(v.node) if type(v) is Out else id(v))
+            if a != b:
+                parent[b] = a
+    groups: dict[int, list] = {}
+    for st in storages:
+        v = st.value
+        groups.setdefault(find(id(v.node) if type(v) is Out else id(v)), []).append(st)
+    return list(groups.values())
+
+
+def fail_storages(storages, error: Exception) -> None:
+    """After a failed sync: each tensor of the graph holds the error instead of a pending value."""
+    for st in storages:
+        st.value = failed_value(st.value.aval, error)  # not Storage.set: a failed value is not pending
+        st.gen += 1
+        st.prev = None
+        PENDING.pop(st.sid, None)
+
+
+def split_failed(storages, nodes):
+    """(healthy storages, the first error) after poisoning the roots that read a failed value."""
+    bad: dict[int, Exception] = {}
+    for n in nodes:  # post-order: operands first
+        if is_failed(n):
+            bad[id(n)] = n.args[0]
+            continue
+        for v in operands(n.args):
+            if type(v) is Out and id(v.node) in bad:
+                bad[id(n)] = bad[id(v.node)]
+                break
+    if not bad:
+        return storages, None
+    healthy, first = [], None
+    for st in storages:
+        err = bad.get(id(st.value.node))
+        if err is None:
+            healthy.append(st)
+        else:
+            first = first or err
+            give_back_or_fail([st], err)  # an update that read a failed value did not happen
+    return healthy, first

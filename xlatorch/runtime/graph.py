@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import queue
-import signal
 import threading
 import time
 import warnings
@@ -22,10 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from xlatorch.runtime import checks, failure, interrupts, ir, record
+from xlatorch.runtime import checks, failure, ir, record
 from xlatorch.runtime.dtypes import PY_SCALAR_JAX, to_jax
 from xlatorch.runtime.emit import hlo_scopes
-from xlatorch.runtime.failure import FailedValueError, failed_value, is_failed
+from xlatorch.runtime.execution import EXECUTIONS, uninterrupted
+from xlatorch.runtime.failure import FailedValueError
 from xlatorch.runtime.ir import Data, Out, Scalar, operands
 from xlatorch.runtime.record import COUNTERS
 from xlatorch.runtime.tensor import (
@@ -332,7 +331,7 @@ def _sync(reason, dev, timed) -> None:
     roots = [st.value for st in storages]
     nodes, leaves, enc, root_refs, any_failed = _collect(roots)
     if any_failed:
-        healthy, failed = _split_failed(storages, nodes)
+        healthy, failed = failure.split_failed(storages, nodes)
         if failed is not None:  # run what does not depend on the failure, then report it
             sync(reason, dev)
             error = FailedValueError(f"xlatorch: a tensor's value could not be computed: {failed}")
@@ -378,55 +377,21 @@ def _isolate(storages, nodes, error, reason, dev) -> None:
     Parts that run are committed; a part that fails again keeps, for each tensor the step
     updated in place, its data from before the step, and the rest of its tensors carry
     the error."""
-    parts = _components(storages, nodes)
+    parts = failure.components(storages, nodes)
     if len(parts) == 1:
-        _give_back_or_fail(storages, error)
+        failure.give_back_or_fail(storages, error)
         return
     for part in parts:
         try:
             _run_part(part, reason, dev)
         except OutOfMemory as e:
-            _give_back_or_fail(part, e)
+            failure.give_back_or_fail(part, e)
 
 
 def _run_part(part, reason, dev) -> None:
     t0 = time.perf_counter_ns()
     nodes, leaves, enc, root_refs, _ = _collect([st.value for st in part])
     _run_storages(part, nodes, leaves, enc, root_refs, reason, dev, record.timed, False, t0)
-
-
-def _give_back_or_fail(storages, error) -> None:
-    for st in storages:
-        prev = st.prev
-        if prev is not None and prev.aval == st.value.aval and not prev.array.is_deleted():
-            st.set(prev)  # nothing ran: the step's update of this tensor is dropped
-            st.prev = None
-            PENDING.pop(st.sid, None)
-        else:
-            _fail([st], error)
-
-
-def _components(storages, nodes) -> list[list]:
-    """The storages grouped by the independent parts of their graph (no shared node or leaf)."""
-    parent: dict[int, int] = {}
-
-    def find(x):
-        while parent.setdefault(x, x) != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    for n in nodes:
-        a = find(id(n))
-        for v in operands(n.args):
-            b = find(id(v.node) if type(v) is Out else id(v))
-            if a != b:
-                parent[b] = a
-    groups: dict[int, list] = {}
-    for st in storages:
-        v = st.value
-        groups.setdefault(find(id(v.node) if type(v) is Out else id(v)), []).append(st)
-    return list(groups.values())
 
 
 def _run_storages(storages, nodes, leaves, enc, root_refs, reason, dev, timed, everything, t0) -> None:
@@ -461,7 +426,7 @@ def _run_storages(storages, nodes, leaves, enc, root_refs, reason, dev, timed, e
     except LoweringError:
         raise  # the caller fails just that node
     except Exception as e:
-        _fail(storages, e)
+        failure.fail_storages(storages, e)
         raise
     _check_memory(exe, gdev)
     record.add_sample("TensorsGraphSize", len(nodes))
@@ -498,7 +463,7 @@ def _run_and_commit(exe, storages, data, packed, gdev, nodes, keep, everything, 
                 failed = checks.failure(exe.checks.rows, outs[-1], nodes)
                 outs = outs[:-1]
     except Exception as e:
-        _fail(storages, e)
+        failure.fail_storages(storages, e)
         raise
     if failed is None:
         for st, arr in zip(storages, outs):
@@ -508,7 +473,7 @@ def _run_and_commit(exe, storages, data, packed, gdev, nodes, keep, everything, 
         error, fired = failed
         for i, (st, arr, mask) in enumerate(zip(storages, outs, exe.checks.masks)):
             if mask & fired and not (keep and keep[i] is not None):
-                _fail([st], error)
+                failure.fail_storages([st], error)
             else:
                 st.set(Data(arr, st.value.aval, gdev))
                 st.prev = None
@@ -518,92 +483,8 @@ def _run_and_commit(exe, storages, data, packed, gdev, nodes, keep, everything, 
         for st in storages:
             PENDING.pop(st.sid, None)
     _last[:] = outs
-    _executions.started(outs, t_run)
+    EXECUTIONS.started(outs, t_run)
     return failed
-
-
-class _Executions:
-    """``ExecuteTime``: from an execution's launch to its end. Executions run asynchronously
-    (the launch returns at once on GPU/TPU), so one background thread waits for each in
-    turn and records the sample; ``record.flush`` (before metrics are read) and ``wait``
-    let it catch up."""
-
-    def __init__(self):
-        self._reset()
-        os.register_at_fork(after_in_child=self._reset)  # a forked child has no waiting thread
-
-    def _reset(self) -> None:
-        self.queue = None
-        self.busy = 0
-        self.cv = threading.Condition()
-
-    def started(self, outs, t0: int) -> None:
-        with self.cv:
-            if self.queue is None:
-                self.queue = queue.SimpleQueue()
-                threading.Thread(target=self._wait_each, name="xlatorch-execute-time", daemon=True).start()
-            self.busy += 1
-        self.queue.put((outs, t0))
-
-    def _wait_each(self) -> None:
-        while True:
-            outs, t0 = self.queue.get()
-            try:
-                jax.block_until_ready(outs)
-            except Exception:  # donated to a later execution (so it had ended) or failed: it is over
-                pass
-            record.add_sample("ExecuteTime", time.perf_counter_ns() - t0)
-            del outs
-            with self.cv:
-                self.busy -= 1
-                self.cv.notify_all()
-
-    def flush(self) -> None:
-        with self.cv:
-            while self.busy:
-                self.cv.wait()
-
-
-_executions = _Executions()
-record.FLUSH_HOOKS.append(_executions.flush)
-
-
-class uninterrupted:
-    """``with uninterrupted():`` Python signal handlers (Ctrl-C's ``KeyboardInterrupt``, a
-    ``SIGTERM`` handler) wait until the block has finished, then run.
-
-    A sync donates the step's buffers to the executable: an exception between the
-    execution and the commit would leave storages reading deleted buffers. Python runs
-    signal handlers only in the main thread, so elsewhere this does nothing. Costs a few
-    microseconds per sync when the program installed a handler of its own.
-    """
-
-    __slots__ = ("saved", "hits")
-
-    _SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __enter__(self):
-        self.saved = []
-        self.hits = []
-        if threading.current_thread() is not threading.main_thread():
-            return self
-        for sig in self._SIGNALS:
-            old = signal.getsignal(sig)
-            # A Python handler (SIG_DFL / SIG_IGN are ints); xlatorch's own SIGINT handler
-            # already waits for the user's code (runtime/interrupts.py).
-            if callable(old) and old is not interrupts.handler:
-                self.saved.append((sig, old))
-                signal.signal(sig, self._hold)
-        return self
-
-    def _hold(self, sig, frame):
-        self.hits.append((sig, frame))
-
-    def __exit__(self, *exc):
-        for sig, old in self.saved:
-            signal.signal(sig, old)
-        for sig, frame in self.hits:  # deliver what arrived, now that the storages are consistent
-            dict(self.saved)[sig](sig, frame)
 
 
 def _undoable(storages, nodes, leaves) -> tuple:
@@ -627,39 +508,6 @@ def _undoable(storages, nodes, leaves) -> tuple:
     return tuple(keep)
 
 
-def _fail(storages, error: Exception) -> None:
-    """After a failed sync: each tensor of the graph holds the error instead of a pending value."""
-    for st in storages:
-        st.value = failed_value(st.value.aval, error)  # not Storage.set: a failed value is not pending
-        st.gen += 1
-        st.prev = None
-        PENDING.pop(st.sid, None)
-
-
-def _split_failed(storages, nodes):
-    """(healthy storages, the first error) after poisoning the roots that read a failed value."""
-    bad: dict[int, Exception] = {}
-    for n in nodes:  # post-order: operands first
-        if is_failed(n):
-            bad[id(n)] = n.args[0]
-            continue
-        for v in operands(n.args):
-            if type(v) is Out and id(v.node) in bad:
-                bad[id(n)] = bad[id(v.node)]
-                break
-    if not bad:
-        return storages, None
-    healthy, first = [], None
-    for st in storages:
-        err = bad.get(id(st.value.node))
-        if err is None:
-            healthy.append(st)
-        else:
-            first = first or err
-            _give_back_or_fail([st], err)  # an update that read a failed value did not happen
-    return healthy, first
-
-
 _last_sync = 0
 _last: list = []  # the newest execution's outputs, for wait()
 
@@ -667,7 +515,7 @@ _last: list = []  # the newest execution's outputs, for wait()
 def wait() -> None:
     """Block until the newest execution (and so every earlier one) has finished."""
     jax.block_until_ready(list(_last))
-    _executions.flush()
+    EXECUTIONS.flush()
 
 
 def _pack(leaves):
@@ -723,7 +571,9 @@ def _compile_fn(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, dev,
     from xlatorch.runtime.collectives import SPECS as COLLECTIVES
 
     if any(n.spec in COLLECTIVES for n in nodes):
-        return _compile_spmd(body, args, [r.aval for r in _roots(nodes, leaves, root_refs)], donate, kept, table)
+        from xlatorch.runtime.spmd import compile_spmd
+
+        return compile_spmd(body, args, [r.aval for r in _roots(nodes, leaves, root_refs)], donate, kept, table)
     compiled = jax.jit(body, donate_argnums=(0,), out_shardings=placed).lower(*args).compile()
     if local is not None:
 
@@ -741,91 +591,6 @@ def _compile_fn(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, dev,
 
 def _roots(nodes, leaves, root_refs):
     return [leaves[-1 - r] if r < 0 else nodes[r // 4096].outs[r % 4096] for r in root_refs]
-
-
-def _compile_spmd(body, args, out_avals, donate, kept, table):
-    """A graph with collectives: one SPMD program over the replicas' devices.
-
-    Replicas are processes (one device each, the job's global mesh) or, under
-    ``dp.DataParallel``, this process's local devices. Each replica's array is its block
-    of a global array split along axis 0 (0-d values travel as shape (1,)); inside
-    ``shard_map`` the blocks are the local values again, so the lowering is the same as
-    for a one-replica graph.
-    """
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-    from xlatorch.runtime import distributed
-    from xlatorch.runtime.collectives import AXIS
-    from xlatorch.runtime.transfer import jax_device, local_device_count
-
-    threads = distributed.thread_replicas()
-    if threads:
-        devices = [jax_device(i) for i in range(local_device_count())][:threads]
-        local = devices
-    else:
-        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-        local = [jax_device()]
-    mesh = Mesh(np.array(devices), (AXIS,))
-    spec = PartitionSpec(AXIS)
-    sharding = NamedSharding(mesh, spec)
-    n = len(devices)
-
-    def block(a):  # the local block's aval (0-d travels as (1,))
-        return a.shape or (1,)
-
-    def glob(shape):
-        return (shape[0] * n,) + tuple(shape[1:])
-
-    flat_in = [a for group in args for a in group]
-    in_shapes = [a.shape for a in flat_in]
-    out_shapes = [tuple(shape) for shape, _ in out_avals]
-
-    def spmd_body(d, k, p):
-        unblock = iter(in_shapes)
-        d, k, p = ([x.reshape(next(unblock)) for x in group] for group in (d, k, p))
-        outs = body(d, k, p)
-        return tuple(o.reshape(block(o)) for o in outs)
-
-    from jax import shard_map
-
-    mapped = shard_map(spmd_body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
-    global_args = [[jax.ShapeDtypeStruct(glob(block(a)), a.dtype, sharding=sharding) for a in group]
-                   for group in args]  # fmt: skip
-    compiled = jax.jit(mapped, donate_argnums=(0,)).lower(*global_args).compile()
-    if table.rows:  # the check rows (known once traced) are one more output
-        out_shapes.append((len(table.rows), 3))
-
-    def to_global(parts):
-        """One global array from each local replica's block."""
-        blocks = []
-        for x, dev in zip(parts, local):
-            if isinstance(x, np.ndarray):
-                x = jax.device_put(x, dev)
-            blocks.append(x.reshape(1) if x.ndim == 0 else x)
-        return jax.make_array_from_single_device_arrays(glob(blocks[0].shape), sharding, blocks)
-
-    def run_all(contribs):
-        """[(arrays, packed) per local replica] -> [outputs per local replica]."""
-
-        def column(which, i):  # input i of every replica (which: 0 data, 1 packed scalars)
-            return to_global([c[which][i] for c in contribs])
-
-        g_don = [column(0, i) for i in donate]
-        g_kept = [column(0, i) for i in kept]
-        g_packed = [column(1, i) for i in range(len(contribs[0][1]))]
-        outs = compiled(g_don, g_kept, g_packed)
-        res = [[] for _ in contribs]
-        for o, shape in zip(outs, out_shapes):
-            shards = {s.device: s.data for s in o.addressable_shards}
-            for r, dev in enumerate(local):
-                x = shards[dev]
-                res[r].append(x.reshape(shape) if x.shape != shape else x)
-        return res
-
-    def call(arrays, packed_vals):
-        return run_all([(arrays, packed_vals)])[0]
-
-    return Executable(call, run_all, threads, compiled)
 
 
 def _merge(donated, kept, mask):
