@@ -10,11 +10,13 @@ that depend on it, and raises the original error.
 
 from __future__ import annotations
 
+import threading
+
 from xlatorch.runtime.ir import Node, Out, operands
-from xlatorch.runtime.tensor import PENDING
+from xlatorch.runtime.tensor import PENDING, _in_backward, defer_to_owners, owner
 
 __all__ = ["FailedValueError", "failed_value", "fail_node", "is_failed", "is_failed_storage", "cause",
-           "fail_storages", "give_back_or_fail", "split_failed", "components"]  # fmt: skip
+           "fail_storages", "give_back_or_fail", "split_failed", "components", "raise_owned"]  # fmt: skip
 
 
 class FailedValueError(RuntimeError):
@@ -136,3 +138,15 @@ def split_failed(storages, nodes):
             first = first or err
             give_back_or_fail([st], err)  # an update that read a failed value did not happen
     return healthy, first
+
+
+def raise_owned(error: BaseException, storages) -> None:
+    """Raise ``error`` if one of ``storages`` (those it affects) is this thread's (or none is
+    known); otherwise leave it for the threads that made them."""
+    owners = {st.owner for st in storages}
+    if _in_backward() == -1:
+        if not owners or None in owners or threading.get_ident() in owners:
+            raise error
+    elif not owners:  # on autograd's device thread nothing may raise: the caller raises it
+        owners = {owner()}
+    defer_to_owners(error, owners)

@@ -32,8 +32,6 @@ from xlatorch.runtime.tensor import (
     LOCK,
     PENDING,
     _in_backward,
-    defer_to_owners,
-    owner,
     pending_storages,
     reroot_lone_views,
 )
@@ -292,18 +290,6 @@ def sync(reason: str = "mark_step", dev: int | None = None) -> None:
             lock.release()
 
 
-def _raise_owned(error: BaseException, storages) -> None:
-    """Raise ``error`` if one of ``storages`` (those it affects) is this thread's (or none is
-    known); otherwise leave it for the threads that made them."""
-    owners = {st.owner for st in storages}
-    if _in_backward() == -1:
-        if not owners or None in owners or threading.get_ident() in owners:
-            raise error
-    elif not owners:  # on autograd's device thread nothing may raise: the caller raises it
-        owners = {owner()}
-    defer_to_owners(error, owners)
-
-
 def _sync(reason, dev, timed) -> None:
     if DEFERRED and _in_backward() == -1:
         error = DEFERRED.pop(threading.get_ident(), None)
@@ -337,7 +323,7 @@ def _sync(reason, dev, timed) -> None:
             error = FailedValueError(f"xlatorch: a tensor's value could not be computed: {failed}")
             error.__cause__ = failed
             ok = {id(st) for st in healthy}
-            _raise_owned(error, [st for st in storages if id(st) not in ok])
+            failure.raise_owned(error, [st for st in storages if id(st) not in ok])
             return
         storages = healthy
     for hook in record.SYNC_HOOKS:  # xlatorch.debug: the graph-cut report
@@ -357,7 +343,7 @@ def _sync(reason, dev, timed) -> None:
             if failure.cause(fe) is not err:
                 raise
         err.__suppress_context__ = True
-        _raise_owned(err, [st for st in storages if failure.is_failed_storage(st)])
+        failure.raise_owned(err, [st for st in storages if failure.is_failed_storage(st)])
     except OutOfMemory as oom:
         _isolate(storages, nodes, oom, reason, dev)
         raise
@@ -442,7 +428,7 @@ def _run_storages(storages, nodes, leaves, enc, root_refs, reason, dev, timed, e
     _last_sync = now
     if failed is not None:
         error, fired = failed
-        _raise_owned(error, [st for st, m in zip(storages, exe.checks.masks) if m & fired])
+        failure.raise_owned(error, [st for st, m in zip(storages, exe.checks.masks) if m & fired])
 
 
 def _run_and_commit(exe, storages, data, packed, gdev, nodes, keep, everything, timed):
