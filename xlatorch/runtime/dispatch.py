@@ -276,6 +276,12 @@ def _infer(spec: OpSpec, vals: tuple) -> Info:
         res = [x for r in res for x in (r if isinstance(r, (list, tuple)) else (r,))]
     # None: an output PyTorch leaves undefined (e.g. a gradient masked out by output_mask).
     avals = tuple(None if r is None else (tuple(r.shape), r.dtype) for r in res)
+    return info_of(spec, meta, avals)
+
+
+def info_of(spec: OpSpec, meta: list, avals: tuple) -> Info:
+    """The node's ``Info`` from its arguments as PyTorch sees them (meta or fake tensors and
+    numbers, in schema order) and its output avals: computation dtype and on-device check."""
     cdtype = None
     if spec.promote is not None:
         pargs = [meta[i] for i in spec.promote_idx if meta[i] is not None]

@@ -18,7 +18,6 @@ import operator
 
 import jax.numpy as jnp
 import torch
-from torch._prims_common import elementwise_dtypes
 
 from xlatorch.runtime import checks
 from xlatorch.runtime.dispatch import (
@@ -30,6 +29,7 @@ from xlatorch.runtime.dispatch import (
     TUPLE,
     Info,
     OpSpec,
+    info_of,
     signature,
 )
 from xlatorch.runtime.dtypes import PY_SCALAR_DTYPE, PY_SCALAR_JAX, to_jax
@@ -177,19 +177,11 @@ class FxProgram:
             elif kind is SCALAR_LIST and a is not None:
                 a = tuple(_number(x) for x in a)
             args.append(a)
-        cdtype = None
-        if spec.promote is not None:
-            pargs = [margs[i] for i in spec.promote_idx if margs[i] is not None]
-            cdtype, _ = elementwise_dtypes(*pargs, type_promotion_kind=spec.promote)
         val = n.meta.get("val")
         vals = val if isinstance(val, (tuple, list)) else (val,)
-        avals = tuple(None if v is None else _aval(v) for v in vals)
-        checked = spec.check is not None and checks.ENABLED
-        if checked and spec.check_integral:
-            dt = cdtype or next(a[1] for a in avals if a is not None)
-            checked = not (dt.is_floating_point or dt.is_complex)
-        self.steps.append(("op", n, spec, tuple(args), Info(avals, cdtype, checked)))
-        return checked
+        info = info_of(spec, margs, tuple(None if v is None else _aval(v) for v in vals))
+        self.steps.append(("op", n, spec, tuple(args), info))
+        return info.checked
 
     def __call__(self, args):
         """Record the graph applied to ``args`` (device tensors, in placeholder order); returns

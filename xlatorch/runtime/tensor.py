@@ -97,7 +97,9 @@ class Storage:
 
     def __init__(self, value):
         self.refs = []
-        self.owner = owner()  # the user thread that made it: errors of its value are raised there
+        # The user thread that made it (errors of its value are raised there): this one,
+        # unless autograd's device thread is running a backward pass for another (owner()).
+        self.owner = _get_ident() if _in_backward() == -1 else owner()
         self.gen = next(TICKS)
         # The device data this storage held when the step began writing it: a step whose
         # on-device check fails gives it back (runtime/checks.py). Reset at each commit.
