@@ -98,3 +98,11 @@ def to_jax(dtype: torch.dtype) -> np.dtype:
 def to_torch(dtype) -> torch.dtype:
     """The PyTorch dtype a JAX dtype represents exactly."""
     return JAX_TO_TORCH[jnp.dtype(dtype)]
+
+
+def weak(v):
+    """``v`` as a weakly typed JAX value: how Python numbers enter graphs (2.5 * a float32
+    tensor stays float32, as in PyTorch)."""
+    from jax._src.lax.lax import _convert_element_type
+
+    return _convert_element_type(v, weak_type=True)

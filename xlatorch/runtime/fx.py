@@ -32,7 +32,7 @@ from xlatorch.runtime.dispatch import (
     info_of,
     signature,
 )
-from xlatorch.runtime.dtypes import PY_SCALAR_DTYPE, PY_SCALAR_JAX, to_jax
+from xlatorch.runtime.dtypes import PY_SCALAR_DTYPE, PY_SCALAR_JAX, to_jax, weak
 from xlatorch.runtime.emit import emit_node
 from xlatorch.runtime.ir import Node
 from xlatorch.runtime.record import COUNTERS
@@ -69,10 +69,7 @@ class _Num:
         self.value = value
 
     def jax(self):
-        from jax._src.lax.lax import _convert_element_type
-
-        dt = PY_SCALAR_JAX[PY_SCALAR_DTYPE[type(self.value)]]
-        return _convert_element_type(jnp.asarray(self.value, dt), weak_type=True)
+        return weak(jnp.asarray(self.value, PY_SCALAR_JAX[PY_SCALAR_DTYPE[type(self.value)]]))
 
 
 def _number(a):

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from xlatorch.runtime import checks, failure, ir, record
-from xlatorch.runtime.dtypes import PY_SCALAR_JAX, to_jax
+from xlatorch.runtime.dtypes import PY_SCALAR_JAX, to_jax, weak
 from xlatorch.runtime.emit import hlo_scopes
 from xlatorch.runtime.execution import EXECUTIONS, uninterrupted
 from xlatorch.runtime.failure import FailedValueError
@@ -181,7 +181,7 @@ def _lower_fn(plan, leaf_kinds, root_refs, scopes=None, table=None, keep=()):
                 leaf_vals.append(data[kind[1]])
             else:
                 v = packed[kind[0]][kind[1]]
-                leaf_vals.append(_weak(v) if kind[2] else v)
+                leaf_vals.append(weak(v) if kind[2] else v)
         vals = []
 
         def get(a):
@@ -264,12 +264,6 @@ def _node_refs(args, out=None) -> list:
         elif type(a) is tuple:
             _node_refs(a, out)
     return out
-
-
-def _weak(v):
-    from jax._src.lax.lax import _convert_element_type
-
-    return _convert_element_type(v, weak_type=True)
 
 
 def sync(reason: str = "mark_step", dev: int | None = None) -> None:
