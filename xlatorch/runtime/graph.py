@@ -16,16 +16,15 @@ import time
 import warnings
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import torch
 
 from xlatorch.runtime import checks, failure, ir, record
-from xlatorch.runtime.dtypes import PY_SCALAR_JAX, to_jax, weak
+from xlatorch.runtime.dtypes import to_jax
 from xlatorch.runtime.emit import hlo_scopes
 from xlatorch.runtime.execution import EXECUTIONS, uninterrupted
 from xlatorch.runtime.failure import FailedValueError
-from xlatorch.runtime.ir import Data, Out, Scalar, operands
+from xlatorch.runtime.ir import Data
+from xlatorch.runtime.plan import LoweringError, collect, lower_fn, pack, plan
 from xlatorch.runtime.record import COUNTERS
 from xlatorch.runtime.tensor import (
     DEFERRED,
@@ -83,147 +82,6 @@ class Executable:
         self.need = _bytes_needed(xla)  # new buffers a run allocates (outputs + temporaries)
 
 
-class _Ref:
-    """A reference to an earlier value in a lowering plan: ``(kind, index, output)``."""
-
-    __slots__ = ("kind", "i", "j")
-
-    def __init__(self, kind, i, j=0):
-        self.kind, self.i, self.j = kind, i, j
-
-
-def _collect(roots):
-    """Post-order nodes, leaves in first-use order, the sharing-aware encoding, and whether
-    a failed value is among the nodes. Runs at every sync over the whole graph: kept tight."""
-    order: dict[int, int] = {}  # id(node) -> position
-    nodes = []
-    leaf_pos: dict[int, int] = {}
-    leaves = []
-    enc = []
-    failed = False
-    failed_spec = failure._SPEC  # None until some value has failed
-
-    def leaf(v) -> int:
-        i = leaf_pos.get(id(v))
-        if i is None:
-            i = leaf_pos[id(v)] = len(leaves)
-            leaves.append(v)
-        return -1 - i
-
-    for root in roots:
-        if id(root.node) in order:
-            continue
-        stack = [(root.node, None)]
-        while stack:
-            n, ops = stack.pop()
-            if id(n) in order:
-                continue
-            if ops is None:  # first visit: operands first
-                ops = operands(n.args)
-                stack.append((n, ops))
-                for v in reversed(ops):
-                    if type(v) is Out and id(v.node) not in order:
-                        stack.append((v.node, None))
-                continue
-            refs = tuple(order[id(v.node)] * 4096 + v.idx if type(v) is Out else leaf(v) for v in ops)
-            enc.append((n.key, refs))
-            order[id(n)] = len(nodes)
-            nodes.append(n)
-            if n.spec is failed_spec:
-                failed = True
-    root_refs = tuple(order[id(r.node)] * 4096 + r.idx if type(r) is Out else leaf(r) for r in roots)
-    return nodes, leaves, enc, root_refs, failed
-
-
-def _plan(nodes, leaves):
-    """A lowering plan that references values by position, not the IR itself.
-
-    Executables must not keep the step's IR (and its device buffers) alive.
-    """
-    order = {id(n): i for i, n in enumerate(nodes)}
-    lpos = {id(v): i for i, v in enumerate(leaves)}
-
-    def tmpl(a):
-        t = type(a)
-        if t is Out:
-            return _Ref("n", order[id(a.node)], a.idx)
-        if t is Data or t is Scalar:
-            return _Ref("l", lpos[id(a)])
-        if t is tuple:
-            return tuple(tmpl(x) for x in a)
-        return a
-
-    return [(n.spec, tuple(tmpl(a) for a in n.args), n.info) for n in nodes]
-
-
-def _lower_fn(plan, leaf_kinds, root_refs, scopes=None, table=None, keep=()):
-    """The JAX function computing the roots from (device data..., packed scalars...);
-    ``scopes``: per-node names for the HLO metadata (``XLA_HLO_DEBUG``), or None.
-
-    When nodes have on-device checks (``runtime/checks.py``), one more output holds their
-    ``[bad, value, position]`` rows, and ``table`` (a ``checks.Table``) gets each row's node,
-    exception type and message, and each root's mask of the rows it depends on (filled
-    while JAX traces). A root with ``keep[i]`` set (its storage's data from before the
-    step is leaf ``keep[i][0]``) gives that leaf back when a row it depends on, or a row of a
-    checked node traced before its last write (``keep[i][1]``), is set."""
-    from xlatorch.runtime.emit import emit_node
-
-    if table is None:  # a dump: the checks' rows are computed all the same
-        from xlatorch.runtime.checks import Table
-
-        table = Table()
-
-    def fn(data, packed):
-        table.clear()  # filled anew by each trace
-        leaf_vals = []
-        for kind in leaf_kinds:
-            if kind[0] == "d":
-                leaf_vals.append(data[kind[1]])
-            else:
-                v = packed[kind[0]][kind[1]]
-                leaf_vals.append(weak(v) if kind[2] else v)
-        vals = []
-
-        def get(a):
-            if type(a) is _Ref:
-                return leaf_vals[a.i] if a.kind == "l" else vals[a.i][a.j]
-            if type(a) is tuple:
-                return tuple(get(x) for x in a)
-            return a
-
-        found: list = []
-        for k, (spec, args, info) in enumerate(plan):
-            found_k: list = []
-            try:
-                vals.append(emit_node(spec, tuple(get(a) for a in args), info, scopes[k] if scopes else None, found_k))
-            except Exception as e:
-                raise LoweringError(k, e) from e
-            table.add_node(k, _node_refs(args), [c for c in found_k if c is not None], found)
-        outs = tuple(leaf_vals[-1 - r] if r < 0 else vals[r // 4096][r % 4096] for r in root_refs)
-        if not found:
-            return outs
-        rows = jnp.stack([jnp.stack([jnp.asarray(x).astype(jnp.int64) for x in c[:3]]) for c in found])
-        table.set_roots([None if r < 0 else r // 4096 for r in root_refs])
-        kept = []
-        for i, o in enumerate(outs):
-            m = table.undo_mask(i, keep[i][1]) if keep and keep[i] is not None else 0
-            if m:  # a failed check gives back the data from before the step
-                fired = jnp.any(rows[np.array([b for b in range(len(found)) if m >> b & 1]), 0] != 0)
-                o = jnp.where(fired, leaf_vals[keep[i][0]].astype(o.dtype), o)
-            kept.append(o)
-        return tuple(kept) + (rows,)
-
-    return fn
-
-
-class LoweringError(Exception):
-    """Node ``k``'s lowering raised ``error`` while a graph was traced."""
-
-    def __init__(self, k: int, error: Exception):
-        super().__init__(f"lowering node {k} failed: {type(error).__name__}: {error}")
-        self.k, self.error = k, error
-
-
 class OutOfMemory(torch.OutOfMemoryError):
     """A graph's buffers do not fit in the device's free memory (checked before it runs; the
     exception PyTorch raises for a CUDA out-of-memory, a ``RuntimeError``)."""
@@ -252,18 +110,6 @@ def _check_memory(exe, gdev) -> None:
             f"RESOURCE_EXHAUSTED: this step's graph needs {exe.need / 2**30:.2f} GiB of new buffers on xla:{gdev}, "
             f"and {free / 2**30:.2f} GiB are free; the tensors computed by it were not computed"
         )
-
-
-def _node_refs(args, out=None) -> list:
-    """The plan positions of the nodes whose outputs ``args`` read."""
-    out = [] if out is None else out
-    for a in args:
-        if type(a) is _Ref:
-            if a.kind == "n":
-                out.append(a.i)
-        elif type(a) is tuple:
-            _node_refs(a, out)
-    return out
 
 
 def sync(reason: str = "mark_step", dev: int | None = None) -> None:
@@ -309,7 +155,7 @@ def _sync(reason, dev, timed) -> None:
     t0 = time.perf_counter_ns()
     reroot_lone_views(storages)
     roots = [st.value for st in storages]
-    nodes, leaves, enc, root_refs, any_failed = _collect(roots)
+    nodes, leaves, enc, root_refs, any_failed = collect(roots)
     if any_failed:
         healthy, failed = failure.split_failed(storages, nodes)
         if failed is not None:  # run what does not depend on the failure, then report it
@@ -370,7 +216,7 @@ def _isolate(storages, nodes, error, reason, dev) -> None:
 
 def _run_part(part, reason, dev) -> None:
     t0 = time.perf_counter_ns()
-    nodes, leaves, enc, root_refs, _ = _collect([st.value for st in part])
+    nodes, leaves, enc, root_refs, _ = collect([st.value for st in part])
     _run_storages(part, nodes, leaves, enc, root_refs, reason, dev, record.timed, False, t0)
 
 
@@ -387,7 +233,7 @@ def _run_storages(storages, nodes, leaves, enc, root_refs, reason, dev, timed, e
     gdev = storages[0].dev
     key = (tuple(enc), root_refs, tuple(v.sig for v in leaves), donate, gdev, keep)
     exe = CACHE.get(key)
-    packed, leaf_kinds = _pack(leaves)
+    packed, leaf_kinds = pack(leaves)
     try:
         if exe is None:
             COUNTERS["UncachedCompile"] += 1
@@ -498,26 +344,6 @@ def wait() -> None:
     EXECUTIONS.flush()
 
 
-def _pack(leaves):
-    """Host scalars grouped by dtype into one array each: one transfer per dtype, not per scalar."""
-    groups: dict = {}  # packed dtype -> (group index, values)
-    kinds = []
-    nd = 0
-    for v in leaves:
-        if type(v) is Data:
-            kinds.append(("d", nd))
-            nd += 1
-        else:
-            # Python numbers are weakly typed, as in PyTorch: 2.5 * float32 stays float32.
-            # A precision mode may pack them wider than 0-d tensors of their dtype.
-            dt = to_jax(v.aval[1]) if v.tensor else PY_SCALAR_JAX[v.aval[1]]
-            gi, vals = groups.setdefault(dt, (len(groups), []))
-            kinds.append((gi, len(vals), not v.tensor))
-            vals.append(v.value)
-    packed = [np.asarray(vals, dtype=dt) for dt, (_, vals) in groups.items()]
-    return packed, kinds
-
-
 def _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, dev=0, keep=()):
     table = checks.Table()
     exe = _compile_fn(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, dev, table, keep)
@@ -527,8 +353,7 @@ def _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, dev=0, 
 
 
 def _compile_fn(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, dev, table, keep):
-    plan = _plan(nodes, leaves)
-    fn = _lower_fn(plan, leaf_kinds, root_refs, hlo_scopes(nodes), table, keep)
+    fn = lower_fn(plan(nodes, leaves), leaf_kinds, root_refs, hlo_scopes(nodes), table, keep)
     local = placed = None
     if dev:  # a local device other than the default one (dp.DataParallel)
         from jax.sharding import SingleDeviceSharding

@@ -3,7 +3,7 @@
 An aval is ``(shape: tuple[int, ...], dtype: torch.dtype)``. Every value carries a
 signature (``sig``): its aval, or for a host scalar its kind and dtype. A node's
 ``key`` is its op plus its arguments' signatures (static arguments themselves); a
-graph's cache key is its nodes' keys plus how they share operands (``graph._collect``),
+graph's cache key is its nodes' keys plus how they share operands (``plan.collect``),
 so the same program over new data (or new scalar values) reuses its executable.
 """
 

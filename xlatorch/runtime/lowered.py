@@ -13,8 +13,8 @@ import torch
 from xlatorch.runtime.collectives import SPECS as COLLECTIVES
 from xlatorch.runtime.dtypes import to_jax
 from xlatorch.runtime.emit import hlo_scopes
-from xlatorch.runtime.graph import _collect, _lower_fn, _pack, _plan
 from xlatorch.runtime.ir import Data, Out
+from xlatorch.runtime.plan import collect, lower_fn, pack, plan
 from xlatorch.runtime.tensor import XlaTensor, value_of
 
 __all__ = ["graph_of", "lower"]
@@ -31,7 +31,7 @@ def graph_of(tensors, who: str = "xlatorch"):
             raise TypeError(f"{who}: expected tensors on the xla device, got one on '{t.device}'")
         vals.append(value_of(t))
     pending = [v for v in vals if type(v) is Out]
-    nodes, leaves, _, refs, _ = _collect(pending)
+    nodes, leaves, _, refs, _ = collect(pending)
     by_id = {id(v): -1 - i for i, v in enumerate(leaves)}
     it = iter(refs)
     root_refs = []
@@ -54,8 +54,8 @@ def lower(tensors, who: str = "xlatorch"):
     if any(n.spec in COLLECTIVES for n in nodes):
         raise NotImplementedError(f"{who}: graphs with collectives (lowered per replica under shard_map) are not "
                                   "supported yet")  # fmt: skip
-    packed, kinds = _pack(leaves)
-    fn = _lower_fn(_plan(nodes, leaves), kinds, root_refs, hlo_scopes(nodes))
+    packed, kinds = pack(leaves)
+    fn = lower_fn(plan(nodes, leaves), kinds, root_refs, hlo_scopes(nodes))
     data = [jax.ShapeDtypeStruct(v.aval[0], to_jax(v.aval[1])) for v in leaves if type(v) is Data]
     lowered = jax.jit(fn).lower(data, [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in packed])
     return lowered, leaves, packed
