@@ -17,13 +17,17 @@ from xlatorch.runtime.source import fmt_src
 __all__ = ["ir_text", "hlo_text", "dot_text", "graph_text"]
 
 
-def _ref_namer(nodes, leaves):
+def _ref_namer(nodes, leaves, cut=None):
+    """Names of values: ``%3`` (node 3), ``%3.1`` (its output 1), ``%i0`` (leaf 0). ``cut``: the
+    outputs of earlier stages that this graph reads as device data (``runtime/stages.py``)."""
     from xlatorch.runtime.ir import Out
 
     order = {id(n): i for i, n in enumerate(nodes)}
     lpos = {id(v): i for i, v in enumerate(leaves)}
 
     def name(v) -> str:
+        if cut and id(v) in cut:
+            v = cut[id(v)]
         if type(v) is Out:
             i = order[id(v.node)]
             return f"%{i}" if len(v.node.outs) == 1 else f"%{i}.{v.idx}"
@@ -73,9 +77,9 @@ def _out_text(n) -> str:
     return "(" + ", ".join(aval_text(a) for a in avals) + ")"
 
 
-def graph_text(nodes, leaves, root_refs) -> str:
+def graph_text(nodes, leaves, root_refs, cut=None) -> str:
     """The IR text of a collected graph (see ``ir_text``)."""
-    name = _ref_namer(nodes, leaves)
+    name = _ref_namer(nodes, leaves, cut)
     lines = ["IR {"]
     lines += [f"  %i{i} = {_leaf_text(v)}" for i, v in enumerate(leaves)]
     for i, n in enumerate(nodes):

@@ -275,19 +275,19 @@ def memory_text(mem: dict | None) -> str:
             f"({_mib(mem['alias'])} aliased to donated inputs), temporaries {_mib(mem['temp'])}")  # fmt: skip
 
 
-def on_compile(key, nodes, leaves, root_refs, exe, compile_ns: int) -> CompileRecord | None:
+def on_compile(key, nodes, leaves, root_refs, exe, compile_ns: int, cut=None) -> CompileRecord | None:
     """Record (and at level >= 1 log) why graph ``key`` was compiled (called on every compile).
 
     Never raises: a fault in the debug tools must not fail the user's step.
     """
     try:
-        return _on_compile(key, nodes, leaves, root_refs, exe, compile_ns)
+        return _on_compile(key, nodes, leaves, root_refs, exe, compile_ns, cut)
     except Exception as e:  # pragma: no cover - a bug here is reported, not raised
         knob.LOG.warning(f"xlatorch.debug: could not explain a compile: {type(e).__name__}: {e}")
         return None
 
 
-def _on_compile(key, nodes, leaves, root_refs, exe, compile_ns: int) -> CompileRecord:
+def _on_compile(key, nodes, leaves, root_refs, exe, compile_ns: int, cut=None) -> CompileRecord:
     g = _Graph(key, nodes)
     prev = _closest(g)
     if prev is None:
@@ -326,7 +326,7 @@ def _on_compile(key, nodes, leaves, root_refs, exe, compile_ns: int) -> CompileR
         if lvl >= 3:
             from xlatorch.debug.dump import graph_text
 
-            text += "\n" + graph_text(nodes, leaves, root_refs)
+            text += "\n" + graph_text(nodes, leaves, root_refs, cut)
         knob.LOG.info(text)
     return rec
 

@@ -18,7 +18,7 @@ import warnings
 import jax
 import torch
 
-from xlatorch.runtime import checks, failure, ir, record
+from xlatorch.runtime import checks, failure, ir, record, stages
 from xlatorch.runtime.dtypes import to_jax
 from xlatorch.runtime.emit import hlo_scopes
 from xlatorch.runtime.execution import EXECUTIONS, uninterrupted
@@ -232,23 +232,14 @@ def _run_storages(storages, nodes, leaves, enc, root_refs, reason, dev, timed, e
     donate = tuple(i for i, v in enumerate(data) if v.holders == 0 and v.aval in out_avals)
     gdev = storages[0].dev
     key = (tuple(enc), root_refs, tuple(v.sig for v in leaves), donate, gdev, keep)
-    exe = CACHE.get(key)
+    if key not in CACHE:  # a graph whose shapes changed since it last ran may run as stages
+        stage = stages.split(nodes, enc, root_refs, gdev)
+        if stage is not None and _run_stages(storages, nodes, enc, root_refs, stage, gdev, everything, timed):
+            _traced(t0)
+            return
     packed, leaf_kinds = pack(leaves)
     try:
-        if exe is None:
-            COUNTERS["UncachedCompile"] += 1
-            COUNTERS["CreateCompileHandles"] += 1  # torch_xla's name for the same event
-            with timed("CompileTime") as tm:
-                exe = _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, gdev, keep)
-            record.add_sample("InputOutputAliasCount", len(donate))  # buffers the executable may reuse
-            exe.used = next(_uses)
-            CACHE[key] = exe
-            if len(CACHE) > CACHE_SIZE:
-                _evict()
-            for hook in record.COMPILE_HOOKS:  # xlatorch.debug: the compile explainer
-                hook(key, nodes, leaves, root_refs, exe, time.perf_counter_ns() - tm.t0)
-        else:
-            COUNTERS["CachedCompile"] += 1
+        exe = _executable(key, nodes, leaves, leaf_kinds, root_refs, data, packed, donate, gdev, keep, timed)
     except LoweringError:
         raise  # the caller fails just that node
     except Exception as e:
@@ -260,15 +251,102 @@ def _run_storages(storages, nodes, leaves, enc, root_refs, reason, dev, timed, e
     # From here the step's buffers are donated: it runs and commits whole, or fails whole.
     with uninterrupted():
         failed = _run_and_commit(exe, storages, data, packed, gdev, nodes, keep, everything, timed)
+    _traced(t0)
+    if failed is not None:
+        error, fired = failed
+        failure.raise_owned(error, [st for st, m in zip(storages, exe.checks.masks) if m & fired])
+
+
+def _traced(t0) -> None:
     global _last_sync
     now = time.perf_counter_ns()
     if _last_sync:
         # Host time of the step outside the sync itself: op tracing plus the user's Python.
         record.add_sample("LazyTracing", t0 - _last_sync)
     _last_sync = now
-    if failed is not None:
-        error, fired = failed
-        failure.raise_owned(error, [st for st, m in zip(storages, exe.checks.masks) if m & fired])
+
+
+def _executable(key, nodes, leaves, leaf_kinds, root_refs, data, packed, donate, gdev, keep, timed, cut=None):
+    """The executable cached under ``key``, compiled on a miss."""
+    exe = CACHE.get(key)
+    if exe is not None:
+        COUNTERS["CachedCompile"] += 1
+        return exe
+    COUNTERS["UncachedCompile"] += 1
+    COUNTERS["CreateCompileHandles"] += 1  # torch_xla's name for the same event
+    with timed("CompileTime") as tm:
+        exe = _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, gdev, keep, cut)
+    record.add_sample("InputOutputAliasCount", len(donate))  # buffers the executable may reuse
+    exe.used = next(_uses)
+    CACHE[key] = exe
+    if len(CACHE) > CACHE_SIZE:
+        _evict()
+    for hook in record.COMPILE_HOOKS:  # xlatorch.debug: the compile explainer
+        hook(key, nodes, leaves, root_refs, exe, time.perf_counter_ns() - tm.t0, cut)
+    return exe
+
+
+def _run_stages(storages, nodes, enc, root_refs, stage, gdev, everything, timed) -> bool:
+    """Run the graph as the stages ``stages.split`` gave its nodes, then commit the step
+    whole. Nothing is donated and nothing committed before the last stage has run, so on
+    any failure (a check that fires, an error) this returns False having changed nothing,
+    and the caller runs the graph whole, which reports it as usual."""
+    t_run = time.perf_counter_ns()
+    wanted: list[set] = [set() for _ in range(max(stage) + 1)]  # per stage: its outputs read later
+    for k, (_, refs) in enumerate(enc):
+        for r in refs:
+            if r >= 0 and stage[r // 4096] != stage[k]:
+                wanted[stage[r // 4096]].add(r)
+    for r in root_refs:
+        wanted[stage[r // 4096]].add(r)
+    cut: dict = {}  # id(Out) -> Data: values computed by the stages so far
+    outs = ()
+    try:
+        for refs in wanted:
+            if not refs:
+                continue
+            roots = [nodes[r // 4096].outs[r % 4096] for r in sorted(refs)]
+            sn, sl, senc, srefs, _ = collect(roots, cut)
+            if not stage[sorted(refs)[0] // 4096] & 1:  # a stage of changing nodes: on the host if it may
+                uploaded = stages.on_host(sn, cut, roots, gdev)
+                if uploaded is not None:
+                    for o, d in zip(roots, uploaded):
+                        cut[id(o)] = d
+                    continue
+            data = [v for v in sl if type(v) is Data]
+            packed, kinds = pack(sl)
+            key = (tuple(senc), srefs, tuple(v.sig for v in sl), (), gdev, ())
+            exe = _executable(key, sn, sl, kinds, srefs, data, packed, (), gdev, (), timed, cut)
+            _check_memory(exe, gdev)
+            record.add_sample("TensorsGraphSize", len(sn))
+            exe.used = next(_uses)
+            with timed("ExecuteDispatchTime"):
+                outs = exe.compiled([d.array for d in data], packed)
+            if exe.checks is not None:
+                if checks.failure(exe.checks.rows, outs[-1], sn) is not None:
+                    return False
+                outs = outs[:-1]
+            for o, arr in zip(roots, outs):
+                cut[id(o)] = Data(arr, o.aval, gdev)
+    except Exception:
+        return False
+    COUNTERS["StagedSync"] += 1
+    with uninterrupted():
+        _commit(storages, [cut[id(st.value)].array for st in storages], gdev, everything, t_run)
+    return True
+
+
+def _commit(storages, outs, gdev, everything, t_run) -> None:
+    for st, arr in zip(storages, outs):
+        st.set(Data(arr, st.value.aval, gdev))
+        st.prev = None
+    if everything:
+        PENDING.clear()
+    else:
+        for st in storages:
+            PENDING.pop(st.sid, None)
+    _last[:] = outs
+    EXECUTIONS.started(outs, t_run)
 
 
 def _run_and_commit(exe, storages, data, packed, gdev, nodes, keep, everything, timed):
@@ -292,24 +370,23 @@ def _run_and_commit(exe, storages, data, packed, gdev, nodes, keep, everything, 
         failure.fail_storages(storages, e)
         raise
     if failed is None:
-        for st, arr in zip(storages, outs):
-            st.set(Data(arr, st.value.aval, gdev))
-            st.prev = None
-    else:  # a check fired: what depends on the failed op carries the error (or has its old data back)
-        error, fired = failed
-        for i, (st, arr, mask) in enumerate(zip(storages, outs, exe.checks.masks)):
-            if mask & fired and not (keep and keep[i] is not None):
-                failure.fail_storages([st], error)
-            else:
-                st.set(Data(arr, st.value.aval, gdev))
-                st.prev = None
+        _commit(storages, outs, gdev, everything, t_run)
+        return None
+    # A check fired: what depends on the failed op carries the error (or has its old data back).
+    error, fired = failed
+    ok = []
+    for i, (st, arr, mask) in enumerate(zip(storages, outs, exe.checks.masks)):
+        if mask & fired and not (keep and keep[i] is not None):
+            failure.fail_storages([st], error)
+        else:
+            ok.append((st, arr))
+    _commit([st for st, _ in ok], [arr for _, arr in ok], gdev, False, t_run)
     if everything:
         PENDING.clear()
     else:
         for st in storages:
             PENDING.pop(st.sid, None)
     _last[:] = outs
-    EXECUTIONS.started(outs, t_run)
     return failed
 
 
@@ -344,16 +421,16 @@ def wait() -> None:
     EXECUTIONS.flush()
 
 
-def _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, dev=0, keep=()):
+def _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, dev=0, keep=(), cut=None):
     table = checks.Table()
-    exe = _compile_fn(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, dev, table, keep)
+    exe = _compile_fn(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, dev, table, keep, cut)
     if table.rows:
         exe.checks = table
     return exe
 
 
-def _compile_fn(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, dev, table, keep):
-    fn = lower_fn(plan(nodes, leaves), leaf_kinds, root_refs, hlo_scopes(nodes), table, keep)
+def _compile_fn(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, dev, table, keep, cut=None):
+    fn = lower_fn(plan(nodes, leaves, cut), leaf_kinds, root_refs, hlo_scopes(nodes), table, keep)
     local = placed = None
     if dev:  # a local device other than the default one (dp.DataParallel)
         from jax.sharding import SingleDeviceSharding

@@ -29,7 +29,7 @@ class Ref:
         self.kind, self.i, self.j = kind, i, j
 
 
-def collect(roots):
+def collect(roots, cut=None):
     """Post-order nodes, leaves in first-use order, the sharing-aware encoding, and whether
     a failed value is among the nodes. Runs at every sync over the whole graph: kept tight."""
     order: dict[int, int] = {}  # id(node) -> position
@@ -57,6 +57,8 @@ def collect(roots):
                 continue
             if ops is None:  # first visit: operands first
                 ops = operands(n.args)
+                if cut:  # values computed by an earlier stage are device data here
+                    ops = [cut.get(id(v), v) for v in ops]
                 stack.append((n, ops))
                 for v in reversed(ops):
                     if type(v) is Out and id(v.node) not in order:
@@ -72,7 +74,7 @@ def collect(roots):
     return nodes, leaves, enc, root_refs, failed
 
 
-def plan(nodes, leaves):
+def plan(nodes, leaves, cut=None):
     """A lowering plan that references values by position, not the IR itself.
 
     Executables must not keep the step's IR (and its device buffers) alive.
@@ -83,7 +85,8 @@ def plan(nodes, leaves):
     def tmpl(a):
         t = type(a)
         if t is Out:
-            return Ref("n", order[id(a.node)], a.idx)
+            d = cut.get(id(a)) if cut else None
+            return Ref("n", order[id(a.node)], a.idx) if d is None else Ref("l", lpos[id(d)])
         if t is Data or t is Scalar:
             return Ref("l", lpos[id(a)])
         if t is tuple:

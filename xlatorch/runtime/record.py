@@ -63,7 +63,7 @@ PHASE = None
 
 # Hooks, each a list of callables (the debug tools append; a hook must not raise):
 SYNC_HOOKS: list = []  # (reason, graph_nodes) at every sync that executes a graph
-COMPILE_HOOKS: list = []  # (key, nodes, leaves, root_refs, executable, compile_ns) at every compile
+COMPILE_HOOKS: list = []  # (key, nodes, leaves, root_refs, executable, compile_ns, cut) at every compile
 STEP_HOOKS: list = []  # () after every mark_step
 DEVICE_HOOKS: list = []  # () once, when the runtime first uses the device
 

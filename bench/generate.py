@@ -1,0 +1,107 @@
+"""Text generation with Hugging Face ``generate()``: a small Llama (random init) on the xla
+device against PyTorch eager on CPU, with the static KV cache (``cache_implementation=
+"static"``, fixed shapes) and the default dynamic one. Each configuration runs in a fresh
+process with the persistent compile cache off, so the first call pays every compile.
+
+Prints, per cache: the first call (compiles included), the second and third calls (new
+prompts of the same length), time per generated token at steady state, and the compiles of
+each call. Not a test: figures from one run. Needs ``transformers`` (``pip install
+-e '.[bench]'``).
+
+Usage: python -m bench.generate [--tokens 32] [--prompt 12] [--caches static,dynamic]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _child(cache: str, device: str, tokens: int, prompt: int) -> dict:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import xlatorch.core.xla_model as xm
+    import xlatorch.debug.metrics as met
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)  # fmt: skip
+    dev = xm.xla_device() if device == "xla" else torch.device("cpu")
+    model = LlamaForCausalLM(cfg).eval().to(dev)
+    kw = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0)
+    if cache != "dynamic":
+        kw["cache_implementation"] = cache
+
+    def call(seed):
+        ids = torch.randint(1, cfg.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(seed))
+        ids = ids.to(dev)
+        before = met.counter_value("UncachedCompile") or 0
+        t = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), **kw).cpu()
+        return time.perf_counter() - t, (met.counter_value("UncachedCompile") or 0) - before, out[0, prompt:].tolist()
+
+    res = {"cache": cache, "device": device}
+    for name, seed in (("first", 1), ("second", 2), ("third", 3)):
+        s, c, toks = call(seed)
+        res[f"{name}_s"], res[f"{name}_compiles"], res[f"{name}_tokens"] = s, c, toks
+    res["per_token_ms"] = res["third_s"] / tokens * 1e3
+    if device == "xla":
+        res["staged_syncs"] = met.counter_value("StagedSync") or 0
+        res["stages_on_host"] = met.counter_value("StageOnHost") or 0
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--prompt", type=int, default=12)
+    ap.add_argument("--caches", default="static,dynamic")
+    ap.add_argument("--child", nargs=2, metavar=("CACHE", "DEVICE"))
+    a = ap.parse_args()
+    if a.child:
+        print(json.dumps(_child(a.child[0], a.child[1], a.tokens, a.prompt)))
+        return
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print("bench.generate: transformers is not installed (pip install -e '.[bench]'); skipped")
+        return
+    env = dict(os.environ, XLATORCH_CACHE_DIR="")
+    rows = []
+    for cache in a.caches.split(","):
+        for device in ("cpu", "xla"):
+            cmd = [sys.executable, "-m", "bench.generate", "--child", cache, device,
+                   "--tokens", str(a.tokens), "--prompt", str(a.prompt)]  # fmt: skip
+            out = subprocess.run(cmd, cwd=os.path.dirname(HERE), env=env, capture_output=True, text=True)
+            if out.returncode:
+                print(out.stderr[-2000:])
+                raise SystemExit(f"bench.generate: {cache}/{device} failed")
+            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    print(f"{'cache':8} {'device':6} {'first s':>8} {'comp':>5} {'second s':>9} {'comp':>5} {'third s':>8} "
+          f"{'comp':>5} {'ms/token':>9}  same tokens as CPU")  # fmt: skip
+    by = {(r["cache"], r["device"]): r for r in rows}
+    for r in rows:
+        cpu = by[(r["cache"], "cpu")]
+        same = all(r[f"{n}_tokens"] == cpu[f"{n}_tokens"] for n in ("first", "second", "third"))
+        calls = "".join(f" {r[n + '_s']:8.2f} {r[n + '_compiles']:5}" for n in ("first", "second", "third"))
+        print(f"{r['cache']:8} {r['device']:6}{calls} {r['per_token_ms']:9.2f}  {same}")
+    for cache in a.caches.split(","):
+        x, c = by[(cache, "xla")], by[(cache, "cpu")]
+        second, token = x["second_s"] / c["second_s"], x["per_token_ms"] / c["per_token_ms"]
+        print(f"{cache}: second call xla/cpu {second:.2f}x, per token {token:.2f}x")
+    with open(os.path.join(HERE, "results.jsonl"), "a") as f:
+        for r in rows:
+            r = {k: v for k, v in r.items() if not k.endswith("_tokens")}
+            f.write(json.dumps({"bench": "generate", "tokens": a.tokens, "prompt": a.prompt, **r}) + "\n")
+
+
+if __name__ == "__main__":
+    main()

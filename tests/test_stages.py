@@ -1,0 +1,166 @@
+"""Graphs whose shapes change from sync to sync run as stages (``runtime/stages.py``): the
+unchanged part compiles once, the changing part per shape or, when it is small integer
+bookkeeping, on the host. Results equal CPU eager; compiles stay flat."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import xlatorch.core.xla_model as xm
+import xlatorch.debug.metrics as met
+from xlatorch.runtime import stages
+
+DEV = "xla"
+
+
+def _counter(name: str) -> int:
+    return met.counter_value(name) or 0
+
+
+class _Decoder(torch.nn.Module):
+    """A toy next-token model: enough layers for the unchanged part of a step to be split off."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(50, 16)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(8))
+        self.norms = torch.nn.ModuleList(torch.nn.LayerNorm(16) for _ in range(8))
+        self.head = torch.nn.Linear(16, 50)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for lin, norm in zip(self.layers, self.norms):
+            h = h + torch.tanh(lin(norm(h)))
+        return self.head(h)
+
+
+def _generate(model, ids, mask, steps, device, sync=None):
+    """A generation loop in the style of Hugging Face's: the ids and the mask grow by one
+    column per step, the model reads the newest token, a host read decides to go on."""
+    out = []
+    for _ in range(steps):
+        pos = mask.sum(-1, keepdim=True) - 1  # the newest token's position
+        last = ids.gather(1, pos)
+        logits = model(last)[:, -1]
+        nxt = logits.argmax(-1, keepdim=True)
+        ids = torch.cat([ids, nxt], dim=-1)
+        mask = torch.cat([mask, torch.ones_like(nxt)], dim=-1)
+        done = bool((nxt == 0).all())  # a read of the device each step, like a stopping criterion
+        out.append(logits)
+        if sync is not None:
+            sync()
+        if done:
+            break
+    return ids, torch.stack(out)
+
+
+def _run(steps=12, prompt=5):
+    model = _Decoder()
+    ids = torch.randint(1, 50, (2, prompt), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    want_ids, want_logits = _generate(model, ids, mask, steps, "cpu")
+    model.to(DEV)
+    return model, ids, mask, want_ids, want_logits
+
+
+def test_a_growing_loop_compiles_its_unchanged_part_once_and_matches_cpu():
+    model, ids, mask, want_ids, want_logits = _run()
+    staged = _counter("StagedSync")
+    host = _counter("StageOnHost")
+    compiles = []
+
+    def count():
+        compiles.append(_counter("UncachedCompile"))
+
+    got_ids, got_logits = _generate(model, ids.to(DEV), mask.to(DEV), 12, DEV, sync=count)
+    assert torch.equal(got_ids.cpu(), want_ids)
+    torch.testing.assert_close(got_logits.cpu(), want_logits, rtol=1e-5, atol=1e-5)
+    # Steps 0 and 1 compile whole; step 2 (the shapes changed again) compiles the unchanged
+    # stages; from step 3 on, each new length compiles nothing: the changing part (the ids'
+    # gather and concatenations) is integer bookkeeping, run on the host.
+    steps = want_ids.shape[1] - ids.shape[1]
+    assert steps >= 6 and len(compiles) == steps
+    assert compiles[-1] == compiles[2], compiles
+    assert _counter("StagedSync") - staged == steps - 1  # every step after the first
+    assert _counter("StageOnHost") - host >= steps - 1
+
+
+def test_the_same_loop_again_compiles_nothing():
+    model, ids, mask, want_ids, _ = _run()
+    _generate(model, ids.to(DEV), mask.to(DEV), 12, DEV)
+    ids2 = torch.randint(1, 50, ids.shape, generator=torch.Generator().manual_seed(4))
+    want2, _ = _generate(model.cpu(), ids2, mask, 12, "cpu")
+    model.to(DEV)
+    before = _counter("UncachedCompile")
+    got2, _ = _generate(model, ids2.to(DEV), mask.to(DEV), 12, DEV)
+    assert torch.equal(got2.cpu(), want2)
+    assert _counter("UncachedCompile") - before <= 2  # steps 0-1 of the new run compile whole if new
+
+
+def test_a_float_changing_part_compiles_per_shape_but_only_that_part():
+    torch.manual_seed(0)
+    model = _Decoder()
+    x = torch.randn(2, 1, 16)
+
+    def loop(model, x, hist, device, steps=8):
+        outs = []
+        for _ in range(steps):
+            h = x
+            for lin, norm in zip(model.layers, model.norms):
+                h = h + torch.tanh(lin(norm(h)))
+            hist = torch.cat([hist, h], dim=1)  # a float history growing by one row per step
+            outs.append(hist.mean(1))
+            if device != "cpu":
+                xm.mark_step()
+        return torch.stack(outs), hist
+
+    want, want_hist = loop(model, x, torch.zeros(2, 1, 16), "cpu")
+    model.to(DEV)
+    host = _counter("StageOnHost")
+    sizes = []
+    from xlatorch.debug import compile_reasons
+
+    n0 = len(compile_reasons())
+    got, got_hist = loop(model, x.to(DEV), torch.zeros(2, 1, 16).to(DEV), DEV)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_hist.cpu(), want_hist, rtol=1e-5, atol=1e-6)
+    sizes = [r.graph_nodes for r in compile_reasons()[n0:]]
+    assert _counter("StageOnHost") == host  # float values stay on the device
+    # Step 0 compiles whole; step 1 (the shapes changed) compiles the unchanged stage once;
+    # every later compile is the small changing part (cat and mean).
+    big = [s for s in sizes[1:] if s >= 32]
+    assert len(big) == 1, sizes
+    assert all(s <= 4 for s in sizes[2:]), sizes
+
+
+def test_a_small_graph_or_a_mostly_changing_one_compiles_whole():
+    staged = _counter("StagedSync")
+    x = torch.rand(6, 6).to(DEV)
+    for d in (0, 1, 0):
+        y = torch.amax(x - 3, dim=d)  # noqa: F841  (a graph of two nodes: below MIN_UNCHANGED)
+        xm.mark_step()
+    lin = torch.nn.Linear(8, 8).to(DEV)
+    for n in (3, 4, 5):  # every node reads the changing batch
+        y = torch.ones(n, 8, device=DEV)
+        for _ in range(20):
+            y = torch.tanh(lin(y))
+        xm.mark_step()
+    assert _counter("StagedSync") == staged
+    assert stages.MIN_UNCHANGED > 2
+
+
+def test_an_error_in_a_changing_stage_is_reported_as_without_stages():
+    model, ids, mask, _, _ = _run(steps=4)
+    ids, mask = ids.to(DEV), mask.to(DEV)
+    _generate(model, ids, mask, 3, DEV)  # the loop's structure is known and split from now on
+    bad = torch.full((2, 1), 99, dtype=torch.long, device=DEV)  # past the end of a row of 6
+    longer = torch.cat([ids, ids[:, :1]], dim=-1)
+    with pytest.raises(Exception) as e:
+        _generate(model, longer, torch.cat([mask, bad], dim=-1), 1, DEV)
+    assert "index" in str(e.value).lower() and "out of" in str(e.value).lower(), e.value
+    # The model's weights are untouched and the loop still runs and matches CPU.
+    got, _ = _generate(model, ids, mask, 3, DEV)
+    want, _ = _generate(model.cpu(), ids.cpu(), mask.cpu(), 3, "cpu")
+    assert torch.equal(got.cpu(), want)

@@ -1,0 +1,167 @@
+"""Graphs whose shapes change from sync to sync: run the changing part apart.
+
+A loop that grows one tensor (text generation appends a token to ``input_ids`` at every
+step) syncs the same program over inputs of a new shape each time, so the whole graph -
+the model's forward included - would compile anew at every step. When a graph misses
+the cache and a graph of the same structure (the same ops, wired the same way) ran
+before, the nodes whose keys differ between the two (a new operand shape, a new static
+argument) are the *changing* ones. The graph then runs as stages, in dependency order:
+stages of changing nodes, compiled per shape and small, alternate with stages of the
+unchanged nodes, compiled once. Values cross from one stage to the next as device data.
+
+A changing stage whose values are all small integer or boolean tensors (the bookkeeping of
+a generation loop: token ids, attention masks, positions) runs on the host instead, op by
+op in PyTorch (``on_host``): integer ops are exact either way, and nothing is compiled for
+each new length.
+
+``split`` decides; ``graph._run_stages`` runs the stages (``on_host`` for those that may)
+and commits the step whole. A graph that would need more than ``MAX_STAGES`` stages, or
+whose changing part is most of it, compiles whole as before.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from xlatorch.runtime import ir, record
+from xlatorch.runtime.dispatch import GENERATOR
+from xlatorch.runtime.ir import Data, Out, Scalar
+from xlatorch.runtime.transfer import _from_array, to_device
+
+__all__ = ["split", "on_host", "MAX_STAGES", "SEEN"]
+
+# At most this many executions per sync: each stage costs an execution's launch and, between
+# stages, the host waits for nothing but the launch (values stay on the device).
+MAX_STAGES = 4
+# Structure -> node keys of the last graph with that structure (a bounded memory of recent
+# graphs: node keys are small tuples; nothing here holds device data).
+SEEN: dict = {}
+_SEEN_SIZE = 64
+# A graph with fewer unchanged nodes than this compiles whole: the compile a split saves is
+# small, and the split costs executions and fusion across the stages.
+MIN_UNCHANGED = 32
+
+
+def split(nodes, enc, root_refs, gdev) -> list[int] | None:
+    """Each node's stage (stages of changing nodes are even, of unchanged nodes odd), or
+    None: run the graph whole. Called at a cache miss; remembers this graph's node keys."""
+    if ir._multi or gdev or any(r < 0 for r in root_refs):
+        return None
+    keys = [k for k, _ in enc]
+    structure = (tuple((k[0], refs) for k, refs in enc), root_refs)
+    prev = SEEN.pop(structure, None)
+    SEEN[structure] = keys
+    if len(SEEN) > _SEEN_SIZE:
+        del SEEN[next(iter(SEEN))]
+    if prev is None:
+        return None
+    moves = [key != prev[k] for k, key in enumerate(keys)]  # changing nodes, and what runs with them
+    if not any(moves):
+        return None
+    # Unchanged integer bookkeeping that only feeds changing nodes (a position computed from a
+    # mask that grows) runs with them: one stage instead of two more.
+    users: list[list[int]] = [[] for _ in nodes]
+    for k, (_, refs) in enumerate(enc):
+        for r in refs:
+            if r >= 0:
+                users[r // 4096].append(k)
+    for k in range(len(nodes) - 1, -1, -1):
+        if not moves[k] and users[k] and all(moves[u] for u in users[k]):
+            moves[k] = _bookkeeping(nodes[k])
+    stage = []
+    for k, (_, refs) in enumerate(enc):
+        s = 0
+        for r in refs:
+            if r >= 0 and stage[r // 4096] > s:
+                s = stage[r // 4096]
+        if moves[k]:
+            s += s & 1  # the next even stage at or after its operands'
+        else:
+            s += not s & 1  # the next odd one
+        stage.append(s)
+    changing = sum(moves)
+    if 2 * changing > len(nodes) or len(nodes) - changing < MIN_UNCHANGED:
+        return None
+    if max(stage) >= MAX_STAGES:
+        return None
+    return stage
+
+
+HOST_MAX_ELEMENTS = 1 << 16  # per value: a stage reading or making more stays on the device
+
+
+def _small_integral(aval) -> bool:
+    return (
+        aval is not None
+        and not (aval[1].is_floating_point or aval[1].is_complex)
+        and (math.prod(aval[0]) <= HOST_MAX_ELEMENTS)
+    )
+
+
+def _bookkeeping(n) -> bool:
+    """Whether node ``n`` reads and makes only small integer or boolean tensors with an ATen op
+    that PyTorch runs on the host as it is (no random numbers)."""
+    if GENERATOR in n.spec.kinds or not isinstance(n.spec.overload, torch._ops.OpOverload):
+        return False
+    if not all(_small_integral(a) for a in n.info.avals):
+        return False
+    return all(type(v) is Scalar or _small_integral(v.aval) for v in ir.operands(n.args))
+
+
+def on_host(nodes, cut, roots, gdev) -> list | None:
+    """Run a stage's ``nodes`` on the host with PyTorch's CPU kernels and upload ``roots``'
+    values; None (nothing uploaded) when the stage may not run there: a value that is not a
+    small integer or boolean tensor, a random op, or an op that raises (the caller then
+    compiles the stage, and a real error is reported from the device as usual)."""
+    if not all(_bookkeeping(n) for n in nodes):
+        return None
+    host: dict = {}  # id(value) -> CPU tensor
+
+    def value(a):
+        t = type(a)
+        if t is Out or t is Data:
+            x = host.get(id(a))
+            if x is None:
+                d = cut.get(id(a), a)  # an earlier stage's output, or a leaf
+                with record.TIMED("TransferFromDeviceTime"):
+                    x = host[id(a)] = _from_array(d.array, d.aval[1])
+            return x
+        if t is Scalar:
+            return torch.tensor(a.value, dtype=a.aval[1]) if a.tensor else a.value
+        if t is tuple:
+            return [None if x is None else value(x) for x in a]
+        return a
+
+    try:
+        for n in nodes:
+            spec = n.spec
+            args, kwargs = [], {}
+            schema = spec.overload._schema.arguments
+            for i, (name, a, ko, kind) in enumerate(zip(spec.arg_names, n.args, spec.kwarg_only, spec.kinds)):
+                if kind is GENERATOR:
+                    continue
+                x = value(a)
+                if name == "device" and x is not None:
+                    x = "cpu"
+                alias = schema[i].alias_info if i < len(schema) else None
+                if alias is not None and alias.is_write and isinstance(x, torch.Tensor):
+                    x = x.clone()  # the node is functional: its in-place op writes a copy
+                if ko:
+                    kwargs[name] = x
+                else:
+                    args.append(x)
+            res = spec.overload(*args, **kwargs)
+            res = [res] if isinstance(res, torch.Tensor) else list(res)
+            if spec.mutates:
+                res = [x for r in res for x in (r if isinstance(r, (list, tuple)) else (r,))]
+            for o, r in zip(n.outs, res):
+                if o is not None:
+                    if (tuple(r.shape), r.dtype) != o.aval:
+                        return None
+                    host[id(o)] = r
+    except Exception:
+        return None
+    record.COUNTERS["StageOnHost"] += 1
+    return [to_device(host[id(o)], gdev) for o in roots]
