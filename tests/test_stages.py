@@ -164,3 +164,17 @@ def test_an_error_in_a_changing_stage_is_reported_as_without_stages():
     got, _ = _generate(model, ids, mask, 3, DEV)
     want, _ = _generate(model.cpu(), ids.cpu(), mask.cpu(), 3, "cpu")
     assert torch.equal(got.cpu(), want)
+
+
+def test_changing_integer_bookkeeping_alone_runs_on_the_host():
+    x = torch.tensor([0.0, 1.0, 0.0, 2.0, 3.0, 0.0, 4.0])
+    xd = x.to(DEV)
+    host = _counter("StageOnHost")
+    compiles = []
+    for k in (0.5, 1.5, 2.5, 3.5):
+        y = torch.nonzero(xd > k).flatten() * 3 + 1  # a new length each time
+        xm.mark_step()
+        assert torch.equal(y.cpu(), torch.nonzero(x > k).flatten() * 3 + 1)
+        compiles.append(_counter("UncachedCompile"))
+    assert compiles[-1] == compiles[1], compiles  # lengths 2 and 1 compile nothing
+    assert _counter("StageOnHost") - host == 3

@@ -34,7 +34,7 @@ __all__ = ["split", "on_host", "MAX_STAGES", "SEEN"]
 
 # At most this many executions per sync: each stage costs an execution's launch and, between
 # stages, the host waits for nothing but the launch (values stay on the device).
-MAX_STAGES = 4
+MAX_STAGES = 256
 # Structure -> node keys of the last graph with that structure (a bounded memory of recent
 # graphs: node keys are small tuples; nothing here holds device data).
 SEEN: dict = {}
@@ -81,9 +81,12 @@ def split(nodes, enc, root_refs, gdev) -> list[int] | None:
         else:
             s += not s & 1  # the next odd one
         stage.append(s)
-    changing = sum(moves)
-    if 2 * changing > len(nodes) or len(nodes) - changing < MIN_UNCHANGED:
-        return None
+    # Changing stages that run on the host compile nothing: worth it for any graph. Others
+    # compile per shape: worth it when they are the small part of a large graph.
+    if not all(_bookkeeping(n) for n, m in zip(nodes, moves) if m):
+        changing = sum(moves)
+        if 2 * changing > len(nodes) or len(nodes) - changing < MIN_UNCHANGED:
+            return None
     if max(stage) >= MAX_STAGES:
         return None
     return stage
