@@ -31,9 +31,9 @@ ENABLED = os.environ.get("XLATORCH_CHECKS", "1").strip().lower() not in ("0", "f
 class Table:
     """A compiled graph's checks, filled while JAX traces it: ``rows`` holds ``(node index,
     exception type, message)`` per row of the extra output, ``masks`` per root the bit mask
-    of the rows it depends on."""
+    of the rows it depends on, ``undo`` per root the rows that give it its old data back."""
 
-    __slots__ = ("rows", "masks", "node_rows", "_node_masks")
+    __slots__ = ("rows", "masks", "undo", "node_rows", "_node_masks")
 
     def __init__(self):
         self.clear()
@@ -41,6 +41,7 @@ class Table:
     def clear(self) -> None:
         self.rows: list = []
         self.masks: list = []
+        self.undo: list = []  # per root: the rows whose failure gives it its data from before the step back
         self.node_rows: dict = {}  # node index -> mask of its own rows
         self._node_masks: list = []
 

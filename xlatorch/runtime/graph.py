@@ -229,7 +229,10 @@ def _run_storages(storages, nodes, leaves, enc, root_refs, reason, dev, timed, e
     data = [v for v in leaves if type(v) is Data]
     # Donate buffers no live tensor holds any more, when an output can reuse them.
     out_avals = {r.aval for r in roots}
-    donate = tuple(i for i, v in enumerate(data) if v.holders == 0 and v.aval in out_avals)
+    # Not the data a failed check gives back (``keep``): reading it after the step's outputs
+    # are written would make XLA copy every updated buffer.
+    held = {id(leaves[k[0]]) for k in keep if k is not None}
+    donate = tuple(i for i, v in enumerate(data) if v.holders == 0 and v.aval in out_avals and id(v) not in held)
     gdev = storages[0].dev
     key = (tuple(enc), root_refs, tuple(v.sig for v in leaves), donate, gdev, keep)
     if key not in CACHE:  # a graph whose shapes changed since it last ran may run as stages
@@ -375,8 +378,12 @@ def _run_and_commit(exe, storages, data, packed, gdev, nodes, keep, everything, 
     # A check fired: what depends on the failed op carries the error (or has its old data back).
     error, fired = failed
     ok = []
-    for i, (st, arr, mask) in enumerate(zip(storages, outs, exe.checks.masks)):
-        if mask & fired and not (keep and keep[i] is not None):
+    for i, (st, arr, mask, undo) in enumerate(
+        zip(storages, outs, exe.checks.masks, exe.checks.undo or itertools.repeat(0))
+    ):
+        if keep and keep[i] is not None:
+            ok.append((st, st.prev.array if undo & fired else arr))  # its data from before the step, kept
+        elif mask & fired:
             failure.fail_storages([st], error)
         else:
             ok.append((st, arr))

@@ -104,8 +104,9 @@ def lower_fn(plan, leaf_kinds, root_refs, scopes=None, table=None, keep=()):
     ``[bad, value, position]`` rows, and ``table`` (a ``checks.Table``) gets each row's node,
     exception type and message, and each root's mask of the rows it depends on (filled
     while JAX traces). A root with ``keep[i]`` set (its storage's data from before the
-    step is leaf ``keep[i][0]``) gives that leaf back when a row it depends on, or a row of a
-    checked node traced before its last write (``keep[i][1]``), is set."""
+    step is leaf ``keep[i][0]``) gets that leaf back when a row it depends on, or a row of a
+    checked node traced before its last write (``keep[i][1]``), is set: ``table.undo[i]``
+    holds those rows, and the sync, which did not donate the leaf, restores it.)"""
     from xlatorch.runtime.emit import emit_node
 
     if table is None:  # a dump: the checks' rows are computed all the same
@@ -144,14 +145,10 @@ def lower_fn(plan, leaf_kinds, root_refs, scopes=None, table=None, keep=()):
             return outs
         rows = jnp.stack([jnp.stack([jnp.asarray(x).astype(jnp.int64) for x in c[:3]]) for c in found])
         table.set_roots([None if r < 0 else r // 4096 for r in root_refs])
-        kept = []
-        for i, o in enumerate(outs):
-            m = table.undo_mask(i, keep[i][1]) if keep and keep[i] is not None else 0
-            if m:  # a failed check gives back the data from before the step
-                fired = jnp.any(rows[np.array([b for b in range(len(found)) if m >> b & 1]), 0] != 0)
-                o = jnp.where(fired, leaf_vals[keep[i][0]].astype(o.dtype), o)
-            kept.append(o)
-        return tuple(kept) + (rows,)
+        # A failed check gives root i its data from before the step back when a row of
+        # table.undo[i] fired: the sync keeps that buffer (never donated) and restores it.
+        table.undo = [table.undo_mask(i, keep[i][1]) if keep and keep[i] is not None else 0 for i in range(len(outs))]
+        return outs + (rows,)
 
     return fn
 
