@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from xlatorch.runtime import checks, failure, ir, record
+from xlatorch.runtime import checks, failure, ir, record, sharding
 from xlatorch.runtime.dtypes import PY_SCALAR_JAX, to_jax, weak
 from xlatorch.runtime.emit import hlo_scopes
 from xlatorch.runtime.execution import EXECUTIONS, uninterrupted
@@ -385,7 +385,8 @@ def _run_storages(storages, nodes, leaves, enc, root_refs, reason, dev, timed, e
     out_avals = {r.aval for r in roots}
     donate = tuple(i for i, v in enumerate(data) if v.holders == 0 and v.aval in out_avals)
     gdev = storages[0].dev
-    key = (tuple(enc), root_refs, tuple(v.sig for v in leaves), donate, gdev, keep)
+    spmd = sharding.prepare(data, storages) if sharding.ENABLED[0] else None  # (mesh, key part, outs)
+    key = (tuple(enc), root_refs, tuple(v.sig for v in leaves), donate, gdev, keep, spmd and spmd[1])
     exe = CACHE.get(key)
     packed, leaf_kinds = _pack(leaves)
     try:
@@ -393,7 +394,7 @@ def _run_storages(storages, nodes, leaves, enc, root_refs, reason, dev, timed, e
             COUNTERS["UncachedCompile"] += 1
             COUNTERS["CreateCompileHandles"] += 1  # torch_xla's name for the same event
             with timed("CompileTime") as tm:
-                exe = _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, gdev, keep)
+                exe = _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, gdev, keep, spmd)
             record.add_sample("InputOutputAliasCount", len(donate))  # buffers the executable may reuse
             exe.used = next(_uses)
             CACHE[key] = exe
@@ -518,15 +519,15 @@ def _pack(leaves):
     return packed, kinds
 
 
-def _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, dev=0, keep=()):
+def _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, dev=0, keep=(), spmd=None):
     table = checks.Table()
-    exe = _compile_fn(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, dev, table, keep)
+    exe = _compile_fn(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, dev, table, keep, spmd)
     if table.rows:
         exe.checks = table
     return exe
 
 
-def _compile_fn(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, dev, table, keep):
+def _compile_fn(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, dev, table, keep, spmd=None):
     plan = _plan(nodes, leaves)
     fn = _lower_fn(plan, leaf_kinds, root_refs, hlo_scopes(nodes), table, keep)
     local = placed = None
@@ -548,6 +549,9 @@ def _compile_fn(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, dev,
     def body(d, k, packed_args):
         return fn(_merge(d, k, donate_mask), packed_args)
 
+    if spmd is not None:  # one program partitioned over the mesh (runtime/sharding.py)
+        data_avals = [sharding.data_aval(d, a.dtype) for d, a in zip(data, data_avals)]
+        return sharding.compile_sharded(body, data_avals, packed_avals, (donate, kept), spmd[2], spmd[0])
     from xlatorch.runtime.collectives import SPECS as COLLECTIVES
 
     if any(n.spec in COLLECTIVES for n in nodes):
