@@ -16,6 +16,7 @@ devices is re-labelled (no copy); a sharded array on another mesh is replicated 
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import jax
@@ -27,7 +28,7 @@ from xlatorch.runtime.dispatch import STATIC, TENSOR, Info, OpSpec, signature
 from xlatorch.runtime.ir import Data, Node, Out
 
 __all__ = ["use_spmd", "is_spmd", "ENABLED", "devices", "default_mesh", "set_mesh", "annotate", "clear",
-           "sharding_of", "hlo_sharding_text", "host_value", "prepare", "compile_sharded"]  # fmt: skip
+           "sharding_of", "hlo_sharding_text", "host_value", "gathered", "prepare", "compile_sharded"]  # fmt: skip
 
 # ENABLED[0]: the process runs SPMD (read on hot paths as a plain list item).
 ENABLED = [False]
@@ -152,6 +153,9 @@ def hlo_sharding_text(sharding, ndim: int) -> str:
     return str(sharding._to_xla_hlo_sharding(ndim))
 
 
+_GATHERED: dict = {}  # id(jax.Array) -> (array, its whole value on the host), while a save runs
+
+
 def host_value(arr):
     """A host-readable array of ``arr``'s whole value: a replicated array's local copy, or a
     sharded array gathered from every process (a collective: every process must ask)."""
@@ -159,9 +163,44 @@ def host_value(arr):
         return arr
     if arr.sharding.is_fully_replicated:
         return arr.addressable_shards[0].data
+    hit = _GATHERED.get(id(arr))
+    if hit is not None and hit[0] is arr:
+        return hit[1]
     from jax.experimental import multihost_utils
 
     return multihost_utils.process_allgather(arr, tiled=True)
+
+
+@contextlib.contextmanager
+def gathered(data):
+    """While a checkpoint of ``data`` is written by one process: the values of ``data``'s
+    device tensors that are split across processes, gathered to every process's host in one
+    collective, which every process enters (a no-op unless SPMD spans several processes).
+
+    Tensors are found in dicts, lists and tuples (state dicts and optimizer state dicts)."""
+    if not ENABLED[0] or jax.process_count() == 1:
+        yield
+        return
+    from torch.utils._pytree import tree_leaves
+
+    from xlatorch.runtime.tensor import XlaTensor
+
+    arrays, seen = [], set()
+    for t in tree_leaves(data):  # the caller synced: every storage holds device data
+        if type(t) is XlaTensor and t._st.sid not in seen and type(t._st.value) is Data:
+            seen.add(t._st.sid)
+            a = t._st.value.array
+            if not a.is_fully_addressable and not a.sharding.is_fully_replicated:
+                arrays.append(a)
+    if arrays:
+        from jax.experimental import multihost_utils
+
+        for a, host in zip(arrays, multihost_utils.process_allgather(arrays, tiled=True)):
+            _GATHERED[id(a)] = (a, host)
+    try:
+        yield
+    finally:
+        _GATHERED.clear()
 
 
 def _onto(arr, mesh: Mesh):

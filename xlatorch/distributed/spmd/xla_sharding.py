@@ -42,7 +42,9 @@ class Mesh:
         if len(ids) != math.prod(mesh_shape):
             raise ValueError(f"xlatorch: {len(ids)} device ids do not fill a mesh of shape {mesh_shape}")
         if sorted(ids.tolist()) != list(range(n)):
-            raise ValueError(f"xlatorch: a mesh must use every device of the job once (ids 0..{n - 1}), got {list(ids)}")
+            raise ValueError(
+                f"xlatorch: a mesh must use every device of the job once (ids 0..{n - 1}), got {list(ids)}"
+            )
         if axis_names is not None and len(axis_names) != len(mesh_shape):
             raise ValueError(f"xlatorch: {len(axis_names)} axis names for a {len(mesh_shape)}-d mesh")
         self.device_ids = ids
