@@ -105,22 +105,28 @@ def annotate(t, sharding: NamedSharding) -> None:
     """Give tensor ``t`` (an ``XlaTensor``, not a view) ``sharding``: device data is re-placed
     (a copy between devices; no host transfer), a pending value is constrained inside its
     graph. The storage keeps the sharding: later values of it are constrained to it too."""
-    from xlatorch.runtime.tensor import write
+    from xlatorch.runtime.tensor import value_of, write
 
-    if t._vw is not None:
-        raise RuntimeError("xlatorch: mark_sharding of a view is not supported; annotate its base tensor")
     set_mesh(sharding.mesh)
     st = t._st
+    if t._vw is not None:  # a view (``out.view(...)``): its value as read now is constrained
+        v = value_of(t)
+        t._vc = (st.gen, _constrain(v, sharding))  # until its base changes; the base keeps its sharding
+        return
     v = st.value
     if type(v) is Data:
         if v.array.sharding != sharding:
             v.array = jax.device_put(v.array, sharding)
             record.COUNTERS["SpmdReshard"] += 1
     else:
-        n = Node(CONSTRAINT, (v, sharding), Info((v.aval,), None), (CONSTRAINT, signature((v, sharding))))
-        record.COUNTERS[CONSTRAINT.name] += 1
-        write(t, n.outs[0])
+        write(t, _constrain(v, sharding))
     st.sharding = sharding
+
+
+def _constrain(v, sharding):
+    n = Node(CONSTRAINT, (v, sharding), Info((v.aval,), None), (CONSTRAINT, signature((v, sharding))))
+    record.COUNTERS[CONSTRAINT.name] += 1
+    return n.outs[0]
 
 
 def clear(t) -> None:
