@@ -160,6 +160,14 @@ def shards_and_dumps(out):
     cleared = xs.clear_sharding(b)
     res["cleared_spec"] = xs.get_sharding_spec(cleared)
 
+    # The loader shards each batch it uploads (rank-2 tensors here; the labels stay replicated).
+    import xlatorch.distributed.parallel_loader as pl
+
+    data = torch.utils.data.TensorDataset(*batches(1)[0])
+    loader = pl.MpDeviceLoader(torch.utils.data.DataLoader(data, batch_size=8), d,
+                               input_sharding=xs.ShardingSpec(mesh, ("data", None)))  # fmt: skip
+    res["loaded"] = [(xs.get_sharding_spec(bx), xs.get_sharding_spec(by), bx.cpu(), by.cpu()) for bx, by in loader]
+
     # Checkpoints gather the shards.
     xm.save({"w": w, "row": row}, os.path.join(out, "xm.pt"))
     xser.save({"w": w, "row": row}, os.path.join(out, "xser.pt"))

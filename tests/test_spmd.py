@@ -125,6 +125,16 @@ def test_input_shardings_are_part_of_the_graph_key(spmd):
     assert spmd["misc"]["cleared_spec"] == "{replicated}"
 
 
+def test_loader_input_sharding(spmd):
+    loaded = spmd["misc"]["loaded"]
+    x, y = prog.batches(1)[0]
+    assert len(loaded) == 2  # every batch in this one process: SPMD does not split batches by process
+    for i, (xspec, yspec, bx, by) in enumerate(loaded):
+        assert (xspec, yspec) == ("{devices=[4,1,2]<=[8] last_tile_dim_replicate}", "{replicated}")
+        torch.testing.assert_close(bx, x[8 * i : 8 * i + 8])
+        torch.testing.assert_close(by, y[8 * i : 8 * i + 8])
+
+
 def test_checkpoints_gather_the_shards(spmd):
     misc = spmd["misc"]
     w = torch.arange(16 * 8, dtype=torch.float32).reshape(16, 8)

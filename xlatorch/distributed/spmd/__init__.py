@@ -4,6 +4,7 @@ from xlatorch.distributed.spmd.fsdp import SpmdFullyShardedDataParallel
 from xlatorch.distributed.spmd.xla_sharding import (
     HybridMesh,
     Mesh,
+    ShardingSpec,
     XLAShard,
     XLAShardedTensor,
     clear_sharding,
@@ -17,5 +18,5 @@ from xlatorch.distributed.spmd.xla_sharding import (
 )
 
 __all__ = ["Mesh", "HybridMesh", "get_1d_mesh", "set_global_mesh", "get_global_mesh", "mark_sharding",
-           "clear_sharding", "get_sharding_spec", "XLAShard", "XLAShardedTensor", "enable_manual_sharding",
-           "disable_manual_sharding", "SpmdFullyShardedDataParallel"]  # fmt: skip
+           "clear_sharding", "get_sharding_spec", "XLAShard", "XLAShardedTensor", "ShardingSpec",
+           "enable_manual_sharding", "disable_manual_sharding", "SpmdFullyShardedDataParallel"]  # fmt: skip

@@ -21,8 +21,8 @@ from xlatorch.runtime import sharding as _sh
 from xlatorch.runtime.tensor import XlaTensor
 
 __all__ = ["Mesh", "HybridMesh", "get_1d_mesh", "set_global_mesh", "get_global_mesh", "mark_sharding",
-           "clear_sharding", "get_sharding_spec", "XLAShard", "XLAShardedTensor", "enable_manual_sharding",
-           "disable_manual_sharding"]  # fmt: skip
+           "clear_sharding", "get_sharding_spec", "XLAShard", "XLAShardedTensor", "ShardingSpec",
+           "enable_manual_sharding", "disable_manual_sharding"]  # fmt: skip
 
 
 class Mesh:
@@ -222,6 +222,24 @@ def get_sharding_spec(t) -> str:
     """XLA's text of ``t``'s sharding (``{devices=[4,2]0,1,...}``), "" when it has none."""
     t = t.global_tensor if isinstance(t, XLAShardedTensor) else t
     return _sh.hlo_sharding_text(_sh.sharding_of(t), t.dim())
+
+
+class ShardingSpec:
+    """A mesh and a partition spec to apply later: ``pl.MpDeviceLoader(loader, device,
+    input_sharding=xs.ShardingSpec(mesh, ("data", None)))`` shards each uploaded batch."""
+
+    def __init__(self, mesh: Mesh, partition_spec: tuple, minibatch: bool = False):
+        if minibatch:
+            raise NotImplementedError("xlatorch: ShardingSpec(minibatch=True) (per-host batches) is not supported")
+        self.mesh = mesh
+        self.partition_spec = tuple(partition_spec)
+
+    def can_apply(self, t: torch.Tensor) -> bool:
+        return t.dim() == len(self.partition_spec)
+
+    def apply(self, t: torch.Tensor) -> torch.Tensor:
+        mark_sharding(t, self.mesh, self.partition_spec)
+        return t
 
 
 def enable_manual_sharding(*args, **kwargs):
