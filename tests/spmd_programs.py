@@ -173,6 +173,11 @@ def shards_and_dumps(out):
     xser.save({"w": w, "row": row}, os.path.join(out, "xser.pt"))
     res["loaded_xm"] = torch.load(os.path.join(out, "xm.pt"))
     res["loaded_xser"] = {k: v.cpu() for k, v in xser.load(os.path.join(out, "xser.pt")).items()}
+
+    # Other meshes (last: the mesh of the latest annotation is the default for later graphs).
+    res["hybrid"] = xs.HybridMesh(ici_mesh_shape=(4, 2), axis_names=("data", "model")).get_logical_mesh().tolist()
+    s = xs.mark_sharding(torch.arange(16.0).reshape(8, 2).to(d), xs.get_1d_mesh("x"), ("x", None))
+    res["wrapped"] = ((s * 2 + 1).sum().item(), torch.add(s, 1).sum().item(), s.sharding_spec, s.shape)
     return res
 
 

@@ -164,6 +164,13 @@ def test_two_processes_of_four_devices(tmp_path):
     torch.testing.assert_close(saved["w"], torch.arange(16 * 8, dtype=torch.float32).reshape(16, 8))
 
 
+def test_hybrid_and_1d_meshes_and_the_sharded_tensor_wrapper(spmd):
+    misc = spmd["misc"]
+    assert misc["hybrid"] == [[0, 1], [2, 3], [4, 5], [6, 7]]  # one process: the ICI mesh in device order
+    total = float(torch.arange(16.0).sum())
+    assert misc["wrapped"] == (2 * total + 16, total + 16, "{devices=[8,1]<=[8]}", torch.Size([8, 2]))
+
+
 def test_annotations_need_spmd():
     t = torch.zeros(4, device=xm.xla_device())
     mesh = xs.Mesh(np.arange(1), (1,), ("data",))

@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from xlatorch.runtime import record
 from xlatorch.runtime.dispatch import STATIC, TENSOR, Info, OpSpec, signature
-from xlatorch.runtime.ir import Data, Node, Out
+from xlatorch.runtime.ir import Data, Node
 
 __all__ = ["use_spmd", "is_spmd", "ENABLED", "devices", "default_mesh", "set_mesh", "annotate", "clear",
            "sharding_of", "hlo_sharding_text", "host_value", "gathered", "prepare", "compile_sharded"]  # fmt: skip
@@ -284,7 +284,3 @@ def compile_sharded(body, data_avals, packed_avals, args_order, outs, mesh):
 def data_aval(d, dtype):
     """The abstract input of device data ``d`` (its shape and sharding)."""
     return jax.ShapeDtypeStruct(d.aval[0], dtype, sharding=d.array.sharding)
-
-
-def pending(v) -> bool:
-    return type(v) is Out

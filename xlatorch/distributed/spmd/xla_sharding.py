@@ -187,6 +187,21 @@ class XLAShardedTensor:
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
 
 
+def _forward(name):
+    def method(self, *args):
+        return getattr(self.global_tensor, name)(*args)
+
+    method.__name__ = name
+    return method
+
+
+# Python looks operators up on the type, not through __getattr__: they go to the global tensor.
+for _name in ("add", "radd", "sub", "rsub", "mul", "rmul", "truediv", "rtruediv", "matmul", "rmatmul", "pow",
+              "neg", "getitem", "setitem", "len", "iter", "eq", "ne", "lt", "le", "gt", "ge"):  # fmt: skip
+    setattr(XLAShardedTensor, f"__{_name}__", _forward(f"__{_name}__"))
+XLAShardedTensor.__hash__ = object.__hash__
+
+
 def _device_tensor(t) -> XlaTensor:
     if isinstance(t, XLAShardedTensor):
         t = t.global_tensor
