@@ -182,15 +182,17 @@ def save(data, file_or_path, master_only: bool = True, global_master: bool = Fal
     of the directory): a crash leaves the previous file intact, never a partial one.
     """
     from xlatorch.runtime.serialization import atomic_write, cpu_pickle_module
+    from xlatorch.runtime.sharding import gathered
 
     _sync("save")
-    if master_only and not is_master_ordinal(local=not global_master):
-        return
-    pickle_module = cpu_pickle_module()
-    if isinstance(file_or_path, (str, os.PathLike)):
-        atomic_write(file_or_path, lambda f: torch.save(data, f, pickle_module=pickle_module))
-    else:
-        torch.save(data, file_or_path, pickle_module=pickle_module)
+    with gathered(data):  # SPMD over several processes: shards split across them, gathered by all
+        if master_only and not is_master_ordinal(local=not global_master):
+            return
+        pickle_module = cpu_pickle_module()
+        if isinstance(file_or_path, (str, os.PathLike)):
+            atomic_write(file_or_path, lambda f: torch.save(data, f, pickle_module=pickle_module))
+        else:
+            torch.save(data, file_or_path, pickle_module=pickle_module)
 
 
 def set_rng_state(seed: int, device=None) -> None:

@@ -47,9 +47,18 @@ def _leaf_text(v) -> str:
     from xlatorch.runtime.ir import Data
 
     if type(v) is Data:
-        return f"device_data : {aval_text(v.aval)}"
+        return f"device_data : {aval_text(v.aval)}" + _sharding_text(v)
     kind = "cpu_tensor" if v.tensor else "scalar"
     return f"{kind}({v.value!r}) : {dtype_name(v.aval[1])}[]"
+
+
+def _sharding_text(v) -> str:
+    """`` {sharding={devices=[4,2]<=[8]}}`` for device data under SPMD (how the graph input is split)."""
+    from xlatorch.runtime import sharding
+
+    if not sharding.ENABLED[0]:
+        return ""
+    return " {sharding=" + sharding.hlo_sharding_text(v.array.sharding, len(v.aval[0])) + "}"
 
 
 def _args_text(n, name) -> str:

@@ -68,7 +68,8 @@ def sig_text(sig) -> str:
 def op_name(spec) -> str:
     """``aten::mm`` (default overload) or ``aten::add.Tensor``."""
     name = getattr(spec, "name", None) or str(spec)
-    return "aten::" + (name[: -len(".default")] if name.endswith(".default") else name)
+    name = name[: -len(".default")] if name.endswith(".default") else name
+    return name if "::" in name else "aten::" + name  # xlatorch's own ops are named xla::<op>
 
 
 @dataclasses.dataclass

@@ -29,8 +29,10 @@ _END = object()
 
 def _world():
     """Processes shard the batches; the local devices of one process split its share."""
-    from xlatorch.runtime import distributed
+    from xlatorch.runtime import distributed, sharding
 
+    if sharding.is_spmd():  # one program over every process: each feeds the same global batch
+        return 1, 0
     return distributed.process_world()
 
 
@@ -67,9 +69,12 @@ def _shard_len(loader, per_round: int = 1) -> int:
     return len(loader) // (n * per_round)
 
 
-def _to_device(batch, dev: int):
+def _to_device(batch, dev: int, input_sharding=None):
     from xlatorch.runtime.tensor import wrap
     from xlatorch.runtime.transfer import to_device
+
+    if input_sharding is not None:
+        return _shard(_to_device(batch, dev), input_sharding)
 
     def send(x):
         if isinstance(x, torch.Tensor):
@@ -79,6 +84,18 @@ def _to_device(batch, dev: int):
         return x
 
     return tree_map(send, batch)
+
+
+def _shard(batch, spec):
+    """SPMD: annotate the uploaded ``batch`` with ``spec``, an ``xs.ShardingSpec`` (every tensor of
+    its rank) or a tuple / list / dict of them (None: leave that part replicated)."""
+    if spec is None:
+        return batch
+    if hasattr(spec, "apply"):
+        return tree_map(lambda t: spec.apply(t) if isinstance(t, torch.Tensor) and spec.can_apply(t) else t, batch)
+    if isinstance(spec, dict):
+        return {k: _shard(v, spec.get(k)) for k, v in batch.items()}
+    return type(batch)(_shard(b, s) for b, s in zip(batch, spec))
 
 
 class PerDeviceLoader:
@@ -137,6 +154,7 @@ class ParallelLoader:
             raise ValueError("xlatorch: ParallelLoader needs at least one device")
         self._index = [device_index(d) if len(self._devices) == 1 else (d.index or 0) for d in self._devices]
         self._loader = loader
+        self._input_sharding = input_sharding
         self._batches_per_execution = batches_per_execution
         self._queues = [queue.Queue(maxsize=max(1, device_prefetch_size)) for _ in self._devices]
         self._stop = threading.Event()
@@ -167,7 +185,9 @@ class ParallelLoader:
         try:
             for group in _rounds(self._loader, n):
                 for slot, batch in enumerate(group):
-                    if self._stop.is_set() or not self._put(slot, _to_device(batch, self._index[slot])):
+                    if self._stop.is_set() or not self._put(
+                        slot, _to_device(batch, self._index[slot], self._input_sharding)
+                    ):
                         return
         except BaseException as e:  # noqa: BLE001 (re-raised in the consuming threads)
             for slot in range(n):

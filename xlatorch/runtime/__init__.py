@@ -58,6 +58,27 @@ def process_index() -> int:
     return global_ordinal()
 
 
+def use_spmd(auto: bool = False) -> None:
+    """Run SPMD: from now on ``xla:0`` is one device spanning every device of the job, and
+    each step is one program that XLA's partitioner splits by the tensors' shardings
+    (``xlatorch.distributed.spmd``). Call it before the device's first use. On CPU,
+    ``$CPU_NUM_DEVICES`` sets this process's device count. ``auto`` (torch_xla's
+    auto-sharding) is not supported.
+    """
+    if auto:
+        raise NotImplementedError("xlatorch: use_spmd(auto=True) (automatic sharding) is not supported")
+    from xlatorch.runtime.sharding import use_spmd as _use
+
+    _use()
+
+
+def is_spmd() -> bool:
+    """Whether ``use_spmd()`` was called."""
+    from xlatorch.runtime.sharding import is_spmd as _is
+
+    return _is()
+
+
 _PLATFORMS = {"CPU": "cpu", "GPU": "cuda", "CUDA": "cuda", "ROCM": "rocm", "TPU": "tpu"}
 
 
@@ -92,4 +113,4 @@ def _from_environment() -> None:
 
 __all__ = ["device_type", "set_device_type", "world_size", "global_ordinal", "local_ordinal", "process_index",
            "local_process_count", "addressable_device_count", "addressable_runtime_device_count",
-           "global_runtime_device_count"]  # fmt: skip
+           "global_runtime_device_count", "use_spmd", "is_spmd"]  # fmt: skip

@@ -29,7 +29,7 @@ __all__ = [
     "rendezvous", "RendezvousTimeout", "reduce_gradients",
 ]  # fmt: skip
 
-_world = {"size": 1, "rank": 0, "local_rank": 0, "local_size": 1, "joined": False}
+_world = {"size": 1, "rank": 0, "local_rank": 0, "local_size": 1, "joined": False, "spmd": False}
 _rdv_counts: dict[str, int] = {}
 
 
@@ -118,8 +118,16 @@ def process_world() -> tuple[int, int]:
     return _world["size"], _world["rank"]
 
 
+def set_spmd(on: bool) -> None:
+    """Under SPMD the job is one replica: one program over every device (``runtime/sharding.py``)."""
+    _world["spmd"] = on
+
+
 def world_size() -> int:
-    """Number of replicas in the job: processes, or the devices of ``dp.DataParallel``."""
+    """Number of replicas in the job: processes, or the devices of ``dp.DataParallel`` (1 under SPMD:
+    one program over every device, as torch_xla counts it)."""
+    if _world["spmd"]:
+        return 1
     return _threads["count"] or _world["size"]
 
 

@@ -18,7 +18,7 @@ import warnings
 import jax
 import torch
 
-from xlatorch.runtime import checks, failure, ir, record, stages
+from xlatorch.runtime import checks, failure, ir, record, sharding, stages
 from xlatorch.runtime.dtypes import to_jax
 from xlatorch.runtime.emit import hlo_scopes
 from xlatorch.runtime.execution import EXECUTIONS, uninterrupted
@@ -234,15 +234,16 @@ def _run_storages(storages, nodes, leaves, enc, root_refs, reason, dev, timed, e
     held = {id(leaves[k[0]]) for k in keep if k is not None}
     donate = tuple(i for i, v in enumerate(data) if v.holders == 0 and v.aval in out_avals and id(v) not in held)
     gdev = storages[0].dev
-    key = (tuple(enc), root_refs, tuple(v.sig for v in leaves), donate, gdev, keep)
-    if key not in CACHE:  # a graph whose shapes changed since it last ran may run as stages
+    spmd = sharding.prepare(data, storages) if sharding.ENABLED[0] else None  # (mesh, key part, outs)
+    key = (tuple(enc), root_refs, tuple(v.sig for v in leaves), donate, gdev, keep, spmd and spmd[1])
+    if key not in CACHE and spmd is None:  # a graph whose shapes changed since it last ran may run as stages
         stage = stages.split(nodes, enc, root_refs, gdev)
         if stage is not None and _run_stages(storages, nodes, enc, root_refs, stage, gdev, everything, timed):
             _traced(t0)
             return
     packed, leaf_kinds = pack(leaves)
     try:
-        exe = _executable(key, nodes, leaves, leaf_kinds, root_refs, data, packed, donate, gdev, keep, timed)
+        exe = _executable(key, nodes, leaves, leaf_kinds, root_refs, data, packed, donate, gdev, keep, timed, spmd=spmd)
     except LoweringError:
         raise  # the caller fails just that node
     except Exception as e:
@@ -269,7 +270,9 @@ def _traced(t0) -> None:
     _last_sync = now
 
 
-def _executable(key, nodes, leaves, leaf_kinds, root_refs, data, packed, donate, gdev, keep, timed, cut=None):
+def _executable(
+    key, nodes, leaves, leaf_kinds, root_refs, data, packed, donate, gdev, keep, timed, cut=None, spmd=None
+):
     """The executable cached under ``key``, compiled on a miss."""
     exe = CACHE.get(key)
     if exe is not None:
@@ -278,7 +281,7 @@ def _executable(key, nodes, leaves, leaf_kinds, root_refs, data, packed, donate,
     COUNTERS["UncachedCompile"] += 1
     COUNTERS["CreateCompileHandles"] += 1  # torch_xla's name for the same event
     with timed("CompileTime") as tm:
-        exe = _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, gdev, keep, cut)
+        exe = _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, gdev, keep, cut, spmd)
     record.add_sample("InputOutputAliasCount", len(donate))  # buffers the executable may reuse
     exe.used = next(_uses)
     CACHE[key] = exe
@@ -318,7 +321,7 @@ def _run_stages(storages, nodes, enc, root_refs, stage, gdev, everything, timed)
                     continue
             data = [v for v in sl if type(v) is Data]
             packed, kinds = pack(sl)
-            key = (tuple(senc), srefs, tuple(v.sig for v in sl), (), gdev, ())
+            key = (tuple(senc), srefs, tuple(v.sig for v in sl), (), gdev, (), None)
             exe = _executable(key, sn, sl, kinds, srefs, data, packed, (), gdev, (), timed, cut)
             _check_memory(exe, gdev)
             record.add_sample("TensorsGraphSize", len(sn))
@@ -428,15 +431,15 @@ def wait() -> None:
     EXECUTIONS.flush()
 
 
-def _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, dev=0, keep=(), cut=None):
+def _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, dev=0, keep=(), cut=None, spmd=None):
     table = checks.Table()
-    exe = _compile_fn(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, dev, table, keep, cut)
+    exe = _compile_fn(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, dev, table, keep, cut, spmd)
     if table.rows:
         exe.checks = table
     return exe
 
 
-def _compile_fn(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, dev, table, keep, cut=None):
+def _compile_fn(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, dev, table, keep, cut=None, spmd=None):
     fn = lower_fn(plan(nodes, leaves, cut), leaf_kinds, root_refs, hlo_scopes(nodes), table, keep)
     local = placed = None
     if dev:  # a local device other than the default one (dp.DataParallel)
@@ -457,6 +460,9 @@ def _compile_fn(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, dev,
     def body(d, k, packed_args):
         return fn(_merge(d, k, donate_mask), packed_args)
 
+    if spmd is not None:  # one program partitioned over the mesh (runtime/sharding.py)
+        data_avals = [sharding.data_aval(d, a.dtype) for d, a in zip(data, data_avals)]
+        return sharding.compile_sharded(body, data_avals, packed_avals, (donate, kept), spmd[2], spmd[0])
     from xlatorch.runtime.collectives import SPECS as COLLECTIVES
 
     if any(n.spec in COLLECTIVES for n in nodes):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import torch
 
+from xlatorch.runtime import sharding
 from xlatorch.runtime.collectives import SPECS as COLLECTIVES
 from xlatorch.runtime.dtypes import to_jax
 from xlatorch.runtime.emit import hlo_scopes
@@ -56,6 +57,12 @@ def lower(tensors, who: str = "xlatorch"):
                                   "supported yet")  # fmt: skip
     packed, kinds = pack(leaves)
     fn = lower_fn(plan(nodes, leaves), kinds, root_refs, hlo_scopes(nodes))
-    data = [jax.ShapeDtypeStruct(v.aval[0], to_jax(v.aval[1])) for v in leaves if type(v) is Data]
-    lowered = jax.jit(fn).lower(data, [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in packed])
+    data = [v for v in leaves if type(v) is Data]
+    where = None
+    if sharding.ENABLED[0]:  # SPMD: the inputs' shardings, as a sync compiles it (one mesh)
+        where = sharding.replicated(sharding.prepare(data, [])[0])
+        data = [sharding.data_aval(v, to_jax(v.aval[1])) for v in data]
+    else:
+        data = [jax.ShapeDtypeStruct(v.aval[0], to_jax(v.aval[1])) for v in data]
+    lowered = jax.jit(fn).lower(data, [jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=where) for p in packed])
     return lowered, leaves, packed

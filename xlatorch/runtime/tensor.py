@@ -93,7 +93,7 @@ class Storage:
     read the storage (``reroot_lone_views``).
     """
 
-    __slots__ = ("value", "gen", "sid", "dev", "refs", "prev", "owner", "__weakref__")
+    __slots__ = ("value", "gen", "sid", "dev", "refs", "prev", "owner", "sharding", "__weakref__")
 
     def __init__(self, value):
         self.refs = []
@@ -104,6 +104,7 @@ class Storage:
         # The device data this storage held when the step began writing it: a step whose
         # on-device check fails gives it back (runtime/checks.py). Reset at each commit.
         self.prev = None
+        self.sharding = None  # SPMD: the sharding mark_sharding gave it (runtime/sharding.py)
         self.sid = sid = next(_ids)
         self.dev = value.dev if ir._multi else 0  # the local device index (see ir.current_device)
         self.value = value

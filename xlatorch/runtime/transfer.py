@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import torch
 
-from xlatorch.runtime import record
+from xlatorch.runtime import record, sharding
 from xlatorch.runtime.dtypes import EXACT, TORCH_TO_JAX, to_jax
 from xlatorch.runtime.ir import Data, Out, current_device, enable_multi_device
 from xlatorch.runtime.tensor import XlaTensor, value_of
@@ -22,7 +22,8 @@ def jax_device(dev: int = 0):
         from xlatorch.runtime import distributed
 
         distributed.initialize()  # join the job the environment describes (a no-op alone)
-        _devices.extend(jax.local_devices())
+        # Under SPMD, xla:0 is one device spanning them all (runtime/sharding.py).
+        _devices.extend(jax.local_devices()[:1] if sharding.ENABLED[0] else jax.local_devices())
         if len(_devices) > 1:  # several local devices: nodes track which one they live on
             enable_multi_device()
         for hook in record.DEVICE_HOOKS:  # xlatorch.debug.profiler: a capture scheduled before now may start
@@ -61,7 +62,8 @@ def to_device(t: torch.Tensor, dev: int | None = None) -> Data:
     with record.TIMED("TransferToDeviceTime"):
         # jax.device_put on CPU may alias an aligned numpy array: the device value must not
         # change when the host tensor is later written in place (other platforms copy anyway).
-        arr = jax.device_put(_to_numpy(t.cpu(), private=jdev.platform == "cpu"), jdev)
+        where = sharding.placement() if sharding.ENABLED[0] else jdev
+        arr = jax.device_put(_to_numpy(t.cpu(), private=jdev.platform == "cpu"), where)
     record.COUNTERS["TensorToData"] += 1
     return Data(arr, (tuple(t.shape), t.dtype), dev)
 
@@ -74,7 +76,7 @@ def to_other_device(t: XlaTensor, dev: int) -> Data:
 
 def _from_array(arr, dtype: torch.dtype) -> torch.Tensor:
     """A new CPU tensor of ``dtype`` from device data (widened if a precision mode narrowed it)."""
-    a = np.asarray(arr)
+    a = np.asarray(arr if arr.is_fully_addressable else sharding.host_value(arr))
     want = EXACT[dtype]
     # Always a new host array: never alias a device buffer that may be donated later.
     a = a.astype(want) if a.dtype != want else a.copy()

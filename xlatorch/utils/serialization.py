@@ -66,10 +66,16 @@ def save(data, path, master_only: bool = True, global_master: bool = False) -> N
     """
     from xlatorch.core.xla_model import is_master_ordinal
     from xlatorch.runtime.graph import sync
+    from xlatorch.runtime.sharding import gathered
 
     sync("save")
-    if master_only and not is_master_ordinal(local=not global_master):
-        return
+    with gathered(data):  # SPMD over several processes: shards split across them, gathered by all
+        if master_only and not is_master_ordinal(local=not global_master):
+            return
+        _save(data, path)
+
+
+def _save(data, path) -> None:
     path = os.fspath(path)
     tdir = _tensors_dir(path)
     os.makedirs(tdir, exist_ok=True)

@@ -1,0 +1,213 @@
+"""Programs run under SPMD by tests/test_spmd.py, in a child process with 8 CPU devices
+(``python -c "import spmd_programs; spmd_programs.main(out)"``, ``CPU_NUM_DEVICES=8``), or by
+``xmp.spawn`` (2 processes x 4 devices). Each saves what it computed; the tests compare it
+with CPU eager PyTorch. Importing this module starts nothing (the tests build their
+references from the same models and data)."""
+
+import os
+
+import numpy as np
+import torch
+
+MESHES = {"8": ((8,), ("data",)), "4x2": ((4, 2), ("data", "model")), "2x2x2": ((2, 2, 2), ("data", "model", "x"))}
+STEPS = 4
+
+
+def mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+
+def batches(steps=STEPS, n=16):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(n, 16, generator=g), torch.randint(0, 4, (n,), generator=g)) for _ in range(steps)]
+
+
+class TinyTransformer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(64, 32)
+        self.layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+        self.head = torch.nn.Linear(32, 64)
+
+    def forward(self, x):
+        return self.head(self.layer(self.emb(x)))
+
+
+def tokens(steps=STEPS):
+    g = torch.Generator().manual_seed(2)
+    return [torch.randint(0, 64, (16, 6), generator=g) for _ in range(steps)]
+
+
+def _specs(names):
+    """Partition specs of the MLP's weights and the batch on a mesh with axes ``names``."""
+    model = names[1] if len(names) > 1 else None
+    return {"w0": (model, "data"), "w2": (None, model), "x": ("data", None)}
+
+
+def train_mlp(mesh_key, opt_name="adam"):
+    """Sharded weights, batch split over "data": losses, parameters, shardings, compiles."""
+    import xlatorch.core.xla_model as xm
+    import xlatorch.debug.metrics as met
+    import xlatorch.distributed.spmd as xs
+
+    shape, names = MESHES[mesh_key]
+    mesh = xs.Mesh(np.arange(8), shape, names)
+    d = xm.xla_device()
+    model = mlp().to(d)
+    spec = _specs(names)
+    xs.mark_sharding(model[0].weight, mesh, spec["w0"])
+    xs.mark_sharding(model[2].weight, mesh, spec["w2"])
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    losses, compiles = [], []
+    for x, y in batches():
+        xd = x.to(d)
+        xs.mark_sharding(xd, mesh, spec["x"])
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(xd), y.to(d))
+        loss.backward()
+        opt.step()
+        xm.mark_step()
+        losses.append(loss.item())
+        compiles.append(met.counter_value("UncachedCompile") or 0)
+    w0 = model[0].weight
+    state = opt.state[w0]
+    return {
+        "losses": losses,
+        "compiles": compiles,
+        "params": [p.cpu() for p in model.parameters()],
+        "w0_spec": xs.get_sharding_spec(w0),
+        "exp_avg_spec": xs.get_sharding_spec(state["exp_avg"]),
+        "exp_avg_sq_spec": xs.get_sharding_spec(state["exp_avg_sq"]),
+        "w0_pspec": str(w0._st.value.array.sharding.spec),
+    }
+
+
+def fsdp_transformer():
+    import xlatorch.core.xla_model as xm
+    import xlatorch.debug.metrics as met
+    import xlatorch.distributed.spmd as xs
+
+    mesh = xs.Mesh(np.arange(8), (8,), ("fsdp",))
+    model = xs.SpmdFullyShardedDataParallel(TinyTransformer(), mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    d = xm.xla_device()
+    losses, compiles = [], []
+    for x in tokens():
+        xd = x.to(d)
+        xs.mark_sharding(xd, mesh, ("fsdp", None))
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(xd).flatten(0, 1), xd.flatten())
+        loss.backward()
+        opt.step()
+        xm.mark_step()
+        losses.append(loss.item())
+        compiles.append(met.counter_value("UncachedCompile") or 0)
+    named = list(model.module.named_parameters())
+    return {
+        "losses": losses,
+        "compiles": compiles,
+        "params": {n: p.cpu() for n, p in named},
+        "specs": {n: xs.get_sharding_spec(p) for n, p in named},
+        "momentum_specs": {n: xs.get_sharding_spec(opt.state[p]["momentum_buffer"]) for n, p in named},
+        "fallbacks": met.executed_fallback_ops(),
+    }
+
+
+def shards_and_dumps(out):
+    """local_shards, constraints on intermediate values, the graph key, dumps, checkpoints."""
+    import xlatorch.core.xla_model as xm
+    import xlatorch.debug.metrics as met
+    import xlatorch.distributed.spmd as xs
+    import xlatorch.utils.serialization as xser
+    from xlatorch.debug import dump
+
+    d = xm.xla_device()
+    mesh = xs.Mesh(np.arange(8), (4, 2), ("data", "model"))
+    w_cpu = torch.arange(16 * 8, dtype=torch.float32).reshape(16, 8)
+    w = w_cpu.to(d)
+    sw = xs.mark_sharding(w, mesh, ("data", "model"))
+    shards = [(s.data, s.indices, s.replica_id) for s in sw.local_shards]
+    row = torch.arange(8.0).to(d)
+    srow = xs.mark_sharding(row, mesh, ("model",))
+    row_shards = [(s.data, s.indices, s.replica_id) for s in srow.local_shards]
+
+    x_cpu = torch.randn(8, 16, generator=torch.Generator().manual_seed(3))
+    x = x_cpu.to(d)
+    y = torch.relu(x @ w)
+    xs.mark_sharding(y, mesh, (None, "model"))  # a constraint on an intermediate value
+    z = y * 2
+    ir, hlo = dump.ir_text(z), dump.hlo_text(z)
+    xm.mark_step()
+    res = {"shards": shards, "row_shards": row_shards, "w_spec": sw.sharding_spec, "ir": ir, "hlo": hlo,
+           "z": z.cpu(), "z_spec": str(z._st.value.array.sharding.spec), "ref_inputs": (x_cpu, w_cpu)}  # fmt: skip
+
+    # The same graph over differently sharded inputs is another program; the same sharding hits the cache.
+    def step(a):
+        (a @ w).sum().item()
+
+    a = x_cpu.to(d)
+    step(a)
+    c0 = met.counter_value("UncachedCompile")
+    step(x_cpu.to(d))
+    same = met.counter_value("UncachedCompile") - c0
+    b = x_cpu.to(d)
+    xs.mark_sharding(b, mesh, ("data", None))
+    step(b)
+    other = met.counter_value("UncachedCompile") - c0 - same
+    res["recompiles"] = (same, other)
+    cleared = xs.clear_sharding(b)
+    res["cleared_spec"] = xs.get_sharding_spec(cleared)
+
+    # The loader shards each batch it uploads (rank-2 tensors here; the labels stay replicated).
+    import xlatorch.distributed.parallel_loader as pl
+
+    data = torch.utils.data.TensorDataset(*batches(1)[0])
+    loader = pl.MpDeviceLoader(torch.utils.data.DataLoader(data, batch_size=8), d,
+                               input_sharding=xs.ShardingSpec(mesh, ("data", None)))  # fmt: skip
+    res["loaded"] = [(xs.get_sharding_spec(bx), xs.get_sharding_spec(by), bx.cpu(), by.cpu()) for bx, by in loader]
+
+    # Checkpoints gather the shards.
+    xm.save({"w": w, "row": row}, os.path.join(out, "xm.pt"))
+    xser.save({"w": w, "row": row}, os.path.join(out, "xser.pt"))
+    res["loaded_xm"] = torch.load(os.path.join(out, "xm.pt"))
+    res["loaded_xser"] = {k: v.cpu() for k, v in xser.load(os.path.join(out, "xser.pt")).items()}
+
+    # Other meshes (last: the mesh of the latest annotation is the default for later graphs).
+    res["hybrid"] = xs.HybridMesh(ici_mesh_shape=(4, 2), axis_names=("data", "model")).get_logical_mesh().tolist()
+    s = xs.mark_sharding(torch.arange(16.0).reshape(8, 2).to(d), xs.get_1d_mesh("x"), ("x", None))
+    res["wrapped"] = ((s * 2 + 1).sum().item(), torch.add(s, 1).sum().item(), s.sharding_spec, s.shape)
+    return res
+
+
+def main(out):
+    import xlatorch.runtime as xr
+
+    xr.use_spmd()
+    res = {"devices": xr.global_runtime_device_count(), "world_size": xr.world_size()}
+    import xlatorch
+
+    res["xla_devices"] = [str(x) for x in xlatorch.devices()]
+    res["mlp"] = {k: train_mlp(k) for k in MESHES}
+    res["fsdp"] = fsdp_transformer()
+    res["misc"] = shards_and_dumps(out)
+    torch.save(res, os.path.join(out, "spmd.pt"))
+
+
+def multiprocess_worker(index, out):
+    """One of 2 processes x 4 CPU devices: the MLP on a (4, 2) mesh, then a checkpoint."""
+    import xlatorch.core.xla_model as xm
+    import xlatorch.distributed.spmd as xs
+    import xlatorch.runtime as xr
+
+    xr.use_spmd()
+    res = train_mlp("4x2")
+    d = xm.xla_device()
+    mesh = xs.Mesh(np.arange(8), (4, 2), ("data", "model"))
+    w = torch.arange(16 * 8, dtype=torch.float32).reshape(16, 8).to(d)
+    sw = xs.mark_sharding(w, mesh, ("data", "model"))
+    res["shard_indices"] = [s.indices for s in sw.local_shards]
+    res["devices"] = (xr.global_runtime_device_count(), xr.addressable_device_count(), xr.process_index())
+    xm.save({"w": w}, os.path.join(out, "mp.pt"))
+    torch.save(res, os.path.join(out, f"rank{index}.pt"))

@@ -1,0 +1,178 @@
+"""SPMD (``xr.use_spmd()``, ``xlatorch.distributed.spmd``): one program over 8 CPU devices.
+
+JAX fixes the device count when its backend starts, and this test process has started it
+with one device: the programs (tests/spmd_programs.py) run in a child process with
+``CPU_NUM_DEVICES=8`` (one run shared by the tests here), or in 2 processes x 4 devices
+through ``xmp.spawn``. References are CPU eager PyTorch, computed here.
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import spmd_programs as prog
+import torch
+
+import xlatorch.core.xla_model as xm
+import xlatorch.distributed.spmd as xs
+import xlatorch.distributed.xla_multiprocessing as xmp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.join(ROOT, "tests")
+
+
+@pytest.fixture(scope="module")
+def spmd(tmp_path_factory):
+    out = tmp_path_factory.mktemp("spmd")
+    env = dict(os.environ, CPU_NUM_DEVICES="8", PYTHONPATH=os.pathsep.join([ROOT, TESTS]))
+    script = f"import spmd_programs; spmd_programs.main({str(out)!r})"
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, env=env,
+                       timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    return torch.load(out / "spmd.pt", weights_only=False)
+
+
+def _reference_mlp():
+    model = prog.mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    losses = []
+    for x, y in prog.batches():
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, [p.detach() for p in model.parameters()]
+
+
+def test_one_virtual_device_spans_every_device(spmd):
+    assert spmd["devices"] == 8
+    assert spmd["xla_devices"] == ["xla:0"]
+    assert spmd["world_size"] == 1  # one program, one replica
+
+
+@pytest.mark.parametrize("mesh", list(prog.MESHES))
+def test_sharded_training_equals_unsharded(spmd, mesh):
+    got = spmd["mlp"][mesh]
+    losses, params = _reference_mlp()
+    np.testing.assert_allclose(got["losses"], losses, rtol=1e-5)
+    for p, want in zip(got["params"], params):
+        torch.testing.assert_close(p, want, rtol=1e-4, atol=1e-5)
+    c = got["compiles"]
+    assert c[-1] == c[1], f"compiles after warm-up: {c}"  # step 1 creates Adam's state; then flat
+    assert got["w0_spec"] not in ("", "{replicated}")
+    # Adam's state, created from the gradients of a sharded weight, is sharded as the weight.
+    assert got["exp_avg_spec"] == got["w0_spec"] == got["exp_avg_sq_spec"]
+
+
+def test_fsdp_wrapper_trains_a_transformer_as_one_device(spmd):
+    got = spmd["fsdp"]
+    ref = prog.TinyTransformer()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for x in prog.tokens():
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(ref(x).flatten(0, 1), x.flatten())
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    np.testing.assert_allclose(got["losses"], losses, rtol=1e-5)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got["params"][name], p.detach(), rtol=1e-4, atol=1e-5)
+    assert got["compiles"][-1] == got["compiles"][1]
+    assert got["fallbacks"] == []
+    # Every parameter is split over the 8 devices along its first dimension (all divide by 8 here).
+    assert got["specs"]["layer.self_attn.in_proj_weight"] == "{devices=[8,1]<=[8]}"
+    assert got["specs"]["head.bias"] == "{devices=[8]<=[8]}"
+    assert got["momentum_specs"] == got["specs"]
+
+
+def test_local_shards(spmd):
+    misc = spmd["misc"]
+    w = torch.arange(16 * 8, dtype=torch.float32).reshape(16, 8)
+    assert misc["w_spec"] == "{devices=[4,2]<=[8]}"
+    assert len(misc["shards"]) == 8
+    for data, idx, replica in misc["shards"]:
+        assert data.shape == (4, 4) and replica == 0
+        torch.testing.assert_close(data, w[idx])
+    assert {tuple((s.start, s.stop) for s in idx) for _, idx, _ in misc["shards"]} == {
+        ((r, r + 4), (c, c + 4)) for r in range(0, 16, 4) for c in (0, 4)
+    }
+    # A vector split over "model" only: each half held by the 4 devices of a "data" row, replicas 0..3.
+    row = misc["row_shards"]
+    assert sorted((idx[0].start, rep) for _, idx, rep in row) == [(s, r) for s in (0, 4) for r in range(4)]
+    for data, idx, _ in row:
+        torch.testing.assert_close(data, torch.arange(8.0)[idx])
+
+
+def test_constraint_on_an_intermediate_value_and_dumps(spmd):
+    misc = spmd["misc"]
+    x, w = misc["ref_inputs"]
+    torch.testing.assert_close(misc["z"], torch.relu(x @ w) * 2, rtol=1e-5, atol=1e-4)  # |z| ~ 1e3
+    assert misc["z_spec"] == "P(None, 'model')"  # the partitioner carried the constraint on y to z
+    assert "xla::sharding_constraint" in misc["ir"]
+    assert "device_data : f32[16,8] {sharding={devices=[4,2]<=[8]}}" in misc["ir"]
+    assert "device_data : f32[8,16] {sharding={replicated}}" in misc["ir"]
+    assert '{sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}' in misc["hlo"]
+    assert "sdy.sharding_constraint %" in misc["hlo"] and '<@mesh, [{}, {"model"}]>' in misc["hlo"]
+
+
+def test_input_shardings_are_part_of_the_graph_key(spmd):
+    same, other = spmd["misc"]["recompiles"]
+    assert (same, other) == (0, 1)
+    assert spmd["misc"]["cleared_spec"] == "{replicated}"
+
+
+def test_loader_input_sharding(spmd):
+    loaded = spmd["misc"]["loaded"]
+    x, y = prog.batches(1)[0]
+    assert len(loaded) == 2  # every batch in this one process: SPMD does not split batches by process
+    for i, (xspec, yspec, bx, by) in enumerate(loaded):
+        assert (xspec, yspec) == ("{devices=[4,1,2]<=[8] last_tile_dim_replicate}", "{replicated}")
+        torch.testing.assert_close(bx, x[8 * i : 8 * i + 8])
+        torch.testing.assert_close(by, y[8 * i : 8 * i + 8])
+
+
+def test_checkpoints_gather_the_shards(spmd):
+    misc = spmd["misc"]
+    w = torch.arange(16 * 8, dtype=torch.float32).reshape(16, 8)
+    for loaded in (misc["loaded_xm"], misc["loaded_xser"]):
+        torch.testing.assert_close(loaded["w"], w)
+        torch.testing.assert_close(loaded["row"], torch.arange(8.0))
+
+
+def test_two_processes_of_four_devices(tmp_path):
+    os.environ["CPU_NUM_DEVICES"] = "4"  # devices per process under SPMD
+    try:
+        xmp.spawn(prog.multiprocess_worker, args=(str(tmp_path),), nprocs=2)
+    finally:
+        del os.environ["CPU_NUM_DEVICES"]
+    res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    losses, params = _reference_mlp()
+    for r, got in enumerate(res):
+        assert got["devices"] == (8, 4, r)
+        np.testing.assert_allclose(got["losses"], losses, rtol=1e-5)
+        for p, want in zip(got["params"], params):
+            torch.testing.assert_close(p, want, rtol=1e-4, atol=1e-5)
+        assert got["compiles"][-1] == got["compiles"][1]
+    # Each process holds the shards of its own 4 devices: together, each block of the (4, 2) mesh once.
+    blocks = [tuple((s.start, s.stop) for s in idx) for got in res for idx in got["shard_indices"]]
+    assert sorted(blocks) == sorted(((r, r + 4), (c, c + 4)) for r in range(0, 16, 4) for c in (0, 4))
+    saved = torch.load(tmp_path / "mp.pt")  # written by process 0 from shards gathered from both
+    torch.testing.assert_close(saved["w"], torch.arange(16 * 8, dtype=torch.float32).reshape(16, 8))
+
+
+def test_hybrid_and_1d_meshes_and_the_sharded_tensor_wrapper(spmd):
+    misc = spmd["misc"]
+    assert misc["hybrid"] == [[0, 1], [2, 3], [4, 5], [6, 7]]  # one process: the ICI mesh in device order
+    total = float(torch.arange(16.0).sum())
+    assert misc["wrapped"] == (2 * total + 16, total + 16, "{devices=[8,1]<=[8]}", torch.Size([8, 2]))
+
+
+def test_annotations_need_spmd():
+    t = torch.zeros(4, device=xm.xla_device())
+    mesh = xs.Mesh(np.arange(1), (1,), ("data",))
+    with pytest.raises(RuntimeError, match="use_spmd"):
+        xs.mark_sharding(t, mesh, ("data",))

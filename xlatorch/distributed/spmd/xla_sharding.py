@@ -1,0 +1,266 @@
+"""torch_xla's SPMD annotations (``torch_xla.distributed.spmd``) on JAX shardings.
+
+A ``Mesh`` names a logical arrangement of the job's devices; a partition spec says, per
+tensor dimension, which mesh axes split it. They become a ``jax.sharding.NamedSharding``:
+``mark_sharding`` on device data re-places it, on a pending value it becomes a
+``with_sharding_constraint`` in the step's program (``xlatorch/runtime/sharding.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+import torch
+from jax.sharding import NamedSharding, PartitionSpec
+
+from xlatorch.runtime import sharding as _sh
+from xlatorch.runtime.tensor import XlaTensor
+
+__all__ = ["Mesh", "HybridMesh", "get_1d_mesh", "set_global_mesh", "get_global_mesh", "mark_sharding",
+           "clear_sharding", "get_sharding_spec", "XLAShard", "XLAShardedTensor", "ShardingSpec",
+           "enable_manual_sharding", "disable_manual_sharding"]  # fmt: skip
+
+
+class Mesh:
+    """A logical mesh of the job's devices (torch_xla's ``xs.Mesh``).
+
+    Args:
+      device_ids: global device ids ``0 .. N-1`` (every device of the job), in the order
+        they fill the mesh (row-major).
+      mesh_shape: the mesh's shape; its product is the number of devices.
+      axis_names: one name per mesh axis (default ``"dim0"``, ``"dim1"``, ...).
+    """
+
+    def __init__(self, device_ids, mesh_shape: tuple[int, ...], axis_names: tuple[str, ...] | None = None):
+        ids = np.asarray(device_ids).reshape(-1)
+        mesh_shape = tuple(int(s) for s in mesh_shape)
+        n = len(_sh.devices())
+        if len(ids) != math.prod(mesh_shape):
+            raise ValueError(f"xlatorch: {len(ids)} device ids do not fill a mesh of shape {mesh_shape}")
+        if sorted(ids.tolist()) != list(range(n)):
+            raise ValueError(
+                f"xlatorch: a mesh must use every device of the job once (ids 0..{n - 1}), got {list(ids)}"
+            )
+        if axis_names is not None and len(axis_names) != len(mesh_shape):
+            raise ValueError(f"xlatorch: {len(axis_names)} axis names for a {len(mesh_shape)}-d mesh")
+        self.device_ids = ids
+        self.mesh_shape = mesh_shape
+        self.axis_names = tuple(axis_names) if axis_names is not None else None
+        self._jax = None
+
+    def size(self) -> int:
+        return len(self.device_ids)
+
+    def shape(self) -> OrderedDict:
+        """Axis name -> size."""
+        return OrderedDict(zip(self._names(), self.mesh_shape))
+
+    def get_logical_mesh(self) -> np.ndarray:
+        return self.device_ids.reshape(self.mesh_shape)
+
+    def get_axis_name_idx(self, name: str) -> int | None:
+        return self._names().index(name) if name in self._names() else None
+
+    def _names(self) -> tuple[str, ...]:
+        return self.axis_names or tuple(f"dim{i}" for i in range(len(self.mesh_shape)))
+
+    def jax_mesh(self) -> jax.sharding.Mesh:
+        """The ``jax.sharding.Mesh`` of the same devices and axes."""
+        if self._jax is None:
+            devs = _sh.devices()
+            self._jax = jax.sharding.Mesh(np.array([devs[i] for i in self.device_ids]).reshape(self.mesh_shape),
+                                          self._names())  # fmt: skip
+        return self._jax
+
+    def __repr__(self) -> str:
+        return f"Mesh(shape={dict(self.shape())})"
+
+
+class HybridMesh(Mesh):
+    """A mesh over hosts (DCN) times the devices of each host (ICI): axis i has size
+    ``ici_mesh_shape[i] * dcn_mesh_shape[i]``, and devices of one process stay together
+    along the ICI part (JAX's ``create_hybrid_device_mesh``, each process a granule)."""
+
+    def __init__(self, *, ici_mesh_shape: tuple[int, ...], dcn_mesh_shape: tuple[int, ...] | None = None,
+                 axis_names: tuple[str, ...] | None = None):  # fmt: skip
+        from jax.experimental import mesh_utils
+
+        dcn = tuple(dcn_mesh_shape or (1,) * len(ici_mesh_shape))
+        devs = _sh.devices()
+        arranged = mesh_utils.create_hybrid_device_mesh(tuple(ici_mesh_shape), dcn, devs, process_is_granule=True)
+        index = {d: i for i, d in enumerate(devs)}
+        ids = np.vectorize(lambda d: index[d], otypes=[int])(arranged)
+        super().__init__(ids.reshape(-1), tuple(a * b for a, b in zip(ici_mesh_shape, dcn)), axis_names)
+
+
+def get_1d_mesh(axis_name: str | None = None) -> Mesh:
+    """Every device of the job along one axis."""
+    n = len(_sh.devices())
+    return Mesh(np.arange(n), (n,), (axis_name,) if axis_name else None)
+
+
+_global = {"mesh": None}
+
+
+def set_global_mesh(mesh: Mesh) -> None:
+    _global["mesh"] = mesh
+
+
+def get_global_mesh() -> Mesh | None:
+    return _global["mesh"]
+
+
+def _named(mesh: Mesh, partition_spec, ndim: int) -> NamedSharding:
+    """The ``NamedSharding`` of a torch_xla partition spec (names or mesh axis indices, None,
+    or tuples of them per tensor dimension)."""
+    if len(partition_spec) != ndim:
+        raise ValueError(f"xlatorch: partition spec {partition_spec} has {len(partition_spec)} entries for a "
+                         f"{ndim}-d tensor")  # fmt: skip
+    names = mesh._names()
+
+    def axis(a):
+        if a is None:
+            return None
+        if isinstance(a, tuple):
+            return tuple(axis(x) for x in a)
+        if isinstance(a, int):
+            return names[a]
+        if a not in names:
+            raise ValueError(f"xlatorch: {a!r} is not an axis of the mesh {names}")
+        return a
+
+    return NamedSharding(mesh.jax_mesh(), PartitionSpec(*(axis(a) for a in partition_spec)))
+
+
+@dataclass
+class XLAShard:
+    """One local shard: its data (a CPU tensor), where it sits in the global tensor
+    (``indices``: one slice per dimension) and which copy of that block it is."""
+
+    data: torch.Tensor
+    indices: tuple
+    replica_id: int
+
+
+class XLAShardedTensor:
+    """A sharded tensor (what ``mark_sharding`` returns): ``global_tensor`` is the device
+    tensor itself; torch functions given this object use it."""
+
+    def __init__(self, global_tensor: XlaTensor, mesh: Mesh | None = None, partition_spec=None):
+        self.global_tensor = global_tensor
+        self.mesh = mesh
+        self.partition_spec = partition_spec
+
+    @property
+    def sharding_spec(self) -> str:
+        return get_sharding_spec(self.global_tensor)
+
+    @property
+    def sharding_type(self) -> str:
+        s = _sh.sharding_of(self.global_tensor)
+        return "REPLICATED" if s is None or s.is_fully_replicated else "TILED"
+
+    @property
+    def local_shards(self) -> list[XLAShard]:
+        """This process's shards, one per local device (syncs if pending; downloads each)."""
+        from xlatorch.runtime.transfer import _from_array, materialized
+
+        arr = materialized(self.global_tensor).array
+        dtype = self.global_tensor.dtype
+        return [XLAShard(_from_array(s.data, dtype), s.index, s.replica_id) for s in arr.addressable_shards]
+
+    def __getattr__(self, name):
+        return getattr(self.global_tensor, name)
+
+    def __repr__(self) -> str:
+        return f"XLAShardedTensor({self.global_tensor!r}, sharding_spec={self.sharding_spec!r})"
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_map
+
+        unwrap = lambda x: x.global_tensor if isinstance(x, XLAShardedTensor) else x  # noqa: E731
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+
+
+def _forward(name):
+    def method(self, *args):
+        return getattr(self.global_tensor, name)(*args)
+
+    method.__name__ = name
+    return method
+
+
+# Python looks operators up on the type, not through __getattr__: they go to the global tensor.
+for _name in ("add", "radd", "sub", "rsub", "mul", "rmul", "truediv", "rtruediv", "matmul", "rmatmul", "pow",
+              "neg", "getitem", "setitem", "len", "iter", "eq", "ne", "lt", "le", "gt", "ge"):  # fmt: skip
+    setattr(XLAShardedTensor, f"__{_name}__", _forward(f"__{_name}__"))
+XLAShardedTensor.__hash__ = object.__hash__
+
+
+def _device_tensor(t) -> XlaTensor:
+    if isinstance(t, XLAShardedTensor):
+        t = t.global_tensor
+    if type(t) is not XlaTensor:
+        raise TypeError(f"xlatorch: mark_sharding takes a tensor on the xla device, got one on '{t.device}'")
+    if not _sh.is_spmd():
+        raise RuntimeError("xlatorch: sharding annotations need SPMD: call xr.use_spmd() first")
+    return t
+
+
+def mark_sharding(t, mesh: Mesh, partition_spec) -> XLAShardedTensor:
+    """Shard ``t`` over ``mesh``: ``partition_spec[i]`` names the mesh axis (or axes, a tuple;
+    None: not split) that splits dimension i.
+
+    Device data is re-placed now (between devices, no host transfer) and enters later graphs
+    with that sharding; a pending value gets a sharding constraint in its step's program.
+    The tensor keeps the sharding: its later values (``t.add_(...)``, optimizer updates)
+    are constrained to it. A different sharding of a graph's inputs is another program.
+    """
+    t = _device_tensor(t)
+    _sh.annotate(t, _named(mesh, tuple(partition_spec), t.dim()))
+    return XLAShardedTensor(t, mesh, tuple(partition_spec))
+
+
+def clear_sharding(t) -> XlaTensor:
+    """Remove ``t``'s annotation: its data becomes replicated on every device."""
+    t = _device_tensor(t)
+    _sh.clear(t)
+    return t
+
+
+def get_sharding_spec(t) -> str:
+    """XLA's text of ``t``'s sharding (``{devices=[4,2]0,1,...}``), "" when it has none."""
+    t = t.global_tensor if isinstance(t, XLAShardedTensor) else t
+    return _sh.hlo_sharding_text(_sh.sharding_of(t), t.dim())
+
+
+class ShardingSpec:
+    """A mesh and a partition spec to apply later: ``pl.MpDeviceLoader(loader, device,
+    input_sharding=xs.ShardingSpec(mesh, ("data", None)))`` shards each uploaded batch."""
+
+    def __init__(self, mesh: Mesh, partition_spec: tuple, minibatch: bool = False):
+        if minibatch:
+            raise NotImplementedError("xlatorch: ShardingSpec(minibatch=True) (per-host batches) is not supported")
+        self.mesh = mesh
+        self.partition_spec = tuple(partition_spec)
+
+    def can_apply(self, t: torch.Tensor) -> bool:
+        return t.dim() == len(self.partition_spec)
+
+    def apply(self, t: torch.Tensor) -> torch.Tensor:
+        mark_sharding(t, self.mesh, self.partition_spec)
+        return t
+
+
+def enable_manual_sharding(*args, **kwargs):
+    """Not supported: manual (per-device) regions need ``shard_map``, which lazy tracing does
+    not express."""
+    raise NotImplementedError("xlatorch: enable_manual_sharding is not supported (no manual-sharding regions)")
+
+
+disable_manual_sharding = enable_manual_sharding
