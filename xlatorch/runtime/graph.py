@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from xlatorch.runtime import checks, failure, ir, record
+from xlatorch.runtime import births, checks, failure, ir, record
 from xlatorch.runtime.dtypes import PY_SCALAR_JAX, to_jax, weak
 from xlatorch.runtime.emit import hlo_scopes
 from xlatorch.runtime.execution import EXECUTIONS, uninterrupted
@@ -387,6 +387,11 @@ def _run_storages(storages, nodes, leaves, enc, root_refs, reason, dev, timed, e
     gdev = storages[0].dev
     key = (tuple(enc), root_refs, tuple(v.sig for v in leaves), donate, gdev, keep)
     exe = CACHE.get(key)
+    if exe is None and births.ENABLED:
+        order = births.hoist(storages, nodes, key, lambda part: _run_part(part, reason, dev))
+        if order is not None:  # optimizer state computed first: this graph is the next step's
+            nodes, leaves, enc, root_refs, _ = _collect([st.value for st in order])
+            return _run_storages(order, nodes, leaves, enc, root_refs, reason, dev, timed, everything, t0)
     packed, leaf_kinds = _pack(leaves)
     try:
         if exe is None:
