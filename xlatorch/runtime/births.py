@@ -13,9 +13,11 @@ data it held "before the step", and compiles the step's graph with them as input
 order the next step will meet them: the graph the next step runs, which then hits the cache.
 
 A tensor that is born from a constant in every step (an accumulator made anew each step and
-kept across ``mark_step``) would then need two executions a step; so a graph is split only
-the first time it misses the cache, and compiled whole when it misses again. Gradients are
-never births (autograd makes them anew each step). ``XLATORCH_HOIST_BIRTHS=0`` turns this off.
+kept across ``mark_step``) would then need two executions a step; so a graph is split at
+most twice (the second time, its split graph is cached: a second training run in the same
+process compiles nothing) and compiled whole when it misses a third time: at most one
+extra compile per graph. Gradients are never births (autograd makes them anew each step).
+``XLATORCH_HOIST_BIRTHS=0`` turns this off.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ NAMES = (
     "new_zeros.default", "new_ones.default", "new_full.default", "new_empty.default",
 )  # fmt: skip
 
-_SPLIT: OrderedDict = OrderedDict()  # keys of graphs split once (the newest 64)
+_SPLIT: OrderedDict = OrderedDict()  # graph key -> times split (the newest 64 keys)
+LIMIT = 2
 
 
 def mark(specs: dict) -> None:
@@ -78,15 +81,16 @@ def _values(args):
 def hoist(storages, nodes, key, run_part):
     """The step's roots, reordered as the next step will have them, after computing their
     births by ``run_part(temporary storages)``; None when there is nothing to split (or the
-    graph was split before, or computing the births failed: the graph compiles whole)."""
+    graph was split ``LIMIT`` times, or computing the births failed: it compiles whole)."""
     if not ENABLED:
         return None
     found = _births(storages, nodes)
     if not found:
         return None
-    if key in _SPLIT:
+    n = _SPLIT.get(key, 0)
+    if n >= LIMIT:
         return None
-    _SPLIT[key] = True
+    _SPLIT[key] = n + 1
     if len(_SPLIT) > 64:
         _SPLIT.popitem(last=False)
     from xlatorch.runtime.tensor import Storage
