@@ -7,8 +7,8 @@ import torch
 
 import xlatorch.core.xla_model as xm
 import xlatorch.debug.metrics as met
-from examples.models import programs
 import xlatorch.runtime.graph as graph
+from examples.models import programs
 from xlatorch.runtime import births
 
 
