@@ -11,7 +11,11 @@ alternate xlatorch, eager, xlatorch, eager ... to spread machine noise; figures 
 
 Needs ``transformers`` (``pip install -e .[bench]``); without it every model is skipped.
 
-Usage: python -m bench.first_steps [--rounds R] [--programs bert,t5,vit,resnet]
+``--variant NAME=VALUE`` also runs xlatorch with that environment variable, interleaved with
+the others (e.g. ``XLATORCH_HOIST_BIRTHS=0``: without computing optimizer state apart), and
+prints its row as ``program+``.
+
+Usage: python -m bench.first_steps [--rounds R] [--programs bert,t5,vit,resnet] [--variant NAME=VALUE]
 """
 
 from __future__ import annotations
@@ -118,8 +122,11 @@ def _child(name: str, device: str, steps: int) -> dict:
     return out
 
 
-def _run(name: str, device: str, steps: int) -> dict:
+def _run(name: str, device: str, steps: int, variant: str = "") -> dict:
     env = dict(os.environ, XLATORCH_CACHE_DIR="")
+    if variant:
+        k, _, v = variant.partition("=")
+        env[k] = v
     cmd = [sys.executable, "-m", "bench.first_steps", "--child", name, "--device", device, "--steps", str(steps)]
     p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
     if p.returncode != 0:
@@ -133,6 +140,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="steps per run (the first two are reported)")
     ap.add_argument("--programs", default=",".join(PROGRAMS))
     ap.add_argument("--label", default="", help="a note stored with each row (e.g. before/after)")
+    ap.add_argument("--variant", default="", help="NAME=VALUE: also run xlatorch with this environment variable")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results.jsonl"))
     ap.add_argument("--child")
     ap.add_argument("--device", default="xla")
@@ -147,35 +155,43 @@ def main() -> None:
           f"{'1st/eager':>9} {'2nd/eager':>9} {'compiles/step':>13} {'compile s/step':>15} "
           f"{'graph nodes/step':>20} {'loss xla/eager':>15}")  # fmt: skip
     for name in a.programs.split(","):
-        xs, es = [], []
+        xs, vs, es = [], [], []
         for _ in range(a.rounds):
             xs.append(_run(name, "xla", a.steps))
+            if a.variant:
+                vs.append(_run(name, "xla", a.steps, a.variant))
             es.append(_run(name, "cpu", a.steps))
+        _report(name, xs, es, a, "")
+        if vs:
+            _report(name, vs, es, a, a.variant)
 
-        def med(runs, i, k="step_s"):
-            return statistics.median(r[k][i] for r in runs)
 
-        n = min(a.steps, 3)
-        x = [med(xs, i) for i in range(n)]
-        e = [med(es, i) for i in range(n)]
-        cs = [med(xs, i, "compile_s") for i in range(n)]
-        row = dict(program=name, label=a.label, rounds=a.rounds, first_step_s=x[0], second_step_s=x[1],
-                   third_step_s=x[2] if n > 2 else None, eager_first_step_s=e[0], eager_second_step_s=e[1],
-                   ratio_first=x[0] / e[0], ratio_second=x[1] / e[1], compiles=xs[0]["compiles"],
-                   compile_s=cs, graph_nodes=xs[0]["nodes"], setup_s=statistics.median(r["setup_s"] for r in xs),
-                   loss=xs[0]["loss"], eager_loss=es[0]["loss"], fallbacks=xs[0].get("fallbacks", []),
-                   all_xla_step_s=[r["step_s"] for r in xs], all_eager_step_s=[r["step_s"] for r in es],
-                   time=time.time())  # fmt: skip
-        third = f"{x[2]:6.2f}" if n > 2 else f"{'-':>6}"
-        print(f"{name:8} {x[0]:6.2f} {x[1]:6.2f} {third} {e[0]:9.3f} {e[1]:9.3f} {row['ratio_first']:9.1f} "
-              f"{row['ratio_second']:9.1f} {'/'.join(map(str, row['compiles'])):>13} "
-              f"{'/'.join(f'{c:.2f}' for c in cs):>15} "
-              f"{'/'.join(','.join(map(str, g)) for g in row['graph_nodes']):>20} "
-              f"{row['loss'][1]:7.4f}/{row['eager_loss'][1]:<7.4f}", flush=True)  # fmt: skip
-        if row["fallbacks"]:
-            print(f"         fallbacks: {row['fallbacks']}")
-        with open(a.out, "a") as f:
-            f.write(json.dumps(row) + "\n")
+def _report(name: str, xs: list, es: list, a, variant: str) -> None:
+    def med(runs, i, k="step_s"):
+        return statistics.median(r[k][i] for r in runs)
+
+    n = min(a.steps, 3)
+    x = [med(xs, i) for i in range(n)]
+    e = [med(es, i) for i in range(n)]
+    cs = [med(xs, i, "compile_s") for i in range(n)]
+    row = dict(program=name, label=a.label, variant=variant, rounds=a.rounds, first_step_s=x[0], second_step_s=x[1],
+               third_step_s=x[2] if n > 2 else None, eager_first_step_s=e[0], eager_second_step_s=e[1],
+               ratio_first=x[0] / e[0], ratio_second=x[1] / e[1], compiles=xs[0]["compiles"],
+               compile_s=cs, graph_nodes=xs[0]["nodes"], setup_s=statistics.median(r["setup_s"] for r in xs),
+               loss=xs[0]["loss"], eager_loss=es[0]["loss"], fallbacks=xs[0].get("fallbacks", []),
+               all_xla_step_s=[r["step_s"] for r in xs], all_eager_step_s=[r["step_s"] for r in es],
+               time=time.time())  # fmt: skip
+    third = f"{x[2]:6.2f}" if n > 2 else f"{'-':>6}"
+    label = name + ("+" if variant else "")
+    print(f"{label:8} {x[0]:6.2f} {x[1]:6.2f} {third} {e[0]:9.3f} {e[1]:9.3f} {row['ratio_first']:9.1f} "
+          f"{row['ratio_second']:9.1f} {'/'.join(map(str, row['compiles'])):>13} "
+          f"{'/'.join(f'{c:.2f}' for c in cs):>15} "
+          f"{'/'.join(','.join(map(str, g)) for g in row['graph_nodes']):>20} "
+          f"{row['loss'][1]:7.4f}/{row['eager_loss'][1]:<7.4f}", flush=True)  # fmt: skip
+    if row["fallbacks"]:
+        print(f"         fallbacks: {row['fallbacks']}")
+    with open(a.out, "a") as f:
+        f.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":
