@@ -17,6 +17,7 @@ kept across ``mark_step``) would then need two executions a step; so a graph is 
 most twice (the second time, its split graph is cached: a second training run in the same
 process compiles nothing) and compiled whole when it misses a third time: at most one
 extra compile per graph. Gradients are never births (autograd makes them anew each step).
+Counter ``BirthsHoisted``: the constants computed apart.
 ``XLATORCH_HOIST_BIRTHS=0`` turns this off.
 """
 
@@ -91,8 +92,8 @@ def hoist(storages, nodes, key, run_part):
     if n >= LIMIT:
         return None
     _SPLIT[key] = n + 1
-    if len(_SPLIT) > 64:
-        _SPLIT.popitem(last=False)
+    while len(_SPLIT) > 64:
+        _SPLIT.pop(next(iter(_SPLIT)), None)
     from xlatorch.runtime.tensor import Storage
 
     temps = [Storage(n.outs[0]) for n, _ in found.values()]
