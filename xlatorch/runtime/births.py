@@ -5,18 +5,22 @@ An optimizer creates its state in its first step (AdamW: ``exp_avg = zeros_like(
 step 0's graph holds constant nodes where step 1's holds inputs: two large graphs that
 differ only there, and two compiles before the second step ends.
 
-On a compile miss, a sync looks for such births: a live tensor created in this step by a
-constant op (``zeros``/``ones``/``full``/``empty`` and their ``_like``/``new_`` forms, over
-device data or nothing, outside a backward pass) and written in place since. It computes
-those constants first, by a graph of their own (tiny), gives each tensor its constant as the
-data it held "before the step", and compiles the step's graph with them as inputs, in the
-order the next step will meet them: the graph the next step runs, which then hits the cache.
+On a compile miss, a sync looks for such births: a live tensor created in this step, outside
+a backward pass, by a constant shaped like a tensor that is device data (``zeros_like``,
+``ones_like``, ``full_like``, ``empty_like``, ``new_zeros`` ...: state shaped like a
+parameter) and written in place since. It computes those constants first, by a graph of
+their own (tiny), gives each tensor its constant as the data it held "before the step",
+and compiles the step's graph with them as inputs, in the order the next step will meet
+them: the graph the next step runs, which then hits the cache.
 
-A tensor that is born from a constant in every step (an accumulator made anew each step and
-kept across ``mark_step``) would then need two executions a step; so a graph is split at
-most twice (the second time, its split graph is cached: a second training run in the same
-process compiles nothing) and compiled whole when it misses a third time: at most one
-extra compile per graph. Gradients are never births (autograd makes them anew each step).
+Gradients are never births (autograd makes them anew each step); nor are constants made
+from a shape alone (``torch.ones(n).bernoulli_()``, an accumulator ``torch.zeros(())``),
+which programs make anew every step far more often than state (so a capturable
+optimizer's step count, ``zeros(())``, still differs between steps 0 and 1). A tensor born
+from a ``_like`` constant in every step and kept across ``mark_step`` would need two
+executions a step: a graph is split at most twice (the second time its split graph is
+cached, so a second training run in one process compiles nothing) and compiled whole when
+it misses a third time: at most one extra compile per graph.
 Counter ``BirthsHoisted``: the constants computed apart.
 ``XLATORCH_HOIST_BIRTHS=0`` turns this off.
 """
@@ -33,9 +37,9 @@ __all__ = ["ENABLED", "NAMES", "mark", "hoist"]
 
 ENABLED = os.environ.get("XLATORCH_HOIST_BIRTHS", "1") != "0"
 
-# Ops whose value depends on their arguments' avals and static arguments only.
+# Ops whose value depends on their arguments' avals and static arguments only, shaped like
+# their tensor argument.
 NAMES = (
-    "zeros.default", "ones.default", "full.default", "empty.memory_format", "scalar_tensor.default",
     "zeros_like.default", "ones_like.default", "full_like.default", "empty_like.default",
     "new_zeros.default", "new_ones.default", "new_full.default", "new_empty.default",
 )  # fmt: skip
@@ -66,7 +70,7 @@ def _births(storages, nodes) -> dict:
         v = st.value
         if type(v) is not Out or v.node is n or n.outs[0] is None:
             continue
-        if all(type(a) is not Out for a in _values(n.args)):
+        if type(n.args[0]) is Data and all(type(a) is not Out for a in _values(n.args)):
             found[id(n)] = (n, st)
     return found
 
