@@ -14,7 +14,7 @@ import operator
 
 import torch
 
-from xlatorch.runtime import dynamic, modules, rng, views
+from xlatorch.runtime import births, dynamic, modules, rng, views
 from xlatorch.runtime.dispatch import RUNTIME_OPS, SHIMS, call, convert_value, node
 from xlatorch.runtime.ir import device_index
 from xlatorch.runtime.tensor import XlaTensor, value_of, wrap, write
@@ -184,6 +184,7 @@ SPECS: dict = {}
 def install(specs: dict) -> None:
     """Hook the hand-written runtime ops into dispatch (called once the table is loaded)."""
     SPECS.update(specs)
+    births.mark(specs)
     RUNTIME_OPS.update(
         {
             aten._to_copy.default: _to_copy,

@@ -9,6 +9,8 @@ once per signature, then from ``OpSpec.cache``.
 
 from __future__ import annotations
 
+from weakref import ref as _weakref
+
 import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
@@ -19,7 +21,7 @@ from xlatorch.runtime.ir import VALUE_TYPES, Node, Scalar
 from xlatorch.runtime.record import COUNTERS
 from xlatorch.runtime.rng import next_key
 from xlatorch.runtime.source import user_frame
-from xlatorch.runtime.tensor import TICKS, XlaTensor, defer_to_owners, owner, value_of, wrap, write
+from xlatorch.runtime.tensor import TICKS, XlaTensor, _in_backward, defer_to_owners, owner, value_of, wrap, write
 
 __all__ = ["OpSpec", "Info", "dispatch", "call", "call_inplace", "call_out", "scalar", "SHIMS", "RUNTIME_OPS",
            "DECOMPS"]  # fmt: skip
@@ -64,7 +66,7 @@ class OpSpec:
     __slots__ = (
         "name", "overload", "emit", "arg_names", "kinds", "kwarg_only", "returns",
         "promote", "promote_idx", "view", "scatter", "cache", "meta_overload", "check", "check_integral",
-        "counter", "mutates",
+        "counter", "mutates", "born",
     )  # fmt: skip
 
     def __init__(self, name, overload, emit, arg_names, kinds, kwarg_only, returns,
@@ -94,6 +96,9 @@ class OpSpec:
         # An in-place op writing several arguments (``_amp_update_scale_``): their positions, in
         # schema order; the node's outputs are their new values, a list argument's one per tensor.
         self.mutates = mutates
+        # A constant op (``zeros_like``, ``full``): its node records the storage its result
+        # starts (runtime/births.py, which sets this).
+        self.born = False
 
     def __repr__(self):
         return f"OpSpec({self.name})"
@@ -310,7 +315,10 @@ def call(spec: OpSpec, args: tuple):
         if spec.returns is ONE:
             return outs[0]
         return outs if spec.returns is LIST else tuple(outs)
-    return _outputs(spec, n)
+    out = _outputs(spec, n)
+    if spec.born and _in_backward() == -1:  # gradients are made anew every step: never births
+        n.born = _weakref(out._st)
+    return out
 
 
 def _view_of(base: XlaTensor, step, value) -> XlaTensor:

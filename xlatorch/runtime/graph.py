@@ -18,7 +18,7 @@ import warnings
 import jax
 import torch
 
-from xlatorch.runtime import checks, failure, ir, record, sharding, stages
+from xlatorch.runtime import births, checks, failure, ir, record, sharding, stages
 from xlatorch.runtime.dtypes import to_jax
 from xlatorch.runtime.emit import hlo_scopes
 from xlatorch.runtime.execution import EXECUTIONS, uninterrupted
@@ -236,7 +236,13 @@ def _run_storages(storages, nodes, leaves, enc, root_refs, reason, dev, timed, e
     gdev = storages[0].dev
     spmd = sharding.prepare(data, storages) if sharding.ENABLED[0] else None  # (mesh, key part, outs)
     key = (tuple(enc), root_refs, tuple(v.sig for v in leaves), donate, gdev, keep, spmd and spmd[1])
-    if key not in CACHE and spmd is None:  # a graph whose shapes changed since it last ran may run as stages
+    if key not in CACHE and spmd is None:
+        if births.ENABLED:
+            order = births.hoist(storages, nodes, key, lambda part: _run_part(part, reason, dev))
+            if order is not None:  # optimizer state computed first: this graph is the next step's
+                nodes, leaves, enc, root_refs, _ = collect([st.value for st in order])
+                return _run_storages(order, nodes, leaves, enc, root_refs, reason, dev, timed, everything, t0)
+        # A graph whose shapes changed since it last ran may run as stages.
         stage = stages.split(nodes, enc, root_refs, gdev)
         if stage is not None and _run_stages(storages, nodes, enc, root_refs, stage, gdev, everything, timed):
             _traced(t0)

@@ -116,7 +116,8 @@ class Node:
     ``hash(-1) == hash(-2)``, and dims -1 and -2 must not share an executable).
     """
 
-    __slots__ = ("spec", "args", "info", "key", "outs", "dev", "src", "tick")  # tick: checked nodes
+    # tick: checked nodes; born: a constant's storage (runtime/births.py)
+    __slots__ = ("spec", "args", "info", "key", "outs", "dev", "src", "tick", "born")
 
     def __init__(self, spec, args, info, key):
         self.spec = spec
