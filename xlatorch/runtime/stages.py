@@ -35,8 +35,8 @@ __all__ = ["split", "on_host", "MAX_STAGES", "SEEN"]
 # At most this many executions per sync: each stage costs an execution's launch and, between
 # stages, the host waits for nothing but the launch (values stay on the device).
 MAX_STAGES = 256
-# Structure -> node keys of the last graph with that structure (a bounded memory of recent
-# graphs: node keys are small tuples; nothing here holds device data).
+# Structure -> (node keys, which changed, stages) of the last graph with that structure (a
+# bounded memory of recent graphs: node keys are small tuples; nothing here holds device data).
 SEEN: dict = {}
 _SEEN_SIZE = 64
 # A graph with fewer unchanged nodes than this compiles whole: the compile a split saves is
@@ -51,25 +51,38 @@ def split(nodes, enc, root_refs, gdev) -> list[int] | None:
         return None
     keys = [k for k, _ in enc]
     structure = (tuple((k[0], refs) for k, refs in enc), root_refs)
-    prev = SEEN.pop(structure, None)
-    SEEN[structure] = keys
+    seen = SEEN.pop(structure, None)
+    changed = None if seen is None else [key != seen[0][k] for k, key in enumerate(keys)]
+    plan = seen[2] if seen is not None and changed == seen[1] else None  # the same nodes changed again
+    if plan is None and changed is not None and any(changed):
+        plan = _plan(nodes, enc, changed)
+    SEEN[structure] = (keys, changed, plan)
     if len(SEEN) > _SEEN_SIZE:
         del SEEN[next(iter(SEEN))]
-    if prev is None:
-        return None
-    moves = [key != prev[k] for k, key in enumerate(keys)]  # changing nodes, and what runs with them
-    if not any(moves):
-        return None
-    # Unchanged integer bookkeeping that only feeds changing nodes (a position computed from a
-    # mask that grows) runs with them: one stage instead of two more.
+    return plan or None
+
+
+def _plan(nodes, enc, changed) -> list[int]:
+    """The stages for a graph whose ``changed`` nodes' keys differ from the last time (an
+    empty list: run it whole)."""
+    moves = list(changed)  # changing nodes, and what runs with them
+    # Unchanged integer bookkeeping next to the changing nodes runs with them: a position
+    # computed from a mask that grows (it feeds only changing nodes), a stopping criterion on
+    # the grown ids (it reads them). One stage instead of two more.
+    ops = [[r // 4096 for r in refs if r >= 0] for _, refs in enc]
+    hostable: list[bool] = []  # bookkeeping over leaves, changing nodes and other such nodes
+    for k, n in enumerate(nodes):
+        hostable.append(_bookkeeping(n) and all(hostable[o] or moves[o] for o in ops[k]))
+    for k in range(len(nodes)):
+        if not moves[k] and hostable[k] and any(moves[o] for o in ops[k]):
+            moves[k] = True
     users: list[list[int]] = [[] for _ in nodes]
-    for k, (_, refs) in enumerate(enc):
-        for r in refs:
-            if r >= 0:
-                users[r // 4096].append(k)
+    for k in range(len(nodes)):
+        for o in ops[k]:
+            users[o].append(k)
     for k in range(len(nodes) - 1, -1, -1):
-        if not moves[k] and users[k] and all(moves[u] for u in users[k]):
-            moves[k] = _bookkeeping(nodes[k])
+        if not moves[k] and hostable[k] and users[k] and all(moves[u] for u in users[k]):
+            moves[k] = True
     stage = []
     for k, (_, refs) in enumerate(enc):
         s = 0
@@ -86,9 +99,9 @@ def split(nodes, enc, root_refs, gdev) -> list[int] | None:
     if not all(_bookkeeping(n) for n, m in zip(nodes, moves) if m):
         changing = sum(moves)
         if 2 * changing > len(nodes) or len(nodes) - changing < MIN_UNCHANGED:
-            return None
+            return []
     if max(stage) >= MAX_STAGES:
-        return None
+        return []
     return stage
 
 
@@ -103,14 +116,36 @@ def _small_integral(aval) -> bool:
     )
 
 
+_BOOKKEEPING: dict = {}  # node key -> whether it is bookkeeping (its avals and op decide)
+
+
 def _bookkeeping(n) -> bool:
     """Whether node ``n`` reads and makes only small integer or boolean tensors with an ATen op
     that PyTorch runs on the host as it is (no random numbers)."""
-    if GENERATOR in n.spec.kinds or not isinstance(n.spec.overload, torch._ops.OpOverload):
-        return False
-    if not all(_small_integral(a) for a in n.info.avals):
-        return False
-    return all(type(v) is Scalar or _small_integral(v.aval) for v in ir.operands(n.args))
+    ok = _BOOKKEEPING.get(n.key)
+    if ok is None:
+        spec = n.spec
+        ok = (
+            GENERATOR not in spec.kinds
+            and isinstance(spec.overload, torch._ops.OpOverload)
+            and all(_small_integral(a) for a in n.info.avals)
+            and all(type(v) is Scalar or _small_integral(v.aval) for v in ir.operands(n.args))
+        )
+        if len(_BOOKKEEPING) > 4096:
+            _BOOKKEEPING.clear()
+        _BOOKKEEPING[n.key] = ok
+    return ok
+
+
+_WRITES: dict = {}  # spec -> positions of the arguments its ATen op writes in place
+
+
+def _writes(spec) -> tuple:
+    w = _WRITES.get(spec)
+    if w is None:
+        args = spec.overload._schema.arguments
+        w = _WRITES[spec] = tuple(i for i, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write)
+    return w
 
 
 def on_host(nodes, cut, roots, gdev) -> list | None:
@@ -141,15 +176,12 @@ def on_host(nodes, cut, roots, gdev) -> list | None:
         for n in nodes:
             spec = n.spec
             args, kwargs = [], {}
-            schema = spec.overload._schema.arguments
-            for i, (name, a, ko, kind) in enumerate(zip(spec.arg_names, n.args, spec.kwarg_only, spec.kinds)):
-                if kind is GENERATOR:
-                    continue
+            writes = _writes(spec)
+            for i, (name, a, ko) in enumerate(zip(spec.arg_names, n.args, spec.kwarg_only)):
                 x = value(a)
                 if name == "device" and x is not None:
                     x = "cpu"
-                alias = schema[i].alias_info if i < len(schema) else None
-                if alias is not None and alias.is_write and isinstance(x, torch.Tensor):
+                if i in writes and isinstance(x, torch.Tensor):
                     x = x.clone()  # the node is functional: its in-place op writes a copy
                 if ko:
                     kwargs[name] = x
