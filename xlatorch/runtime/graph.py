@@ -348,14 +348,16 @@ def _run_stages(storages, nodes, enc, root_refs, stage, gdev, everything, timed)
     return True
 
 
-def _commit(storages, outs, gdev, everything, t_run) -> None:
+def _commit(storages, outs, gdev, everything, t_run, done=None) -> None:
+    """Give each storage its result; the step's storages (``done``, default ``storages``) are
+    no longer pending."""
     for st, arr in zip(storages, outs):
         st.set(Data(arr, st.value.aval, gdev))
         st.prev = None
     if everything:
         PENDING.clear()
     else:
-        for st in storages:
+        for st in storages if done is None else done:
             PENDING.pop(st.sid, None)
     _last[:] = outs
     EXECUTIONS.started(outs, t_run)
@@ -387,22 +389,14 @@ def _run_and_commit(exe, storages, data, packed, gdev, nodes, keep, everything, 
     # A check fired: what depends on the failed op carries the error (or has its old data back).
     error, fired = failed
     ok = []
-    for i, (st, arr, mask, undo) in enumerate(
-        zip(storages, outs, exe.checks.masks, exe.checks.undo or itertools.repeat(0))
-    ):
+    for i, (st, arr, mask, undo) in enumerate(zip(storages, outs, exe.checks.masks, exe.checks.undo)):
         if keep and keep[i] is not None:
             ok.append((st, st.prev.array if undo & fired else arr))  # its data from before the step, kept
         elif mask & fired:
             failure.fail_storages([st], error)
         else:
             ok.append((st, arr))
-    _commit([st for st, _ in ok], [arr for _, arr in ok], gdev, False, t_run)
-    if everything:
-        PENDING.clear()
-    else:
-        for st in storages:
-            PENDING.pop(st.sid, None)
-    _last[:] = outs
+    _commit([st for st, _ in ok], [arr for _, arr in ok], gdev, everything, t_run, done=storages)
     return failed
 
 
