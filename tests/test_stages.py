@@ -182,3 +182,28 @@ def test_changing_integer_bookkeeping_alone_runs_on_the_host():
         compiles.append(_counter("UncachedCompile"))
     assert compiles[-1] == compiles[1], compiles  # lengths 2 and 1 compile nothing
     assert _counter("StageOnHost") - host == 3
+
+
+def test_an_interrupt_between_stages_changes_nothing(monkeypatch):
+    model, ids, mask, want_ids, _ = _run(steps=6)
+    ids_d, mask_d = ids.to(DEV), mask.to(DEV)
+    _generate(model, ids_d, mask_d, 3, DEV)  # the loop's graph is known: the next one is staged
+    weights = [p.detach().cpu().clone() for p in model.parameters()]
+    real = stages.on_host
+    calls = []
+
+    def interrupted(*args):
+        calls.append(1)
+        if len(calls) == 2:  # after the first stage ran
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(stages, "on_host", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _generate(model, ids_d, mask_d, 6, DEV)
+    monkeypatch.setattr(stages, "on_host", real)
+    assert len(calls) == 2
+    for p, w in zip(model.parameters(), weights):
+        assert torch.equal(p.detach().cpu(), w)
+    got, _ = _generate(model, ids_d, mask_d, 6, DEV)  # the same loop runs on, as on CPU
+    assert torch.equal(got.cpu(), want_ids[:, : got.shape[1]])
