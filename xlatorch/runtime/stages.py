@@ -49,6 +49,10 @@ def split(nodes, enc, root_refs, gdev) -> list[int] | None:
     None: run the graph whole. Called at a cache miss; remembers this graph's node keys."""
     if ir._multi or gdev or any(r < 0 for r in root_refs):
         return None
+    from xlatorch.runtime.collectives import SPECS as COLLECTIVES
+
+    if any(n.spec in COLLECTIVES for n in nodes):  # every replica must run the same programs
+        return None
     keys = [k for k, _ in enc]
     structure = (tuple((k[0], refs) for k, refs in enc), root_refs)
     seen = SEEN.pop(structure, None)
