@@ -15,8 +15,10 @@ op in PyTorch (``on_host``): integer ops are exact either way, and nothing is co
 each new length.
 
 ``split`` decides; ``graph._run_stages`` runs the stages (``on_host`` for those that may)
-and commits the step whole. A graph that would need more than ``MAX_STAGES`` stages, or
-whose changing part is most of it, compiles whole as before.
+and commits the step whole. A changing part that must compile splits off only when it is
+the small part of a large graph (at most half the nodes, ``MIN_UNCHANGED`` unchanged ones);
+a graph needing more than ``MAX_STAGES`` stages, a graph with collectives, an SPMD graph
+(``graph.py`` does not ask) and ``dp.DataParallel``'s graphs compile whole as before.
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ from xlatorch.runtime.transfer import _from_array, to_device
 
 __all__ = ["split", "on_host", "MAX_STAGES", "SEEN"]
 
-# At most this many executions per sync: each stage costs an execution's launch and, between
-# stages, the host waits for nothing but the launch (values stay on the device).
+# At most this many stages per sync: each costs an execution's launch (a host stage: a wait
+# for its inputs and their transfers); a dynamic KV cache makes two stages per layer.
 MAX_STAGES = 256
 # Structure -> (node keys, which changed, stages) of the last graph with that structure (a
 # bounded memory of recent graphs: node keys are small tuples; nothing here holds device data).
