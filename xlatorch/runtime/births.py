@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 
-from xlatorch.runtime.ir import Data, Out, Scalar
+from xlatorch.runtime.ir import Data, Out, operands
 from xlatorch.runtime.record import COUNTERS
 
 __all__ = ["ENABLED", "NAMES", "mark", "hoist"]
@@ -70,17 +70,9 @@ def _births(storages, nodes) -> dict:
         v = st.value
         if type(v) is not Out or v.node is n or n.outs[0] is None:
             continue
-        if type(n.args[0]) is Data and all(type(a) is not Out for a in _values(n.args)):
+        if type(n.args[0]) is Data and all(type(a) is not Out for a in operands(n.args)):
             found[id(n)] = (n, st)
     return found
-
-
-def _values(args):
-    for a in args:
-        if type(a) is tuple:
-            yield from _values(a)
-        elif type(a) is Data or type(a) is Out or type(a) is Scalar:
-            yield a
 
 
 def hoist(storages, nodes, key, run_part):
@@ -110,7 +102,7 @@ def hoist(storages, nodes, key, run_part):
     if any(type(v) is not Data for v in done.values()):
         return None
     for n in nodes:
-        if any(type(a) is Out and id(a.node) in done for a in _values(n.args)):
+        if any(type(a) is Out and id(a.node) in done for a in operands(n.args)):
             n.args = _replace(n.args, done)
     for n, st in found.values():
         st.prev = done[id(n)]  # a failed on-device check gives the constant back (runtime/checks.py)

@@ -236,7 +236,8 @@ def _run_storages(storages, nodes, leaves, enc, root_refs, reason, dev, timed, e
     gdev = storages[0].dev
     spmd = sharding.prepare(data, storages) if sharding.ENABLED[0] else None  # (mesh, key part, outs)
     key = (tuple(enc), root_refs, tuple(v.sig for v in leaves), donate, gdev, keep, spmd and spmd[1])
-    if key not in CACHE and spmd is None:
+    exe = CACHE.get(key)  # one lookup on a hit: hashing the key walks the whole graph's encoding
+    if exe is None and spmd is None:
         if births.ENABLED:
             order = births.hoist(storages, nodes, key, lambda part: _run_part(part, reason, dev))
             if order is not None:  # optimizer state computed first: this graph is the next step's
@@ -249,7 +250,11 @@ def _run_storages(storages, nodes, leaves, enc, root_refs, reason, dev, timed, e
             return
     packed, leaf_kinds = pack(leaves)
     try:
-        exe = _executable(key, nodes, leaves, leaf_kinds, root_refs, data, packed, donate, gdev, keep, timed, spmd=spmd)
+        if exe is None:
+            args = (key, nodes, leaves, leaf_kinds, root_refs, data, packed, donate, gdev, keep, timed)
+            exe = _executable(*args, spmd=spmd)
+        else:
+            COUNTERS["CachedCompile"] += 1
     except LoweringError:
         raise  # the caller fails just that node
     except Exception as e:
