@@ -25,6 +25,9 @@ def _fresh_metrics():
     met.clear_all()
     yield
     torch.set_default_device(None)
+    from xlatorch.runtime import checks
+
+    checks.settle()  # a failed on-device check the test left unread fails that test, not the next
 
 
 def pytest_addoption(parser):

@@ -1,8 +1,9 @@
-"""Checks CPU PyTorch makes on data raise on the device too: same exception, at the sync.
+"""Checks CPU PyTorch makes on data raise on the device too: same exception, when the step's
+results are next needed (the next sync, a read by the host).
 
 Each case runs on CPU (where PyTorch raises) and on the xla device, where the check is
-computed inside the compiled graph and raised by the sync that runs it, naming the ATen
-op and this file's line. Valid inputs of the same ops give CPU's results.
+computed inside the compiled graph and raised naming the ATen op and this file's line.
+Valid inputs of the same ops give CPU's results.
 """
 
 import os
@@ -136,8 +137,10 @@ def test_a_failed_check_poisons_only_its_dependents():
     good = x * 2
     bad = x[I([0, 5], device="xla")]
     worse = bad.sum() + good.sum()  # reads the bad op
-    with pytest.raises(IndexError, match="out of bounds for dimension 0 with size 3"):
-        xm.mark_step()
+    xm.mark_step()  # runs the step; its checks are read when its results are next needed
+    with pytest.raises(IndexError, match="out of bounds for dimension 0 with size 3") as info:
+        good.cpu()
+    assert "XLATORCH_CHECKS=sync" in "".join(info.value.__notes__)
     torch.testing.assert_close(good.cpu(), X * 2)  # committed
     for t in (bad, worse):
         with pytest.raises(FailedValueError, match="index 5 is out of bounds"):
@@ -164,8 +167,9 @@ def test_bad_targets_raise_in_backward_too():
     with torch.no_grad():
         grad = torch.ops.aten.nll_loss_backward(torch.ones(()).to("xla"), logits.log_softmax(1), target, None, 1, -100,
                                                 torch.tensor(4.0).to("xla"))  # fmt: skip
+    xm.mark_step()
     with pytest.raises(IndexError, match="Target 7 is out of bounds"):
-        xm.mark_step()
+        xm.mark_step()  # the next sync reads the rows first
     with pytest.raises(FailedValueError):
         grad.cpu()
     loss.cpu()  # the forward's value was committed before
@@ -232,3 +236,64 @@ def test_checks_can_be_turned_off():
     assert out.returncode == 0, out.stderr
     lines = out.stdout.split()
     assert len(lines) == 2  # XLA's own behaviour (clamped index, a number), no error
+
+
+def test_a_step_traced_on_a_failed_steps_results_carries_its_error():
+    # Checks are read at the next sync, after the program traced the next step from the
+    # failed step's results: the failed step is undone, and what the next step computed
+    # from its results carries the error; the rest of the next step runs.
+    w = torch.zeros(3, device="xla")
+    other = torch.ones(2, device="xla")
+    xm.mark_step()
+    w.add_(torch.arange(3.0, device="xla")[I([0, 1, 5], device="xla")])  # index 5: out of range
+    xm.mark_step()  # runs; not read yet
+    w.mul_(2)  # traced from the failed step's result
+    from_w = w.sum()
+    fine = other * 3
+    with pytest.raises(IndexError, match="index 5 is out of bounds"):
+        xm.mark_step()
+    torch.testing.assert_close(w.cpu(), torch.zeros(3))  # as before the failed step (its update undone)
+    with pytest.raises(FailedValueError, match="index 5 is out of bounds"):
+        from_w.cpu()
+    torch.testing.assert_close(fine.cpu(), torch.full((2,), 3.0))
+    w.add_(1)
+    xm.mark_step()
+    torch.testing.assert_close(w.cpu(), torch.ones(3))
+
+
+def _script(code: str, checks: str):
+    env = dict(os.environ, XLATORCH_CHECKS=checks)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_sync_mode_raises_at_the_failed_steps_mark_step():
+    code = (
+        "import torch, xlatorch, xlatorch.core.xla_model as xm\n"
+        "x = torch.arange(3.0, device='xla')\n"
+        "y = x[torch.tensor([5], device='xla')]\n"
+        "try:\n"
+        "    xm.mark_step()\n"
+        "except IndexError as e:\n"
+        "    print('raised by mark_step:', e)\n"
+    )
+    out = _script(code, "sync")
+    assert out.returncode == 0, out.stderr
+    assert "raised by mark_step: index 5 is out of bounds" in out.stdout
+    out = _script(code, "1")  # read late: this program never needs the results, so exit reports it
+    assert "raised by mark_step" not in out.stdout
+    assert out.returncode == 1
+    assert "IndexError: index 5 is out of bounds" in out.stderr
+
+
+def test_a_program_that_ends_after_a_failed_step_exits_with_its_error():
+    code = (
+        "import torch, xlatorch, xlatorch.core.xla_model as xm\n"
+        "w = torch.zeros(3, device='xla')\n"
+        "w.add_(torch.ones(3, device='xla')[torch.tensor([0, 9, 1], device='xla')])\n"
+        "xm.mark_step()\n"
+        "print('done')\n"
+    )
+    out = _script(code, "1")
+    assert out.stdout.strip() == "done"
+    assert out.returncode == 1
+    assert "IndexError: index 9 is out of bounds" in out.stderr and "XLATORCH_CHECKS=sync" in out.stderr

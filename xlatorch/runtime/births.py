@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 
-from xlatorch.runtime.ir import Data, Out, operands
+from xlatorch.runtime.ir import Data, Out, operands, replace_operands
 from xlatorch.runtime.record import COUNTERS
 
 __all__ = ["ENABLED", "NAMES", "mark", "hoist"]
@@ -103,21 +103,9 @@ def hoist(storages, nodes, key, run_part):
         return None
     for n in nodes:
         if any(type(a) is Out and id(a.node) in done for a in operands(n.args)):
-            n.args = _replace(n.args, done)
+            n.args = replace_operands(n.args, done)
     for n, st in found.values():
         st.prev = done[id(n)]  # a failed on-device check gives the constant back (runtime/checks.py)
     COUNTERS["BirthsHoisted"] += len(done)
     # The next step meets these storages as older than everything born in it.
     return sorted(storages, key=lambda st: (st.prev is None, st.sid))
-
-
-def _replace(args, done):
-    out = []
-    for a in args:
-        if type(a) is tuple:
-            out.append(_replace(a, done))
-        elif type(a) is Out and id(a.node) in done:
-            out.append(done[id(a.node)])
-        else:
-            out.append(a)
-    return tuple(out)

@@ -13,19 +13,34 @@ state) keeps its value from before the step instead when its update depends on t
 failed op or was traced after it, as on CPU, where the exception stops the program
 before any later update (host-side state, such as a CPU step count, cannot be undone).
 
+The rows are read late: a sync commits its results and dispatches without waiting, and the
+rows are read (``settle``) when the program next needs the device's results - at the next
+sync, before it runs anything; at any read of device data by the host (``.cpu()``,
+``.item()``, printing, saving); at ``wait_device_ops`` / ``mark_step(wait=True)``; at exit.
+So the host traces step N+1 while step N runs, as it does without checks. When a row is
+set, that point raises the failed step's exception and undoes the step as above; values the
+program traced since from the failed step's results carry the error (``FailedValueError``).
+A program that ends with a failed step exits with status 1 after printing its error.
+
 ``XLATORCH_CHECKS=0`` turns the checks off (read at import): checked ops then behave as
-XLA does (indices clamped, integer division by zero gives a number).
+XLA does (indices clamped, integer division by zero gives a number). ``XLATORCH_CHECKS=sync``
+reads each sync's rows before it returns (the error is raised by the failed step's own
+``mark_step``; the host waits for every step).
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 
 import numpy as np
 
-__all__ = ["ENABLED", "Table", "failure"]
+__all__ = ["ENABLED", "DEFER", "Table", "Unsettled", "failure", "where", "settle"]
 
-ENABLED = os.environ.get("XLATORCH_CHECKS", "1").strip().lower() not in ("0", "false", "off", "no")
+_MODE = os.environ.get("XLATORCH_CHECKS", "1").strip().lower()
+ENABLED = _MODE not in ("0", "false", "off", "no")
+DEFER = _MODE != "sync"  # read a sync's rows when its results are next needed (see above)
 
 
 class Table:
@@ -73,7 +88,13 @@ class Table:
         self.masks = [0 if k is None else self._node_masks[k] for k in root_nodes]
 
 
-def failure(rows, flags, nodes) -> tuple[Exception, int] | None:
+def where(rows, nodes) -> list:
+    """Per row, what its message names: ``(op name, source line)`` of the node that checks it
+    (kept instead of the nodes, which would hold the step's whole graph)."""
+    return [(nodes[k].spec.name, getattr(nodes[k], "src", None)) for k, _, _ in rows]
+
+
+def failure(rows, flags, names) -> tuple[Exception, int] | None:
     """``(exception, mask of the rows that fired)`` when a check row is set, else None.
 
     The exception is the first failed check's, in graph order (the earliest op)."""
@@ -82,15 +103,99 @@ def failure(rows, flags, nodes) -> tuple[Exception, int] | None:
     if not bad.size:
         return None
     r = int(bad[0])
-    k, exc, msg = rows[r]
-    n = nodes[k]
+    _, exc, msg = rows[r]
+    name, src = names[r]
     from xlatorch.runtime.source import fmt_src
 
-    name = n.spec.name.removesuffix(".default")
-    where = fmt_src(getattr(n, "src", None), full=True)
+    name = name.removesuffix(".default")
+    where = fmt_src(src, full=True)
     text = msg.format(int(flags[r, 1]), int(flags[r, 2]))
     error = exc(f"{text} (aten::{name} at {where}, checked on the xla device)")
     mask = 0
     for i in bad:
         mask |= 1 << int(i)
     return error, mask
+
+
+class Unsettled:
+    """A committed execution whose check rows are not read yet: what undoing it needs."""
+
+    __slots__ = ("table", "flags", "names", "storages", "news", "prevs", "keep")
+
+    def __init__(self, table, flags, names, storages, news, prevs, keep):
+        self.table = table  # the executable's Table
+        self.flags = flags  # the rows (a device array)
+        self.names = names  # where(...)
+        self.storages = storages  # the step's storages, in root order
+        self.news = news  # the Data each was given by the commit
+        self.prevs = prevs  # per storage: the Data it held before the step (kept roots), or None
+        self.keep = keep
+
+
+_UNSETTLED: list = []  # at most one: each sync settles the one before it
+
+
+def defer(u: Unsettled) -> None:
+    if not _UNSETTLED and not _exit_hook:  # after JAX's own exit hooks (they run in reverse)
+        _exit_hook.append(atexit.register(_at_exit))
+    _UNSETTLED.append(u)
+
+
+_exit_hook: list = []
+
+
+def settle() -> None:
+    """Read the newest execution's check rows if not yet read; when one is set, undo that
+    step (see the module's docstring) and raise its error."""
+    if not _UNSETTLED:
+        return
+    from xlatorch.runtime.tensor import LOCK
+
+    with LOCK:
+        if _UNSETTLED:
+            undo(_UNSETTLED.pop(), late=True)
+
+
+def undo(u: Unsettled, late: bool = False) -> None:
+    """Read ``u``'s rows; when one fired: each root the failed op reaches (or traced after it)
+    gets its data from before the step back, or carries the error; raise it."""
+    from xlatorch.runtime import failure as failed
+
+    try:
+        found = failure(u.table.rows, u.flags, u.names)
+    except Exception as e:  # the execution itself failed (reading its rows raises that): all of it
+        found = e, -1
+    if found is None:
+        return
+    error, fired = found
+    bad: dict = {}  # id(Data) -> the Data the failed step committed, no longer to be read
+    for i, (st, mask, back) in enumerate(zip(u.storages, u.table.masks, u.table.undo)):
+        if fired == -1:
+            mask = back = -1
+        if u.prevs[i] is not None and back & fired:
+            failed.give_back(st, u.prevs[i], error)
+        elif mask & fired:
+            failed.fail_storages([st], error)
+        else:
+            continue
+        bad[id(u.news[i])] = u.news[i]
+    if late:
+        error.add_note(
+            "xlatorch: found when the results of the step were next needed (on-device checks are read "
+            "then; XLATORCH_CHECKS=sync reads them at each step's mark_step); the step's updates were undone"
+        )
+        failed.poison(bad, error)
+    failed.raise_owned(error, [st for st, m in zip(u.storages, u.table.masks) if m & fired or fired == -1])
+
+
+def _at_exit() -> None:
+    """A program whose last step failed a check does not end as if it had succeeded."""
+    try:
+        settle()
+    except BaseException as e:  # noqa: BLE001 - reported, then the exit status says so
+        import traceback
+
+        traceback.print_exception(e, file=sys.stderr)
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(1)

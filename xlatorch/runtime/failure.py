@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import threading
 
-from xlatorch.runtime.ir import Node, Out, operands
-from xlatorch.runtime.tensor import PENDING, _in_backward, defer_to_owners, owner
+from xlatorch.runtime.ir import Node, Out, operands, replace_operands
+from xlatorch.runtime.tensor import PENDING, _in_backward, defer_to_owners, owner, pending_storages
 
 __all__ = ["FailedValueError", "failed_value", "fail_node", "is_failed", "is_failed_storage", "cause",
-           "fail_storages", "give_back_or_fail", "split_failed", "components", "raise_owned"]  # fmt: skip
+           "fail_storages", "give_back_or_fail", "give_back", "poison", "split_failed", "components", "raise_owned"]  # fmt: skip
 
 
 class FailedValueError(RuntimeError):
@@ -76,12 +76,40 @@ def give_back_or_fail(storages, error) -> None:
     step's update did not happen), else holds ``error`` as a failed value."""
     for st in storages:
         prev = st.prev
-        if prev is not None and prev.aval == st.value.aval and not prev.array.is_deleted():
-            st.set(prev)  # nothing ran: the step's update of this tensor is dropped
-            st.prev = None
-            PENDING.pop(st.sid, None)
+        if prev is not None and prev.aval == st.value.aval:
+            give_back(st, prev, error)
         else:
             fail_storages([st], error)
+
+
+def give_back(st, prev, error) -> None:
+    """``st`` holds ``prev`` again, its device data from before a step that did not happen (a
+    pending update of it since is dropped), or ``error`` if that data is gone."""
+    if prev.array.is_deleted():
+        fail_storages([st], error)
+        return
+    st.set(prev)
+    st.prev = None
+    PENDING.pop(st.sid, None)
+
+
+def poison(bad: dict, error: Exception) -> None:
+    """Pending values that read device data in ``bad`` (``id`` -> ``Data``: results of a step
+    found failed after the program went on) read a value failed with ``error`` instead."""
+    if not bad:
+        return
+    new = {k: failed_value(d.aval, error) for k, d in bad.items()}
+    seen: set = set()
+    stack = [st.value.node for st in pending_storages()]
+    while stack:
+        n = stack.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        ops = operands(n.args)
+        if any(id(v) in new for v in ops if type(v) is not Out):
+            n.args = replace_operands(n.args, new)
+        stack.extend(v.node for v in ops if type(v) is Out)
 
 
 def components(storages, nodes) -> list[list]:

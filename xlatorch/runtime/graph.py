@@ -131,6 +131,7 @@ def sync(reason: str = "mark_step", dev: int | None = None) -> None:
 
 
 def _sync(reason, dev, timed) -> None:
+    checks.settle()  # the previous step's check rows, before anything reads its results
     if DEFERRED and _in_backward() == -1:
         error = DEFERRED.pop(threading.get_ident(), None)
         if error is not None:
@@ -264,12 +265,11 @@ def _run_storages(storages, nodes, leaves, enc, root_refs, reason, dev, timed, e
     record.add_sample("TensorsGraphSize", len(nodes))
     exe.used = next(_uses)
     # From here the step's buffers are donated: it runs and commits whole, or fails whole.
-    with uninterrupted():
-        failed = _run_and_commit(exe, storages, data, packed, gdev, nodes, keep, everything, timed)
-    _traced(t0)
-    if failed is not None:
-        error, fired = failed
-        failure.raise_owned(error, [st for st, m in zip(storages, exe.checks.masks) if m & fired])
+    try:
+        with uninterrupted():
+            _run_and_commit(exe, storages, data, packed, gdev, nodes, keep, everything, timed)
+    finally:
+        _traced(t0)
 
 
 def _traced(t0) -> None:
@@ -340,7 +340,7 @@ def _run_stages(storages, nodes, enc, root_refs, stage, gdev, everything, timed)
             with timed("ExecuteDispatchTime"):
                 outs = exe.compiled([d.array for d in data], packed)
             if exe.checks is not None:
-                if checks.failure(exe.checks.rows, outs[-1], sn) is not None:
+                if checks.failure(exe.checks.rows, outs[-1], checks.where(exe.checks.rows, sn)) is not None:
                     return False
                 outs = outs[:-1]
             for o, arr in zip(roots, outs):
@@ -369,8 +369,10 @@ def _commit(storages, outs, gdev, everything, t_run, done=None) -> None:
 
 
 def _run_and_commit(exe, storages, data, packed, gdev, nodes, keep, everything, timed):
-    """Execute, then give each storage its result; returns ``(error, fired rows)`` when an
-    on-device check failed, else None. Raises (after ``_fail``) if the execution fails."""
+    """Execute, then give each storage its result. With on-device checks, their rows are
+    read now (``XLATORCH_CHECKS=sync``, a graph run for several devices) or when the
+    results are next needed (``checks.settle``); a row that is set undoes the step and
+    raises. Raises (after ``_fail``) if the execution fails."""
     try:
         t_run = time.perf_counter_ns()
         with timed("ExecuteDispatchTime"):
@@ -381,28 +383,21 @@ def _run_and_commit(exe, storages, data, packed, gdev, nodes, keep, everything, 
                 outs = run_replicated(exe, gdev, arrays, packed)
             else:
                 outs = exe.compiled(arrays, packed)
-            failed = None
-            if exe.checks is not None:  # reading the rows waits for this execution (on CPU it already ran)
-                failed = checks.failure(exe.checks.rows, outs[-1], nodes)
-                outs = outs[:-1]
     except Exception as e:
         failure.fail_storages(storages, e)
         raise
-    if failed is None:
+    if exe.checks is None:
         _commit(storages, outs, gdev, everything, t_run)
-        return None
-    # A check fired: what depends on the failed op carries the error (or has its old data back).
-    error, fired = failed
-    ok = []
-    for i, (st, arr, mask, undo) in enumerate(zip(storages, outs, exe.checks.masks, exe.checks.undo)):
-        if keep and keep[i] is not None:
-            ok.append((st, st.prev.array if undo & fired else arr))  # its data from before the step, kept
-        elif mask & fired:
-            failure.fail_storages([st], error)
-        else:
-            ok.append((st, arr))
-    _commit([st for st, _ in ok], [arr for _, arr in ok], gdev, everything, t_run, done=storages)
-    return failed
+        return
+    table = exe.checks
+    prevs = [None if k is None else st.prev for st, k in zip(storages, keep)] if keep else [None] * len(storages)
+    _commit(storages, outs[:-1], gdev, everything, t_run)
+    names = checks.where(table.rows, nodes)
+    u = checks.Unsettled(table, outs[-1], names, storages, [st.value for st in storages], prevs, keep)
+    if checks.DEFER and not exe.threads and not ir._multi:
+        checks.defer(u)  # the host goes on tracing while this runs
+    else:
+        checks.undo(u)  # reading the rows waits for this execution
 
 
 def _undoable(storages, nodes, leaves) -> tuple:
@@ -434,6 +429,7 @@ def wait() -> None:
     """Block until the newest execution (and so every earlier one) has finished."""
     jax.block_until_ready(list(_last))
     EXECUTIONS.flush()
+    checks.settle()
 
 
 def _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, dev=0, keep=(), cut=None, spmd=None):

@@ -166,3 +166,18 @@ def operands(args) -> list:
         elif t is tuple:
             out.extend(x for x in a if type(x) in _VALUE_SET)
     return out
+
+
+def replace_operands(args, new: dict) -> tuple:
+    """``args`` with each value found in ``new`` replaced: an output by ``new[id(its node)]``,
+    a leaf by ``new[id(leaf)]``."""
+    out = []
+    for a in args:
+        t = type(a)
+        if t is tuple:
+            out.append(replace_operands(a, new))
+        elif t in _VALUE_SET:
+            out.append(new.get(id(a.node) if t is Out else id(a), a))
+        else:
+            out.append(a)
+    return tuple(out)

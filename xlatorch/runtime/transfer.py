@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import torch
 
-from xlatorch.runtime import record, sharding
+from xlatorch.runtime import checks, record, sharding
 from xlatorch.runtime.dtypes import EXACT, TORCH_TO_JAX, to_jax
 from xlatorch.runtime.ir import Data, Out, current_device, enable_multi_device
 from xlatorch.runtime.tensor import XlaTensor, value_of
@@ -76,6 +76,7 @@ def to_other_device(t: XlaTensor, dev: int) -> Data:
 
 def _from_array(arr, dtype: torch.dtype) -> torch.Tensor:
     """A new CPU tensor of ``dtype`` from device data (widened if a precision mode narrowed it)."""
+    checks.settle()  # the data may come from a step whose on-device checks are not read yet
     a = np.asarray(arr if arr.is_fully_addressable else sharding.host_value(arr))
     want = EXACT[dtype]
     # Always a new host array: never alias a device buffer that may be donated later.
