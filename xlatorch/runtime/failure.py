@@ -16,7 +16,8 @@ from xlatorch.runtime.ir import Node, Out, operands, replace_operands
 from xlatorch.runtime.tensor import PENDING, _in_backward, defer_to_owners, owner, pending_storages
 
 __all__ = ["FailedValueError", "failed_value", "fail_node", "is_failed", "is_failed_storage", "cause",
-           "fail_storages", "give_back_or_fail", "give_back", "poison", "split_failed", "components", "raise_owned"]  # fmt: skip
+           "fail_storages", "give_back_or_fail", "give_back", "poison", "split_failed", "components",
+           "raise_owned"]  # fmt: skip
 
 
 class FailedValueError(RuntimeError):
