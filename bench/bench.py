@@ -2,6 +2,10 @@
 same program written in JAX (``bench/jax_programs.py``, the limit), and tracing cost per op,
 measured in one process. Not a test: it prints ratios.
 
+Each step is timed alone (``mark_step(wait=True)``) and, as a training loop runs, back to
+back ("pipe": N steps then one wait, per step), where the host traces the next step while
+the device runs this one; JAX's program likewise (blocking each step, then not).
+
 "us/aten op" is the host time of a step (everything before ``mark_step``) divided by the
 ATen ops it dispatches to the device; the micro-benchmark that follows (``bench/trace_ops.py``)
 times single ops against the floor PyTorch's Python dispatch costs any backend.
@@ -88,8 +92,14 @@ def run_xla(p, steps, compiled=False):
         step_times.append(time.perf_counter() - t0)
         trace.append(t1 - t0)
     nodes = met.metric_data("TensorsGraphSize")[2][-1][1]
+    t0 = time.perf_counter()  # back to back, as a training loop runs: tracing overlaps execution
+    for i in range(steps):
+        _step(p, model, opt, batches[i % 4])
+        xm.mark_step()
+    xm.wait_device_ops()
     return dict(
         step=statistics.median(step_times),
+        pipelined=(time.perf_counter() - t0) / steps,
         first=first,
         trace_ms=statistics.median(trace) * 1e3,
         trace_us_per_op=statistics.median(trace) / ops * 1e6,
@@ -150,7 +160,13 @@ def run_jax(name, p, steps):
         params, state, loss = step(params, buffers, state, *batches[i % 4])
         jax.block_until_ready((params, loss))
         times.append(time.perf_counter() - t)
-    return dict(step=statistics.median(times), first=first, first_loss=first_loss)
+    t = time.perf_counter()
+    for i in range(steps):
+        params, state, loss = step(params, buffers, state, *batches[i % 4])
+    jax.block_until_ready((params, loss))
+    return dict(
+        step=statistics.median(times), pipelined=(time.perf_counter() - t) / steps, first=first, first_loss=first_loss
+    )
 
 
 def main() -> None:
@@ -166,7 +182,9 @@ def main() -> None:
 
     if importlib.util.find_spec("torch_xla") is not None:
         print("torch_xla is importable, but its column is not implemented yet", flush=True)
+    print("ms columns: one step waited for (median); 'pipe': steps back to back, then one wait (per step)")
     print(f"{'program':8} {'eager ms':>9} {'jax ms':>7} {'xla ms':>7} {'xla/jax':>7} {'xla/eager':>9} "
+          f"{'jax pipe':>8} {'xla pipe':>8} {'pipe x/j':>8} "
           f"{'compiled ms':>11} {'compiled/jax':>12} {'first s':>7} {'jax 1st':>7} {'trace ms':>8} "
           f"{'us/aten op':>10} {'nodes':>5} {'compiles':>8} "
           f"{'transfers':>9} "
@@ -181,12 +199,15 @@ def main() -> None:
                    compiled_trace_ms=c["trace_ms"], compiled_first_s=c["first"],
                    program=name, small=a.small, eager_ms=eager * 1e3, jax_ms=j["step"] * 1e3, xla_ms=x["step"] * 1e3,
                    ratio=x["step"] / eager, ratio_jax=x["step"] / j["step"], first_s=x["first"],
+                   jax_pipe_ms=j["pipelined"] * 1e3, xla_pipe_ms=x["pipelined"] * 1e3,
+                   ratio_pipe_jax=x["pipelined"] / j["pipelined"],
                    jax_first_s=j["first"], first_loss=x["first_loss"], jax_first_loss=j["first_loss"],
                    **{k: x[k] for k in ("trace_ms", "trace_us_per_op", "aten_ops", "graph_nodes", "steady_compiles",
                                          "steady_transfers", "fallbacks")},
                    time=time.time())  # fmt: skip
         print(f"{name:8} {row['eager_ms']:9.2f} {row['jax_ms']:7.2f} {row['xla_ms']:7.2f} {row['ratio_jax']:7.2f} "
-              f"{row['ratio']:9.2f} {row['compiled_ms']:11.2f} {row['ratio_compiled_jax']:12.2f} "
+              f"{row['ratio']:9.2f} {row['jax_pipe_ms']:8.2f} {row['xla_pipe_ms']:8.2f} {row['ratio_pipe_jax']:8.2f} "
+              f"{row['compiled_ms']:11.2f} {row['ratio_compiled_jax']:12.2f} "
               f"{row['first_s']:7.2f} {row['jax_first_s']:7.2f} {row['trace_ms']:8.2f} "
               f"{row['trace_us_per_op']:10.1f} "
               f"{row['graph_nodes']:5d} {row['steady_compiles']:8d} {row['steady_transfers']:9d} "

@@ -132,7 +132,7 @@ class Unsettled:
         self.keep = keep
 
 
-_UNSETTLED: list = []  # at most one: each sync settles the one before it
+_UNSETTLED: list = []  # executions not read yet: each sync first settles those before it
 
 
 def defer(u: Unsettled) -> None:
@@ -152,8 +152,8 @@ def settle() -> None:
     from xlatorch.runtime.tensor import LOCK
 
     with LOCK:
-        if _UNSETTLED:
-            undo(_UNSETTLED.pop(), late=True)
+        while _UNSETTLED:  # oldest first (a sync running parts apart may leave more than one)
+            undo(_UNSETTLED.pop(0), late=True)
 
 
 def undo(u: Unsettled, late: bool = False) -> None:
@@ -168,23 +168,26 @@ def undo(u: Unsettled, late: bool = False) -> None:
     if found is None:
         return
     error, fired = found
-    bad: dict = {}  # id(Data) -> the Data the failed step committed, no longer to be read
-    for i, (st, mask, back) in enumerate(zip(u.storages, u.table.masks, u.table.undo)):
-        if fired == -1:
-            mask = back = -1
-        if u.prevs[i] is not None and back & fired:
-            failed.give_back(st, u.prevs[i], error)
-        elif mask & fired:
-            failed.fail_storages([st], error)
-        else:
-            continue
-        bad[id(u.news[i])] = u.news[i]
-    if late:
-        error.add_note(
-            "xlatorch: found when the results of the step were next needed (on-device checks are read "
-            "then; XLATORCH_CHECKS=sync reads them at each step's mark_step); the step's updates were undone"
-        )
-        failed.poison(bad, error)
+    from xlatorch.runtime.execution import uninterrupted
+
+    with uninterrupted():  # an interrupt must not leave the step half undone
+        bad: dict = {}  # id(Data) -> the Data the failed step committed, no longer to be read
+        for i, (st, mask, back) in enumerate(zip(u.storages, u.table.masks, u.table.undo)):
+            if fired == -1:
+                mask = back = -1
+            if u.prevs[i] is not None and back & fired:
+                failed.give_back(st, u.prevs[i], error)
+            elif mask & fired:
+                failed.fail_storages([st], error)
+            else:
+                continue
+            bad[id(u.news[i])] = u.news[i]
+        if late:
+            error.add_note(
+                "xlatorch: found when the results of the step were next needed (on-device checks are read "
+                "then; XLATORCH_CHECKS=sync reads them at each step's mark_step); the step's updates were undone"
+            )
+            failed.poison(bad, error)
     failed.raise_owned(error, [st for st, m in zip(u.storages, u.table.masks) if m & fired or fired == -1])
 
 

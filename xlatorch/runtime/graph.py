@@ -308,6 +308,7 @@ def _run_stages(storages, nodes, enc, root_refs, stage, gdev, everything, timed)
     whole. Nothing is donated and nothing committed before the last stage has run, so on
     any failure (a check that fires, an error) this returns False having changed nothing,
     and the caller runs the graph whole, which reports it as usual."""
+    checks.settle()  # before the try below: an earlier step's error is not a stage's to swallow
     t_run = time.perf_counter_ns()
     wanted: list[set] = [set() for _ in range(max(stage) + 1)]  # per stage: its outputs read later
     for k, (_, refs) in enumerate(enc):
