@@ -224,6 +224,18 @@ def test_checks_do_not_recompile_or_cut_graphs():
     torch.testing.assert_close(y.cpu(), F.embedding(I([3, 4, 9]), w.cpu()) * 2 + w.cpu()[:, 1].sum())
 
 
+def test_mark_step_does_not_wait_to_read_the_checks():
+    w = torch.randn(10, 4, device="xla")
+    xm.mark_step()
+    met.clear_all()
+    for i in range(3):
+        w.add_(F.embedding(I([i, 9], device="xla"), w).sum())
+        xm.mark_step()  # reads the rows of the step before, if any (it has finished or is running)
+        assert (met.counter_value("CheckRowsRead") or 0) == i
+    w.cpu()
+    assert met.counter_value("CheckRowsRead") == 3
+
+
 def test_checks_can_be_turned_off():
     code = (
         "import torch, xlatorch\n"

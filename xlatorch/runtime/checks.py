@@ -160,7 +160,9 @@ def undo(u: Unsettled, late: bool = False) -> None:
     """Read ``u``'s rows; when one fired: each root the failed op reaches (or traced after it)
     gets its data from before the step back, or carries the error; raise it."""
     from xlatorch.runtime import failure as failed
+    from xlatorch.runtime.record import COUNTERS
 
+    COUNTERS["CheckRowsRead"] += 1
     try:
         found = failure(u.table.rows, u.flags, u.names)
     except Exception as e:  # the execution itself failed (reading its rows raises that): all of it

@@ -354,16 +354,15 @@ def _run_stages(storages, nodes, enc, root_refs, stage, gdev, everything, timed)
     return True
 
 
-def _commit(storages, outs, gdev, everything, t_run, done=None) -> None:
-    """Give each storage its result; the step's storages (``done``, default ``storages``) are
-    no longer pending."""
+def _commit(storages, outs, gdev, everything, t_run) -> None:
+    """Give each storage its result: they are no longer pending."""
     for st, arr in zip(storages, outs):
         st.set(Data(arr, st.value.aval, gdev))
         st.prev = None
     if everything:
         PENDING.clear()
     else:
-        for st in storages if done is None else done:
+        for st in storages:
             PENDING.pop(st.sid, None)
     _last[:] = outs
     EXECUTIONS.started(outs, t_run)
