@@ -101,6 +101,7 @@ def to_cpu(t: XlaTensor, reason: str = "to_cpu") -> torch.Tensor:
 
 
 def _base_to_cpu(st, reason: str = "to_cpu") -> torch.Tensor:
+    checks.settle()  # first: an undone step gives the storage its data from before it
     if type(st.value) is Out:
         from xlatorch.runtime.graph import sync
 
@@ -114,6 +115,7 @@ def _base_to_cpu(st, reason: str = "to_cpu") -> torch.Tensor:
 
 def materialized(t: XlaTensor):
     """The tensor's device data, running its graph if needed (a view: a copy of its elements)."""
+    checks.settle()
     if t._vw is not None:  # a view's value is derived from its base on every read: copy it out
         t = torch.ops.aten.clone.default(t)
     v = value_of(t)
