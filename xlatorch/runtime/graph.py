@@ -131,7 +131,6 @@ def sync(reason: str = "mark_step", dev: int | None = None) -> None:
 
 
 def _sync(reason, dev, timed) -> None:
-    checks.settle()  # the previous step's check rows, before anything reads its results
     if DEFERRED and _in_backward() == -1:
         error = DEFERRED.pop(threading.get_ident(), None)
         if error is not None:
@@ -152,6 +151,7 @@ def _sync(reason, dev, timed) -> None:
     if not storages:
         if everything:
             PENDING.clear()
+        checks.settle()  # a sync reads the previous step's checks even when it has nothing to run
         return
     t0 = time.perf_counter_ns()
     reroot_lone_views(storages)
@@ -238,6 +238,8 @@ def _run_storages(storages, nodes, leaves, enc, root_refs, reason, dev, timed, e
     spmd = sharding.prepare(data, storages) if sharding.ENABLED[0] else None  # (mesh, key part, outs)
     key = (tuple(enc), root_refs, tuple(v.sig for v in leaves), donate, gdev, keep, spmd and spmd[1])
     exe = CACHE.get(key)  # one lookup on a hit: hashing the key walks the whole graph's encoding
+    if exe is None:
+        checks.settle()  # the previous step's check rows, before anything here runs on the device
     if exe is None and spmd is None:
         if births.ENABLED:
             order = births.hoist(storages, nodes, key, lambda part: _run_part(part, reason, dev))
@@ -264,6 +266,9 @@ def _run_storages(storages, nodes, leaves, enc, root_refs, reason, dev, timed, e
     _check_memory(exe, gdev)
     record.add_sample("TensorsGraphSize", len(nodes))
     exe.used = next(_uses)
+    # The previous step's check rows, read as late as possible: the host prepared this step
+    # while it ran. A failure found here raises before this step runs or donates anything.
+    checks.settle()
     # From here the step's buffers are donated: it runs and commits whole, or fails whole.
     try:
         with uninterrupted():
