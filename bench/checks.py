@@ -25,7 +25,8 @@ def _child(name: str, steps: int, small: bool) -> None:
     from examples.models import programs
 
     x = run_xla(programs(small=small)[name], steps)
-    print(json.dumps(dict(step=x["step"], compiles=x["steady_compiles"], transfers=x["steady_transfers"])))
+    print(json.dumps(dict(step=x["step"], pipe=x["pipelined"], compiles=x["steady_compiles"],
+                          transfers=x["steady_transfers"])))  # fmt: skip
 
 
 def _run(name: str, steps: int, small: bool, on: bool) -> dict:
@@ -47,7 +48,9 @@ def main() -> None:
     if a.child:
         _child(a.child, a.steps, a.small)
         return
-    print(f"{'program':8} {'checks on ms':>12} {'checks off ms':>13} {'on/off':>7} {'steady compiles on/off':>22}")
+    print("per step, waited for (median) and back to back ('pipe': N steps, then one wait)")
+    print(f"{'program':8} {'checks on ms':>12} {'checks off ms':>13} {'on/off':>7} "
+          f"{'pipe on ms':>10} {'pipe off ms':>11} {'on/off':>7} {'steady compiles on/off':>22}")  # fmt: skip
     for name in a.programs.split(","):
         on, off = [], []
         for _ in range(a.rounds):
@@ -55,8 +58,11 @@ def main() -> None:
             off.append(_run(name, a.steps, a.small, False))
         t_on = statistics.median(r["step"] for r in on) * 1e3
         t_off = statistics.median(r["step"] for r in off) * 1e3
+        p_on = statistics.median(r["pipe"] for r in on) * 1e3
+        p_off = statistics.median(r["pipe"] for r in off) * 1e3
         c = f"{sum(r['compiles'] for r in on)}/{sum(r['compiles'] for r in off)}"
-        print(f"{name:8} {t_on:12.2f} {t_off:13.2f} {t_on / t_off:7.3f} {c:>22}", flush=True)
+        print(f"{name:8} {t_on:12.2f} {t_off:13.2f} {t_on / t_off:7.3f} {p_on:10.2f} {p_off:11.2f} "
+              f"{p_on / p_off:7.3f} {c:>22}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
