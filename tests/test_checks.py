@@ -309,3 +309,20 @@ def test_a_program_that_ends_after_a_failed_step_exits_with_its_error():
     assert out.stdout.strip() == "done"
     assert out.returncode == 1
     assert "IndexError: index 9 is out of bounds" in out.stderr and "XLATORCH_CHECKS=sync" in out.stderr
+
+
+def test_a_value_the_program_gave_a_tensor_after_a_failed_step_is_kept():
+    # The failed step is undone for the tensors whose values come from it; a tensor the
+    # program has since given a value of its own (a checkpoint loaded into it) keeps that.
+    w = torch.zeros(3, device="xla")
+    v = torch.zeros(3, device="xla")
+    xm.mark_step()
+    w.add_(torch.arange(3.0, device="xla")[I([0, 1, 5], device="xla")])
+    v.add_(w.sum())
+    xm.mark_step()
+    w.copy_(torch.full((3,), 7.0))  # from the host, not from the failed step's results
+    v.mul_(2)  # from them
+    with pytest.raises(IndexError, match="index 5 is out of bounds"):
+        xm.mark_step()
+    torch.testing.assert_close(w.cpu(), torch.full((3,), 7.0))
+    torch.testing.assert_close(v.cpu(), torch.zeros(3))  # as before the failed step

@@ -36,6 +36,8 @@ import sys
 
 import numpy as np
 
+from xlatorch.runtime.ir import Out
+
 __all__ = ["ENABLED", "DEFER", "Table", "Unsettled", "failure", "where", "settle"]
 
 _MODE = os.environ.get("XLATORCH_CHECKS", "1").strip().lower()
@@ -173,23 +175,32 @@ def undo(u: Unsettled, late: bool = False) -> None:
     from xlatorch.runtime.execution import uninterrupted
 
     with uninterrupted():  # an interrupt must not leave the step half undone
-        bad: dict = {}  # id(Data) -> the Data the failed step committed, no longer to be read
+        hit, bad = [], {}  # the roots the failure reaches; id(Data) -> their results, not to be read
         for i, (st, mask, back) in enumerate(zip(u.storages, u.table.masks, u.table.undo)):
             if fired == -1:
                 mask = back = -1
-            if u.prevs[i] is not None and back & fired:
-                failed.give_back(st, u.prevs[i], error)
-            elif mask & fired:
-                failed.fail_storages([st], error)
-            else:
-                continue
-            bad[id(u.news[i])] = u.news[i]
+            give = u.prevs[i] is not None and back & fired
+            if give or mask & fired:
+                hit.append((i, st, give))
+                bad[id(u.news[i])] = u.news[i]
+        tainted = set()
         if late:
             error.add_note(
                 "xlatorch: found when the results of the step were next needed (on-device checks are read "
-                "then; XLATORCH_CHECKS=sync reads them at each step's mark_step); the step's updates were undone"
+                "then; XLATORCH_CHECKS=sync reads them at each step's mark_step); the step's updates, and "
+                "those traced from its results since, were undone"
             )
-            failed.poison(bad, error)
+            tainted = failed.poison(bad, error)
+        for i, st, give in hit:
+            v = st.value
+            if v is not u.news[i] and not (type(v) is Out and id(v.node) in tainted):
+                if st.prev is u.news[i]:  # the program gave it a value of its own since: kept
+                    st.prev = u.prevs[i]
+                continue
+            if give:
+                failed.give_back(st, u.prevs[i], error)
+            else:
+                failed.fail_storages([st], error)
     failed.raise_owned(error, [st for st, m in zip(u.storages, u.table.masks) if m & fired or fired == -1])
 
 

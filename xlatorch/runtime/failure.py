@@ -94,23 +94,30 @@ def give_back(st, prev, error) -> None:
     PENDING.pop(st.sid, None)
 
 
-def poison(bad: dict, error: Exception) -> None:
+def poison(bad: dict, error: Exception) -> set:
     """Pending values that read device data in ``bad`` (``id`` -> ``Data``: results of a step
-    found failed after the program went on) read a value failed with ``error`` instead."""
+    found failed after the program went on) read a value failed with ``error`` instead.
+    Returns the ids of the nodes that read it, directly or not."""
+    tainted: set = set()
     if not bad:
-        return
+        return tainted
     new = {k: failed_value(d.aval, error) for k, d in bad.items()}
     seen: set = set()
-    stack = [st.value.node for st in pending_storages()]
-    while stack:
-        n = stack.pop()
-        if id(n) in seen:
-            continue
-        seen.add(id(n))
-        ops = operands(n.args)
-        if any(id(v) in new for v in ops if type(v) is not Out):
-            n.args = replace_operands(n.args, new)
-        stack.extend(v.node for v in ops if type(v) is Out)
+    stack = [(st.value.node, False) for st in pending_storages()]
+    while stack:  # post-order: a node's operands before it
+        n, ready = stack.pop()
+        if ready:
+            ops = operands(n.args)
+            if any(id(v) in new for v in ops if type(v) is not Out):
+                n.args = replace_operands(n.args, new)
+                tainted.add(id(n))
+            elif any(type(v) is Out and id(v.node) in tainted for v in ops):
+                tainted.add(id(n))
+        elif id(n) not in seen:
+            seen.add(id(n))
+            stack.append((n, True))
+            stack.extend((v.node, False) for v in operands(n.args) if type(v) is Out and id(v.node) not in seen)
+    return tainted
 
 
 def components(storages, nodes) -> list[list]:
