@@ -39,7 +39,7 @@ def _setup(p, device):
     opt = p.make_opt(model.parameters())
     gen = torch.Generator().manual_seed(1)
     batches = [tuple(t.to(device) for t in p.make_batch(gen)) for _ in range(4)]
-    if device != "cpu":
+    if str(device).startswith("xla"):
         xm.mark_step()
     return model, opt, batches
 
@@ -52,12 +52,15 @@ def _step(p, model, opt, batch):
     return loss
 
 
-def run_eager(p, steps):
-    model, opt, batches = _setup(p, "cpu")
+def run_eager(p, steps, device="cpu"):
+    """PyTorch eager on ``device`` (``--eager-device cuda`` where a CUDA build of torch is installed)."""
+    model, opt, batches = _setup(p, device)
+    done = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     times = []
     for i in range(steps + 2):
         t = time.perf_counter()
         _step(p, model, opt, batches[i % 4])
+        done()
         times.append(time.perf_counter() - t)
     return statistics.median(times[2:]), times[0]
 
@@ -174,6 +177,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--programs", default="mnist,mlp,gpt")
+    ap.add_argument("--eager-device", default="cpu", help="where PyTorch eager runs (cpu, or cuda on a GPU machine)")
     ap.add_argument("--no-micro", action="store_true", help="skip the per-op tracing micro-benchmark")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results.jsonl"))
     a = ap.parse_args()
@@ -191,13 +195,14 @@ def main() -> None:
           f"{'loss xla/jax':>13} fallbacks")  # fmt: skip
     for name in a.programs.split(","):
         p = progs[name]
-        eager, _ = run_eager(p, a.steps)
+        eager, _ = run_eager(p, a.steps, a.eager_device)
         j = run_jax(name, p, a.steps)
         x = run_xla(p, a.steps)
         c = run_xla(p, a.steps, compiled=True)
         row = dict(compiled_ms=c["step"] * 1e3, ratio_compiled_jax=c["step"] / j["step"],
                    compiled_trace_ms=c["trace_ms"], compiled_first_s=c["first"],
-                   program=name, small=a.small, eager_ms=eager * 1e3, jax_ms=j["step"] * 1e3, xla_ms=x["step"] * 1e3,
+                   program=name, small=a.small, eager_device=a.eager_device,
+                   eager_ms=eager * 1e3, jax_ms=j["step"] * 1e3, xla_ms=x["step"] * 1e3,
                    ratio=x["step"] / eager, ratio_jax=x["step"] / j["step"], first_s=x["first"],
                    jax_pipe_ms=j["pipelined"] * 1e3, xla_pipe_ms=x["pipelined"] * 1e3,
                    ratio_pipe_jax=x["pipelined"] / j["pipelined"],
