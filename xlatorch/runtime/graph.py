@@ -244,7 +244,7 @@ def _run_storages(storages, nodes, leaves, enc, root_refs, reason, dev, timed, e
                 nodes, leaves, enc, root_refs, _ = collect([st.value for st in order])
                 return _run_storages(order, nodes, leaves, enc, root_refs, reason, dev, timed, everything, t0)
         # A graph whose shapes changed since it last ran may run as stages.
-        stage = stages.split(nodes, enc, root_refs, gdev)
+        stage = stages.split(nodes, enc, root_refs, gdev, reason)
         if stage is not None and _run_stages(storages, nodes, enc, root_refs, stage, gdev, everything, timed):
             _traced(t0)
             return
@@ -318,6 +318,7 @@ def _run_stages(storages, nodes, enc, root_refs, stage, gdev, everything, timed)
         wanted[stage[r // 4096]].add(r)
     cut: dict = {}  # id(Out) -> Data: values computed by the stages so far
     outs = ()
+    whole = type(stage) is stages.Whole  # a tiny graph: on the host, or whole as usual
     try:
         for refs in wanted:
             if not refs:
@@ -325,11 +326,13 @@ def _run_stages(storages, nodes, enc, root_refs, stage, gdev, everything, timed)
             roots = [nodes[r // 4096].outs[r % 4096] for r in sorted(refs)]
             sn, sl, senc, srefs, _ = collect(roots, cut)
             if not stage[sorted(refs)[0] // 4096] & 1:  # a stage of changing nodes: on the host if it may
-                uploaded = stages.on_host(sn, cut, roots, gdev)
+                uploaded = stages.on_host(sn, cut, roots, gdev, whole)
                 if uploaded is not None:
                     for o, d in zip(roots, uploaded):
                         cut[id(o)] = d
                     continue
+                if whole:
+                    return False
             data = [v for v in sl if type(v) is Data]
             packed, kinds = pack(sl)
             key = (tuple(senc), srefs, tuple(v.sig for v in sl), (), gdev, (), None)
@@ -347,7 +350,7 @@ def _run_stages(storages, nodes, enc, root_refs, stage, gdev, everything, timed)
                 cut[id(o)] = Data(arr, o.aval, gdev)
     except Exception:
         return False
-    COUNTERS["StagedSync"] += 1
+    COUNTERS["GraphOnHost" if whole else "StagedSync"] += 1
     with uninterrupted():
         _commit(storages, [cut[id(st.value)].array for st in storages], gdev, everything, t_run)
     return True

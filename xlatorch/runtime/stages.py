@@ -14,6 +14,12 @@ a generation loop: token ids, attention masks, positions) runs on the host inste
 op in PyTorch (``on_host``): integer ops are exact either way, and nothing is compiled for
 each new length.
 
+A whole graph that is tiny (at most ``TINY`` nodes) and read by the host at once (``.item()``,
+``.cpu()``: the sync waits for its values anyway) runs on the host the same way when every
+node is exact there: bookkeeping as above, or a float op that only makes constants or moves
+bits (``zero_``, ``zeros``, views, ``cat``). A generation loop's setup checks and cache resets
+compile nothing then, each one new to the cache (counter ``GraphOnHost``).
+
 ``split`` decides; ``graph._run_stages`` runs the stages (``on_host`` for those that may)
 and commits the step whole. A changing part that must compile splits off only when it is
 the small part of a large graph (at most half the nodes, ``MIN_UNCHANGED`` unchanged ones);
@@ -32,7 +38,7 @@ from xlatorch.runtime.dispatch import GENERATOR
 from xlatorch.runtime.ir import Data, Out, Scalar
 from xlatorch.runtime.transfer import _from_array, to_device
 
-__all__ = ["split", "on_host", "MAX_STAGES", "SEEN"]
+__all__ = ["split", "on_host", "Whole", "MAX_STAGES", "SEEN", "TINY", "HOST_READS"]
 
 # At most this many stages per sync: each costs an execution's launch (a host stage: a wait
 # for its inputs and their transfers); a dynamic KV cache makes two stages per layer.
@@ -44,13 +50,20 @@ _SEEN_SIZE = 64
 # A graph with fewer unchanged nodes than this compiles whole: the compile a split saves is
 # small, and the split costs executions and fusion across the stages.
 MIN_UNCHANGED = 32
+# A graph of at most this many nodes, synced for a host read, runs on the host when it may (a
+# PyTorch CPU kernel per node costs microseconds; a compile, tens of milliseconds).
+TINY = 32
+HOST_READS = frozenset((".item()", ".tolist()", ".numpy()", ".cpu()", "copy_ to CPU", "to_cpu"))
 
 
-def split(nodes, enc, root_refs, gdev) -> list[int] | None:
+def split(nodes, enc, root_refs, gdev, reason=None) -> list[int] | None:
     """Each node's stage (stages of changing nodes are even, of unchanged nodes odd), or
-    None: run the graph whole. Called at a cache miss; remembers this graph's node keys."""
+    None: run the graph whole. Called at a cache miss; remembers this graph's node keys.
+    A tiny graph read by the host (``reason``) gets one stage, 0: it runs on the host."""
     if ir._multi or gdev or any(r < 0 for r in root_refs):
         return None
+    if reason in HOST_READS and len(nodes) <= TINY and all(_exact(n) for n in nodes):
+        return Whole([0] * len(nodes))
     from xlatorch.runtime.collectives import SPECS as COLLECTIVES
 
     if any(n.spec in COLLECTIVES for n in nodes):  # every replica must run the same programs
@@ -66,6 +79,10 @@ def split(nodes, enc, root_refs, gdev) -> list[int] | None:
     if len(SEEN) > _SEEN_SIZE:
         del SEEN[next(iter(SEEN))]
     return plan or None
+
+
+class Whole(list):
+    """A plan of one stage for a tiny graph read by the host: it runs there whole."""
 
 
 def _plan(nodes, enc, changed) -> list[int]:
@@ -143,6 +160,41 @@ def _bookkeeping(n) -> bool:
     return ok
 
 
+# Ops on floats that never round: constants, their operands' bits moved, and comparisons
+# (IEEE comparisons are exact; on denormals the host gives PyTorch's own answer, where XLA's
+# CPU backend flushes them to zero). They run on the host bit for bit. By ATen name.
+_MOVES = frozenset((
+    "zeros", "ones", "zeros_like", "ones_like", "new_zeros", "new_ones", "zero", "zero_", "empty",
+    "empty_like", "new_empty", "clone", "alias", "detach", "view", "_unsafe_view", "reshape",
+    "slice", "select", "narrow", "unsqueeze", "squeeze", "expand", "permute", "transpose", "t",
+    "cat", "stack", "index_select", "where", "masked_fill", "masked_fill_",
+    "eq", "ne", "lt", "le", "gt", "ge", "any", "all", "isnan", "isinf", "isfinite",
+))  # fmt: skip
+_EXACT: dict = {}  # node key -> whether it runs on the host exactly
+
+
+def _exact(n) -> bool:
+    """Whether node ``n`` gives the same bits on the host: bookkeeping, or a small float tensor
+    made or moved by an op of ``_MOVES`` without a change of dtype."""
+    ok = _EXACT.get(n.key)
+    if ok is None:
+        ok = _bookkeeping(n)
+        if not ok:
+            spec = n.spec
+            avals = [a for a in n.info.avals if a is not None]
+            ins = [v.aval for v in ir.operands(n.args) if type(v) is not Scalar]
+            ok = (
+                spec.name.split(".")[0] in _MOVES
+                and isinstance(spec.overload, torch._ops.OpOverload)
+                and all(math.prod(a[0]) <= HOST_MAX_ELEMENTS for a in avals + ins)
+                and len({a[1] for a in avals + ins if a[1].is_floating_point or a[1].is_complex}) <= 1
+            )
+        if len(_EXACT) > 4096:
+            _EXACT.clear()
+        _EXACT[n.key] = ok
+    return ok
+
+
 _WRITES: dict = {}  # spec -> positions of the arguments its ATen op writes in place
 
 
@@ -154,12 +206,13 @@ def _writes(spec) -> tuple:
     return w
 
 
-def on_host(nodes, cut, roots, gdev) -> list | None:
+def on_host(nodes, cut, roots, gdev, whole=False) -> list | None:
     """Run a stage's ``nodes`` on the host with PyTorch's CPU kernels and upload ``roots``'
     values; None (nothing uploaded) when the stage may not run there: a value that is not a
-    small integer or boolean tensor, a random op, or an op that raises (the caller then
-    compiles the stage, and a real error is reported from the device as usual)."""
-    if not all(_bookkeeping(n) for n in nodes):
+    small integer or boolean tensor (``whole``, a tiny graph: nor an exact float op), a random
+    op, or an op that raises (the caller then compiles the stage, and a real error is
+    reported from the device as usual)."""
+    if not all((_exact if whole else _bookkeeping)(n) for n in nodes):
         return None
     host: dict = {}  # id(value) -> CPU tensor
 
@@ -204,5 +257,6 @@ def on_host(nodes, cut, roots, gdev) -> list | None:
                     host[id(o)] = r
     except Exception:
         return None
-    record.COUNTERS["StageOnHost"] += 1
+    if not whole:
+        record.COUNTERS["StageOnHost"] += 1
     return [to_device(host[id(o)], gdev) for o in roots]
