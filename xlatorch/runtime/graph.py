@@ -245,7 +245,7 @@ def _run_storages(storages, nodes, leaves, enc, root_refs, reason, dev, timed, e
                 return _run_storages(order, nodes, leaves, enc, root_refs, reason, dev, timed, everything, t0)
         # A graph whose shapes changed since it last ran may run as stages.
         stage = stages.split(nodes, enc, root_refs, gdev, reason)
-        if stage is not None and _run_stages(storages, nodes, enc, root_refs, stage, gdev, everything, timed):
+        if stage is not None and _run_stages(storages, nodes, leaves, enc, root_refs, stage, gdev, everything, timed):
             _traced(t0)
             return
     packed, leaf_kinds = pack(leaves)
@@ -303,29 +303,20 @@ def _executable(
     return exe
 
 
-def _run_stages(storages, nodes, enc, root_refs, stage, gdev, everything, timed) -> bool:
+def _run_stages(storages, nodes, leaves, enc, root_refs, stage, gdev, everything, timed) -> bool:
     """Run the graph as the stages ``stages.split`` gave its nodes, then commit the step
     whole. Nothing is donated and nothing committed before the last stage has run, so on
     any failure (a check that fires, an error) this returns False having changed nothing,
     and the caller runs the graph whole, which reports it as usual."""
     t_run = time.perf_counter_ns()
-    wanted: list[set] = [set() for _ in range(max(stage) + 1)]  # per stage: its outputs read later
-    for k, (_, refs) in enumerate(enc):
-        for r in refs:
-            if r >= 0 and stage[r // 4096] != stage[k]:
-                wanted[stage[r // 4096]].add(r)
-    for r in root_refs:
-        wanted[stage[r // 4096]].add(r)
     cut: dict = {}  # id(Out) -> Data: values computed by the stages so far
     outs = ()
     whole = type(stage) is stages.Whole  # a tiny graph: on the host, or whole as usual
     try:
-        for refs in wanted:
-            if not refs:
-                continue
-            roots = [nodes[r // 4096].outs[r % 4096] for r in sorted(refs)]
-            sn, sl, senc, srefs, _ = collect(roots, cut)
-            if not stage[sorted(refs)[0] // 4096] & 1:  # a stage of changing nodes: on the host if it may
+        for s, ks, refs in stages.stages(enc, root_refs, stage):
+            roots = [nodes[r // 4096].outs[r % 4096] for r in refs]
+            sn = [nodes[k] for k in ks]
+            if not s & 1:  # a stage of changing nodes: on the host if it may
                 uploaded = stages.on_host(sn, cut, roots, gdev, whole)
                 if uploaded is not None:
                     for o, d in zip(roots, uploaded):
@@ -333,6 +324,7 @@ def _run_stages(storages, nodes, enc, root_refs, stage, gdev, everything, timed)
                     continue
                 if whole:
                     return False
+            sl, senc, srefs = stages.encode(nodes, leaves, enc, stage, ks, refs, cut)
             data = [v for v in sl if type(v) is Data]
             packed, kinds = pack(sl)
             key = (tuple(senc), srefs, tuple(v.sig for v in sl), (), gdev, (), None)

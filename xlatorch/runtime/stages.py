@@ -38,7 +38,7 @@ from xlatorch.runtime.dispatch import GENERATOR
 from xlatorch.runtime.ir import Data, Out, Scalar
 from xlatorch.runtime.transfer import _from_array, to_device
 
-__all__ = ["split", "on_host", "Whole", "MAX_STAGES", "SEEN", "TINY", "HOST_READS"]
+__all__ = ["split", "stages", "encode", "on_host", "Whole", "MAX_STAGES", "SEEN", "TINY", "HOST_READS"]
 
 # At most this many stages per sync: each costs an execution's launch (a host stage: a wait
 # for its inputs and their transfers); a dynamic KV cache makes two stages per layer.
@@ -126,6 +126,48 @@ def _plan(nodes, enc, changed) -> list[int]:
     if max(stage) >= MAX_STAGES:
         return []
     return stage
+
+
+def stages(enc, root_refs, stage):
+    """Per stage that computes something, in order: ``(stage, its nodes' positions, the refs of
+    its outputs read by later stages or roots, sorted)``."""
+    n = max(stage) + 1
+    members: list[list[int]] = [[] for _ in range(n)]
+    wanted: list[set] = [set() for _ in range(n)]
+    for k, (_, refs) in enumerate(enc):
+        s = stage[k]
+        members[s].append(k)
+        for r in refs:
+            if r >= 0 and stage[r // 4096] != s:
+                wanted[stage[r // 4096]].add(r)
+    for r in root_refs:
+        wanted[stage[r // 4096]].add(r)
+    return [(s, members[s], sorted(wanted[s])) for s in range(n) if wanted[s]]
+
+
+def encode(nodes, leaves, enc, stage, ks, refs, cut):
+    """Stage ``ks``' leaves (the whole graph's leaves it reads, then earlier stages' outputs as
+    ``cut`` holds them, in first-use order), encoding and roots ``refs``: its cache key's
+    parts, from the whole graph's encoding (no second walk of the graph)."""
+    pos = {k: i for i, k in enumerate(ks)}
+    sl: list = []
+    lpos: dict = {}
+    senc = []
+    for k in ks:
+        new = []
+        for r in enc[k][1]:
+            j = r // 4096 if r >= 0 else -1
+            if j >= 0 and j in pos:
+                new.append(pos[j] * 4096 + r % 4096)
+                continue
+            v = cut[id(nodes[j].outs[r % 4096])] if j >= 0 else leaves[-1 - r]
+            i = lpos.get(id(v))
+            if i is None:
+                i = lpos[id(v)] = len(sl)
+                sl.append(v)
+            new.append(-1 - i)
+        senc.append((enc[k][0], tuple(new)))
+    return sl, senc, tuple(pos[r // 4096] * 4096 + r % 4096 for r in refs)
 
 
 HOST_MAX_ELEMENTS = 1 << 16  # per value: a stage reading or making more stays on the device
