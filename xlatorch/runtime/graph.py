@@ -312,8 +312,13 @@ def _run_stages(storages, nodes, leaves, enc, root_refs, stage, gdev, everything
     cut: dict = {}  # id(Out) -> Data: values computed by the stages so far
     outs = ()
     whole = type(stage) is stages.Whole  # a tiny graph: on the host, or whole as usual
+    borrowed = type(stage) is stages.Borrowed  # runs only if it compiles nothing, else whole as before
+    parts = stages.stages(enc, root_refs, stage)
     try:
-        for s, ks, refs in stages.stages(enc, root_refs, stage):
+        for s, ks, refs in parts if borrowed else ():
+            if s & 1 and _stage_key(stages.encode(nodes, leaves, enc, stage, ks, refs, {}), gdev) not in CACHE:
+                return False
+        for s, ks, refs in parts:
             roots = [nodes[r // 4096].outs[r % 4096] for r in refs]
             sn = [nodes[k] for k in ks]
             if not s & 1:  # a stage of changing nodes: on the host if it may
@@ -322,12 +327,12 @@ def _run_stages(storages, nodes, leaves, enc, root_refs, stage, gdev, everything
                     for o, d in zip(roots, uploaded):
                         cut[id(o)] = d
                     continue
-                if whole:
+                if whole or borrowed:
                     return False
             sl, senc, srefs = stages.encode(nodes, leaves, enc, stage, ks, refs, cut)
             data = [v for v in sl if type(v) is Data]
             packed, kinds = pack(sl)
-            key = (tuple(senc), srefs, tuple(v.sig for v in sl), (), gdev, (), None)
+            key = _stage_key((sl, senc, srefs), gdev)
             exe = _executable(key, sn, sl, kinds, srefs, data, packed, (), gdev, (), timed, cut)
             _check_memory(exe, gdev)
             record.add_sample("TensorsGraphSize", len(sn))
@@ -346,6 +351,11 @@ def _run_stages(storages, nodes, leaves, enc, root_refs, stage, gdev, everything
     with uninterrupted():
         _commit(storages, [cut[id(st.value)].array for st in storages], gdev, everything, t_run)
     return True
+
+
+def _stage_key(encoded, gdev) -> tuple:
+    sl, senc, srefs = encoded
+    return (tuple(senc), srefs, tuple(v.sig for v in sl), (), gdev, (), None)
 
 
 def _commit(storages, outs, gdev, everything, t_run, done=None) -> None:

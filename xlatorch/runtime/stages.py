@@ -14,11 +14,17 @@ a generation loop: token ids, attention masks, positions) runs on the host inste
 op in PyTorch (``on_host``): integer ops are exact either way, and nothing is compiled for
 each new length.
 
+A graph of a new structure that is nearly one already split (the loop's last step, whose
+mask needs no more padding, drops one op) borrows its plan (``_borrow``): nodes matched in
+order keep their side. It runs so only when its compiled stages are all cached and its
+changing ones all run on the host; otherwise it compiles whole, as any new graph.
+
 A whole graph that is tiny (at most ``TINY`` nodes) and read by the host at once (``.item()``,
 ``.cpu()``: the sync waits for its values anyway) runs on the host the same way when every
 node is exact there: bookkeeping as above, or a float op that only makes constants or moves
-bits (``zero_``, ``zeros``, views, ``cat``). A generation loop's setup checks and cache resets
-compile nothing then, each one new to the cache (counter ``GraphOnHost``).
+bits (``zero_``, ``zeros``, views, ``cat``) or compares. A generation loop's setup checks and
+cache resets compile nothing then, each one new to the cache (counter ``GraphOnHost``). A graph
+cut by ``mark_step`` never does: its values stay on the device for the next step.
 
 ``split`` decides; ``graph._run_stages`` runs the stages (``on_host`` for those that may)
 and commits the step whole. A changing part that must compile splits off only when it is
@@ -38,7 +44,7 @@ from xlatorch.runtime.dispatch import GENERATOR
 from xlatorch.runtime.ir import Data, Out, Scalar
 from xlatorch.runtime.transfer import _from_array, to_device
 
-__all__ = ["split", "stages", "encode", "on_host", "Whole", "MAX_STAGES", "SEEN", "TINY", "HOST_READS"]
+__all__ = ["split", "stages", "encode", "on_host", "Whole", "Borrowed", "MAX_STAGES", "SEEN", "TINY", "HOST_READS"]
 
 # At most this many stages per sync: each costs an execution's launch (a host stage: a wait
 # for its inputs and their transfers); a dynamic KV cache makes two stages per layer.
@@ -75,6 +81,10 @@ def split(nodes, enc, root_refs, gdev, reason=None) -> list[int] | None:
     plan = seen[2] if seen is not None and changed == seen[1] else None  # the same nodes changed again
     if plan is None and changed is not None and any(changed):
         plan = _plan(nodes, enc, changed)
+    if seen is None:  # a new structure: a recent plan may fit it
+        plan = _borrow(nodes, enc, keys)
+        if plan is not None:
+            changed = [False] * len(keys)  # met again unchanged: the same plan
     SEEN[structure] = (keys, changed, plan)
     if len(SEEN) > _SEEN_SIZE:
         del SEEN[next(iter(SEEN))]
@@ -83,6 +93,61 @@ def split(nodes, enc, root_refs, gdev, reason=None) -> list[int] | None:
 
 class Whole(list):
     """A plan of one stage for a tiny graph read by the host: it runs there whole."""
+
+
+class Borrowed(list):
+    """A plan fitted from a recent graph of another structure (``_borrow``): it runs only
+    when its compiled stages are all cached and its changing stages all run on the host."""
+
+
+# A plan is borrowed from a graph at most this many nodes apart (ops added, dropped, changed).
+BORROW_SLACK = 8
+
+
+def _borrow(nodes, enc, keys) -> Borrowed | None:
+    """A plan for a new structure, from a recent plan of one nearly alike: a generation loop's
+    last step, whose mask needs no more padding, drops an op. Nodes matched in order (by op)
+    keep their side, changing or unchanged; the others change. None when it does not fit."""
+    import difflib
+
+    specs = [k[0] for k in keys]
+    tried = 0
+    for old, _, old_plan in reversed(SEEN.values()):
+        if not old_plan or abs(len(old) - len(keys)) > BORROW_SLACK:
+            continue
+        tried += 1
+        if tried > 4:
+            break
+        moves: list = [True] * len(keys)
+        matched = 0
+        blocks = difflib.SequenceMatcher(None, [k[0] for k in old], specs, autojunk=False).get_matching_blocks()
+        for a, b, size in blocks:
+            for i in range(size):
+                moves[b + i] = not old_plan[a + i] & 1
+            matched += size
+        if len(keys) - matched > BORROW_SLACK or not all(_bookkeeping(n) for n, m in zip(nodes, moves) if m):
+            continue
+        stage = _number(enc, moves)
+        if max(stage) < MAX_STAGES and any(s & 1 for s in stage):
+            return Borrowed(stage)
+    return None
+
+
+def _number(enc, moves) -> list[int]:
+    """Each node's stage: changing nodes (``moves``) in even stages, the others in odd ones,
+    each at or after its operands' stages."""
+    stage: list[int] = []
+    for k, (_, refs) in enumerate(enc):
+        s = 0
+        for r in refs:
+            if r >= 0 and stage[r // 4096] > s:
+                s = stage[r // 4096]
+        if moves[k]:
+            s += s & 1  # the next even stage at or after its operands'
+        else:
+            s += not s & 1  # the next odd one
+        stage.append(s)
+    return stage
 
 
 def _plan(nodes, enc, changed) -> list[int]:
@@ -106,17 +171,7 @@ def _plan(nodes, enc, changed) -> list[int]:
     for k in range(len(nodes) - 1, -1, -1):
         if not moves[k] and hostable[k] and users[k] and all(moves[u] for u in users[k]):
             moves[k] = True
-    stage = []
-    for k, (_, refs) in enumerate(enc):
-        s = 0
-        for r in refs:
-            if r >= 0 and stage[r // 4096] > s:
-                s = stage[r // 4096]
-        if moves[k]:
-            s += s & 1  # the next even stage at or after its operands'
-        else:
-            s += not s & 1  # the next odd one
-        stage.append(s)
+    stage = _number(enc, moves)
     # Changing stages that run on the host compile nothing: worth it for any graph. Others
     # compile per shape: worth it when they are the small part of a large graph.
     if not all(_bookkeeping(n) for n, m in zip(nodes, moves) if m):
@@ -160,7 +215,11 @@ def encode(nodes, leaves, enc, stage, ks, refs, cut):
             if j >= 0 and j in pos:
                 new.append(pos[j] * 4096 + r % 4096)
                 continue
-            v = cut[id(nodes[j].outs[r % 4096])] if j >= 0 else leaves[-1 - r]
+            if j >= 0:  # an earlier stage's output: its device data (before it ran: the value, same sig)
+                o = nodes[j].outs[r % 4096]
+                v = cut.get(id(o), o)
+            else:
+                v = leaves[-1 - r]
             i = lpos.get(id(v))
             if i is None:
                 i = lpos[id(v)] = len(sl)
