@@ -354,6 +354,7 @@ def _run_stages(storages, nodes, leaves, enc, root_refs, stage, gdev, everything
 
 
 def _stage_key(encoded, gdev) -> tuple:
+    """A stage's executable-cache key, from ``stages.encode``: no donation, no kept data."""
     sl, senc, srefs = encoded
     return (tuple(senc), srefs, tuple(v.sig for v in sl), (), gdev, (), None)
 
