@@ -41,6 +41,7 @@ import torch
 
 from xlatorch.runtime import ir, record
 from xlatorch.runtime.dispatch import GENERATOR
+from xlatorch.runtime.dtypes import STORAGE
 from xlatorch.runtime.ir import Data, Out, Scalar
 from xlatorch.runtime.transfer import _from_array, to_device
 
@@ -288,7 +289,8 @@ def _exact(n) -> bool:
                 spec.name.split(".")[0] in _MOVES
                 and isinstance(spec.overload, torch._ops.OpOverload)
                 and all(math.prod(a[0]) <= HOST_MAX_ELEMENTS for a in avals + ins)
-                and len({a[1] for a in avals + ins if a[1].is_floating_point or a[1].is_complex}) <= 1
+                and len(floats := {a[1] for a in avals + ins if a[1].is_floating_point or a[1].is_complex}) <= 1
+                and not any(dt in STORAGE for dt in floats)  # a precision mode: the device compares narrower
             )
         if len(_EXACT) > 4096:
             _EXACT.clear()
