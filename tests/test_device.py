@@ -169,6 +169,21 @@ def test_static_args_that_hash_alike_do_not_share_an_executable():
     torch.testing.assert_close(b, torch.softmax(cpu, -1))
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda d: (torch.arange(4.0, device=d), torch.arange(4, device=d)),  # 4 == 4.0
+        lambda d: (torch.full((2,), 1, device=d), torch.full((2,), True, device=d)),  # 1 == True
+        lambda d: (torch.full((2,), 0.0, device=d), torch.full((2,), -0.0, device=d)),  # 0.0 == -0.0
+    ],
+)
+def test_static_args_that_compare_equal_do_not_share_a_node(make):
+    """Static numbers equal in Python but of another type or sign make other tensors."""
+    for got, want in zip(make("xla"), make("cpu")):
+        got = got.cpu()
+        assert got.dtype == want.dtype and torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
+
+
 def test_tensor_constructor_on_the_device():
     t = torch.tensor([[1, 2], [3, 4]], device="xla")
     assert t.device.type == "xla" and t.dtype == torch.int64

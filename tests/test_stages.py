@@ -9,6 +9,7 @@ import torch
 
 import xlatorch.core.xla_model as xm
 import xlatorch.debug.metrics as met
+import xlatorch.runtime.graph as graph
 from xlatorch.runtime import record, stages
 
 DEV = "xla"
@@ -207,3 +208,40 @@ def test_an_interrupt_between_stages_changes_nothing(monkeypatch):
         assert torch.equal(p.detach().cpu(), w)
     got, _ = _generate(model, ids_d, mask_d, 6, DEV)  # the same loop runs on, as on CPU
     assert torch.equal(got.cpu(), want_ids[:, : got.shape[1]])
+
+
+def _generate_padded(model, ids, steps, width, device):
+    """As ``_generate``, with the mask padded to ``width`` columns while it is shorter (a static
+    cache's mask): the last step, whose mask fills the width, has no pad op."""
+    mask = torch.ones_like(ids)
+    out, compiles = [], []
+    for _ in range(steps):
+        c0 = _counter("UncachedCompile")
+        full = mask if mask.shape[1] == width else torch.nn.functional.pad(mask, (0, width - mask.shape[1]))
+        pos = full.sum(-1, keepdim=True) - 1
+        logits = model(ids.gather(1, pos))[:, -1]
+        nxt = logits.argmax(-1, keepdim=True)
+        ids = torch.cat([ids, nxt], dim=-1)
+        mask = torch.cat([mask, torch.ones_like(nxt)], dim=-1)
+        bool((nxt == -1).all())  # the host read that cuts each step
+        out.append(logits)
+        compiles.append(_counter("UncachedCompile") - c0)
+    return ids, torch.stack(out), compiles
+
+
+def test_last_step_without_its_pad_borrows_the_plan(monkeypatch):
+    """The last step's graph lacks one op (no padding left): a new structure, whose nodes match
+    the previous plan's but for that op. It runs as the same stages (cached) and compiles
+    nothing; results equal CPU's."""
+    monkeypatch.setattr(graph, "CACHE", {})
+    model = _Decoder()
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 50, (2, 5), generator=gen)
+    steps, width = 6, 10  # lengths 5..10: the last step's mask is 10 wide
+    want_ids, want, _ = _generate_padded(model, ids, steps, width, "cpu")
+    stages.SEEN.clear()
+    got_ids, got, compiles = _generate_padded(model.to(DEV), ids.to(DEV), steps, width, DEV)
+    assert torch.equal(got_ids.cpu(), want_ids)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
+    # Steps 0 and 1 are new structures (step 0 makes the mask), step 2 compiles its unchanged stage.
+    assert compiles == [1, 1, 1, 0, 0, 0], compiles

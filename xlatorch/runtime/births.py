@@ -16,7 +16,9 @@ them: the graph the next step runs, which then hits the cache.
 Gradients are never births (autograd makes them anew each step); nor are constants made
 from a shape alone (``torch.ones(n).bernoulli_()``, an accumulator ``torch.zeros(())``),
 which programs make anew every step far more often than state (so a capturable
-optimizer's step count, ``zeros(())``, still differs between steps 0 and 1). A tensor born
+optimizer's step count, ``zeros(())``, still differs between steps 0 and 1) - except a
+buffer filled in part (``torch.zeros(shape)`` then ``index_copy_``, ``index_put_``, a slice
+assignment: a static KV cache, a ring buffer): state a later step fills on. A tensor born
 from a ``_like`` constant in every step and kept across ``mark_step`` would need two
 executions a step: a graph is split at most twice (the second time its split graph is
 cached, so a second training run in one process compiles nothing) and compiled whole when
@@ -43,6 +45,13 @@ NAMES = (
     "zeros_like.default", "ones_like.default", "full_like.default", "empty_like.default",
     "new_zeros.default", "new_ones.default", "new_full.default", "new_empty.default",
 )  # fmt: skip
+# Constants made from a shape alone: births only when written in part (``_fills``).
+SHAPED = ("zeros.default", "ones.default", "full.default", "empty.memory_format")
+# Ops writing part of a tensor (by ATen name, trailing ``_`` dropped); a view's write-through
+# (``x[:, i] = v``) is ``<view op>.scatter``.
+FILLS = frozenset(
+    ("index_copy", "index_put", "index_fill", "scatter", "masked_scatter", "slice_scatter", "select_scatter")
+)
 
 _SPLIT: OrderedDict = OrderedDict()  # graph key -> times split (the newest 64 keys)
 LIMIT = 2
@@ -50,7 +59,7 @@ LIMIT = 2
 
 def mark(specs: dict) -> None:
     """Make ``dispatch.call`` record which storage each constant op's result was born in."""
-    for name in NAMES:
+    for name in NAMES + SHAPED:
         spec = specs.get(name)
         if spec is not None:
             spec.born = True
@@ -70,9 +79,19 @@ def _births(storages, nodes) -> dict:
         v = st.value
         if type(v) is not Out or v.node is n or n.outs[0] is None:
             continue
-        if type(n.args[0]) is Data and all(type(a) is not Out for a in operands(n.args)):
+        if any(type(a) is Out for a in operands(n.args)):
+            continue
+        if type(n.args[0]) is Data or _fills(v.node, n.outs[0]):
             found[id(n)] = (n, st)
     return found
+
+
+def _fills(w, out) -> bool:
+    """Whether node ``w`` writes part of ``out`` (its first argument)."""
+    if not w.args or w.args[0] is not out:
+        return False
+    name = w.spec.name
+    return name.endswith(".scatter") or name.split(".")[0].rstrip("_") in FILLS
 
 
 def hoist(storages, nodes, key, run_part):

@@ -206,6 +206,8 @@ def _prepare(spec, args):
                 s = None if v is None else v.sig
         elif kind is STATIC:
             v = s = tuple(a) if type(a) is list else a
+            if type(a) is float or type(a) is bool:
+                s = _static_sig(a)
         elif kind is SCALAR:
             v = a if a is None else scalar(a)
             s = None if v is None else v.sig
@@ -227,7 +229,15 @@ def _sig(a):
         return a.sig
     if type(a) is tuple:
         return tuple(_sig(x) for x in a)
+    if type(a) is float or type(a) is bool:
+        return _static_sig(a)
     return a
+
+
+def _static_sig(a):
+    """A float or bool static argument's signature: ``4 == 4.0 == True`` and ``-0.0 == 0.0``,
+    but ``arange(4)`` is int64 and ``arange(4.0)`` float32, ``full(s, True)`` is bool."""
+    return (bool, a) if type(a) is bool else (float, a.hex())
 
 
 def node(spec: OpSpec, vals: tuple) -> Node:

@@ -247,8 +247,8 @@ def _run_storages(storages, nodes, leaves, enc, root_refs, reason, dev, timed, e
                 nodes, leaves, enc, root_refs, _ = collect([st.value for st in order])
                 return _run_storages(order, nodes, leaves, enc, root_refs, reason, dev, timed, everything, t0)
         # A graph whose shapes changed since it last ran may run as stages.
-        stage = stages.split(nodes, enc, root_refs, gdev)
-        if stage is not None and _run_stages(storages, nodes, enc, root_refs, stage, gdev, everything, timed):
+        stage = stages.split(nodes, enc, root_refs, gdev, reason)
+        if stage is not None and _run_stages(storages, nodes, leaves, enc, root_refs, stage, gdev, everything, timed):
             _traced(t0)
             return
     packed, leaf_kinds = pack(leaves)
@@ -308,37 +308,37 @@ def _executable(
     return exe
 
 
-def _run_stages(storages, nodes, enc, root_refs, stage, gdev, everything, timed) -> bool:
+def _run_stages(storages, nodes, leaves, enc, root_refs, stage, gdev, everything, timed) -> bool:
     """Run the graph as the stages ``stages.split`` gave its nodes, then commit the step
     whole. Nothing is donated and nothing committed before the last stage has run, so on
     any failure (a check that fires, an error) this returns False having changed nothing,
     and the caller runs the graph whole, which reports it as usual."""
     checks.settle()  # before the try below: an earlier step's error is not a stage's to swallow
     t_run = time.perf_counter_ns()
-    wanted: list[set] = [set() for _ in range(max(stage) + 1)]  # per stage: its outputs read later
-    for k, (_, refs) in enumerate(enc):
-        for r in refs:
-            if r >= 0 and stage[r // 4096] != stage[k]:
-                wanted[stage[r // 4096]].add(r)
-    for r in root_refs:
-        wanted[stage[r // 4096]].add(r)
     cut: dict = {}  # id(Out) -> Data: values computed by the stages so far
     outs = ()
+    whole = type(stage) is stages.Whole  # a tiny graph: on the host, or whole as usual
+    borrowed = type(stage) is stages.Borrowed  # runs only if it compiles nothing, else whole as before
+    parts = stages.stages(enc, root_refs, stage)
     try:
-        for refs in wanted:
-            if not refs:
-                continue
-            roots = [nodes[r // 4096].outs[r % 4096] for r in sorted(refs)]
-            sn, sl, senc, srefs, _ = collect(roots, cut)
-            if not stage[sorted(refs)[0] // 4096] & 1:  # a stage of changing nodes: on the host if it may
-                uploaded = stages.on_host(sn, cut, roots, gdev)
+        for s, ks, refs in parts if borrowed else ():
+            if s & 1 and _stage_key(stages.encode(nodes, leaves, enc, stage, ks, refs, {}), gdev) not in CACHE:
+                return False
+        for s, ks, refs in parts:
+            roots = [nodes[r // 4096].outs[r % 4096] for r in refs]
+            sn = [nodes[k] for k in ks]
+            if not s & 1:  # a stage of changing nodes: on the host if it may
+                uploaded = stages.on_host(sn, cut, roots, gdev, whole)
                 if uploaded is not None:
                     for o, d in zip(roots, uploaded):
                         cut[id(o)] = d
                     continue
+                if whole or borrowed:
+                    return False
+            sl, senc, srefs = stages.encode(nodes, leaves, enc, stage, ks, refs, cut)
             data = [v for v in sl if type(v) is Data]
             packed, kinds = pack(sl)
-            key = (tuple(senc), srefs, tuple(v.sig for v in sl), (), gdev, (), None)
+            key = _stage_key((sl, senc, srefs), gdev)
             exe = _executable(key, sn, sl, kinds, srefs, data, packed, (), gdev, (), timed, cut)
             _check_memory(exe, gdev)
             record.add_sample("TensorsGraphSize", len(sn))
@@ -353,10 +353,16 @@ def _run_stages(storages, nodes, enc, root_refs, stage, gdev, everything, timed)
                 cut[id(o)] = Data(arr, o.aval, gdev)
     except Exception:
         return False
-    COUNTERS["StagedSync"] += 1
+    COUNTERS["GraphOnHost" if whole else "StagedSync"] += 1
     with uninterrupted():
         _commit(storages, [cut[id(st.value)].array for st in storages], gdev, everything, t_run)
     return True
+
+
+def _stage_key(encoded, gdev) -> tuple:
+    """A stage's executable-cache key, from ``stages.encode``: no donation, no kept data."""
+    sl, senc, srefs = encoded
+    return (tuple(senc), srefs, tuple(v.sig for v in sl), (), gdev, (), None)
 
 
 def _commit(storages, outs, gdev, everything, t_run) -> None:
