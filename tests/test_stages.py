@@ -10,7 +10,7 @@ import torch
 import xlatorch.core.xla_model as xm
 import xlatorch.debug.metrics as met
 import xlatorch.runtime.graph as graph
-from xlatorch.runtime import record, stages
+from xlatorch.runtime import compiler, record, stages
 
 DEV = "xla"
 
@@ -138,6 +138,58 @@ def test_a_float_changing_part_compiles_per_shape_but_only_that_part():
     big = [s for s in sizes[1:] if s >= 32]
     assert len(big) == 1, sizes
     assert all(s <= 4 for s in sizes[2:]), sizes
+
+
+def test_a_changing_stage_compiles_for_speed_of_compiling(monkeypatch):
+    """The stages compiled per shape run once each: XLA compiles them with the options that
+    compile fast (on CPU, the classic fusion emitters); the graphs that run every step get
+    XLA's defaults (``runtime/compiler.py``)."""
+    seen = []
+    options = compiler.options
+
+    def spy(once=False, platform=None):
+        seen.append(once)
+        return options(once, platform)
+
+    monkeypatch.setattr(compiler, "options", spy)
+    monkeypatch.setattr(graph, "CACHE", {})  # compile afresh what earlier tests compiled
+    model = _Decoder()
+    x = torch.randn(2, 1, 16)
+
+    def loop(x, hist, device):
+        outs = []
+        for _ in range(5):
+            h = x
+            for lin, norm in zip(model.layers, model.norms):
+                h = h + torch.tanh(lin(norm(h)))
+            hist = torch.cat([hist, h], dim=1)
+            outs.append(hist.mean(1))
+            if device != "cpu":
+                xm.mark_step()
+        return outs
+
+    want = loop(x, torch.zeros(2, 1, 16), "cpu")
+    model.to(DEV)
+    got = loop(x.to(DEV), torch.zeros(2, 1, 16).to(DEV), DEV)
+    torch.testing.assert_close(torch.stack(got).cpu(), torch.stack(want), rtol=1e-5, atol=1e-6)
+    assert seen[0] is False and seen.count(True) >= 3, seen  # step 0 whole; the changing part, per shape
+    assert options(True, "cpu") == {"xla_cpu_use_fusion_emitters": False}
+    assert options(False, "cpu") is None and options(True, "gpu") is None
+
+
+def test_xla_options_from_the_environment_reach_the_compiler(monkeypatch):
+    x = torch.arange(6.0).to(DEV)
+    monkeypatch.setenv("XLATORCH_XLA_OPTIONS", "xla_cpu_use_fusion_emitters=false")
+    assert compiler.options() == {"xla_cpu_use_fusion_emitters": False}
+    torch.testing.assert_close((x * 3 + 1).cpu(), torch.arange(6.0) * 3 + 1)
+    monkeypatch.setenv("XLATORCH_XLA_OPTIONS", "xla_no_such_option_here=1")
+    with pytest.raises(Exception, match="xla_no_such_option_here"):
+        (x * 5 - 2).cpu()
+    monkeypatch.setenv("XLATORCH_XLA_OPTIONS", "fusion")
+    with pytest.raises(ValueError, match="XLATORCH_XLA_OPTIONS: 'fusion' is not name=value"):
+        compiler.options()
+    monkeypatch.setenv("XLATORCH_XLA_OPTIONS", "")
+    assert compiler.options(True, "cpu") is None
 
 
 def test_a_small_graph_or_a_mostly_changing_one_compiles_whole():

@@ -18,7 +18,7 @@ import warnings
 import jax
 import torch
 
-from xlatorch.runtime import births, checks, failure, ir, record, sharding, stages
+from xlatorch.runtime import births, checks, compiler, failure, ir, record, sharding, stages
 from xlatorch.runtime.dtypes import to_jax
 from xlatorch.runtime.emit import hlo_scopes
 from xlatorch.runtime.execution import EXECUTIONS, uninterrupted
@@ -287,9 +287,10 @@ def _traced(t0) -> None:
 
 
 def _executable(
-    key, nodes, leaves, leaf_kinds, root_refs, data, packed, donate, gdev, keep, timed, cut=None, spmd=None
+    key, nodes, leaves, leaf_kinds, root_refs, data, packed, donate, gdev, keep, timed, cut=None, spmd=None, once=False
 ):
-    """The executable cached under ``key``, compiled on a miss."""
+    """The executable cached under ``key``, compiled on a miss (``once``: for a graph expected
+    to run once or a few times, ``runtime/compiler.py``)."""
     exe = CACHE.get(key)
     if exe is not None:
         COUNTERS["CachedCompile"] += 1
@@ -297,7 +298,7 @@ def _executable(
     COUNTERS["UncachedCompile"] += 1
     COUNTERS["CreateCompileHandles"] += 1  # torch_xla's name for the same event
     with timed("CompileTime") as tm:
-        exe = _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, gdev, keep, cut, spmd)
+        exe = _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, gdev, keep, cut, spmd, once)
     record.add_sample("InputOutputAliasCount", len(donate))  # buffers the executable may reuse
     exe.used = next(_uses)
     CACHE[key] = exe
@@ -339,7 +340,7 @@ def _run_stages(storages, nodes, leaves, enc, root_refs, stage, gdev, everything
             data = [v for v in sl if type(v) is Data]
             packed, kinds = pack(sl)
             key = _stage_key((sl, senc, srefs), gdev)
-            exe = _executable(key, sn, sl, kinds, srefs, data, packed, (), gdev, (), timed, cut)
+            exe = _executable(key, sn, sl, kinds, srefs, data, packed, (), gdev, (), timed, cut, once=not s & 1)
             _check_memory(exe, gdev)
             record.add_sample("TensorsGraphSize", len(sn))
             exe.used = next(_uses)
@@ -443,15 +444,19 @@ def wait() -> None:
     checks.settle()
 
 
-def _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, dev=0, keep=(), cut=None, spmd=None):
+def _compile(
+    nodes, leaves, leaf_kinds, root_refs, data, packed, donate, dev=0, keep=(), cut=None, spmd=None, once=False
+):
     table = checks.Table()
-    exe = _compile_fn(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, dev, table, keep, cut, spmd)
+    exe = _compile_fn(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, dev, table, keep, cut, spmd, once)
     if table.rows:
         exe.checks = table
     return exe
 
 
-def _compile_fn(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, dev, table, keep, cut=None, spmd=None):
+def _compile_fn(
+    nodes, leaves, leaf_kinds, root_refs, data, packed, donate, dev, table, keep, cut=None, spmd=None, once=False
+):
     fn = lower_fn(plan(nodes, leaves, cut), leaf_kinds, root_refs, hlo_scopes(nodes), table, keep)
     local = placed = None
     if dev:  # a local device other than the default one (dp.DataParallel)
@@ -481,7 +486,8 @@ def _compile_fn(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, dev,
         from xlatorch.runtime.spmd import compile_spmd
 
         return compile_spmd(body, args, [r.aval for r in _roots(nodes, leaves, root_refs)], donate, kept, table)
-    compiled = jax.jit(body, donate_argnums=(0,), out_shardings=placed).lower(*args).compile()
+    lowered = jax.jit(body, donate_argnums=(0,), out_shardings=placed).lower(*args)
+    compiled = lowered.compile(compiler_options=compiler.options(once))
     if local is not None:
 
         def call(arrays, packed_vals):

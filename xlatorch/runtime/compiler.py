@@ -1,0 +1,55 @@
+"""Options handed to XLA's compiler with the graphs xlatorch compiles.
+
+A graph that will run once or a few times only should compile fast; a training step's graph
+runs thousands of times and should run fast. The stages of a staged sync whose nodes
+changed shape (``runtime/stages.py``: a growing ``generate()`` loop compiles one per length)
+are the first kind: on CPU they compile with XLA's classic fusion emitters, which take about
+two thirds of the time of the newer ones (``bench.generate``, dynamic cache: first call 8.0
+-> 5.5 s). Every other graph gets XLA's defaults: the classic emitters would also cut the
+first step of small Hugging Face models by 20-40% (``bench.first_steps``), but they make the
+steady MNIST step 15% slower (``bench.bench``).
+
+``XLATORCH_XLA_OPTIONS="name=value,..."`` gives every graph these options instead
+(``XLATORCH_XLA_OPTIONS=``, empty: XLA's defaults everywhere); names are fields of XLA's
+``DebugOptions``, e.g. ``xla_cpu_use_fusion_emitters=false``. Options are part of the
+persistent cache's key.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["options"]
+
+_FAST_COMPILE = {"cpu": {"xla_cpu_use_fusion_emitters": False}}
+
+
+def _parse(text: str) -> dict:
+    out = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        name, eq, value = (s.strip() for s in item.partition("="))
+        if not eq or not name:
+            raise ValueError(f"XLATORCH_XLA_OPTIONS: {item!r} is not name=value")
+        if value.lower() in ("true", "false"):
+            out[name] = value.lower() == "true"
+        else:
+            try:
+                out[name] = int(value)
+            except ValueError:
+                out[name] = value
+    return out
+
+
+def options(once: bool = False, platform: str | None = None) -> dict | None:
+    """The compiler options for a graph on ``platform`` (default: JAX's default backend), or
+    None; ``once``: the graph is expected to run once or a few times."""
+    text = os.environ.get("XLATORCH_XLA_OPTIONS")
+    if text is not None:
+        return _parse(text) or None
+    if not once:
+        return None
+    if platform is None:
+        import jax
+
+        platform = jax.default_backend()
+    return dict(_FAST_COMPILE.get(platform, {})) or None
