@@ -9,7 +9,7 @@ import xlatorch.core.xla_model as xm
 import xlatorch.debug.metrics as met
 import xlatorch.runtime.graph as graph
 from examples.models import programs
-from xlatorch.runtime import births
+from xlatorch.runtime import births, compiler
 
 
 @pytest.fixture(autouse=True)
@@ -90,6 +90,20 @@ def test_step_one_reuses_step_zero_graph(opt):
     assert graphs == [2, 1, 1, 1], graphs
     assert met.counter_value("BirthsHoisted") > 0
     assert met.executed_fallback_ops() == []
+
+
+def test_the_state_graph_compiles_fast_and_the_step_graph_runs_fast(monkeypatch):
+    """The optimizer state's graph runs once: it gets the options that compile fast
+    (``runtime/compiler.py``); the step's graph, run every step, XLA's defaults."""
+    seen = []
+    options = compiler.options
+    monkeypatch.setattr(compiler, "options", lambda once=False, platform=None: seen.append(once) or options(once))
+    p = programs(small=True)["mlp"]
+    make_opt = OPTIMIZERS["adamw"]
+    want, _, _, _ = _train(p, "cpu", lambda ps: make_opt(list(ps)))
+    got, compiles, _, _ = _train(p, xm.xla_device(), lambda ps: make_opt(list(ps)))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert compiles == [2, 0, 0, 0] and seen == [True, False], (compiles, seen)
 
 
 def test_checked_ops_and_embedding_gradients():

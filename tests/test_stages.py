@@ -173,7 +173,7 @@ def test_a_changing_stage_compiles_for_speed_of_compiling(monkeypatch):
     got = loop(x.to(DEV), torch.zeros(2, 1, 16).to(DEV), DEV)
     torch.testing.assert_close(torch.stack(got).cpu(), torch.stack(want), rtol=1e-5, atol=1e-6)
     assert seen[0] is False and seen.count(True) >= 3, seen  # step 0 whole; the changing part, per shape
-    assert options(True, "cpu") == {"xla_cpu_use_fusion_emitters": False}
+    assert options(True, "cpu") == {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 0}
     assert options(False, "cpu") is None and options(True, "gpu") is None
 
 

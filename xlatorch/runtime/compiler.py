@@ -1,13 +1,15 @@
 """Options handed to XLA's compiler with the graphs xlatorch compiles.
 
-A graph that will run once or a few times only should compile fast; a training step's graph
-runs thousands of times and should run fast. The stages of a staged sync whose nodes
-changed shape (``runtime/stages.py``: a growing ``generate()`` loop compiles one per length)
-are the first kind: on CPU they compile with XLA's classic fusion emitters, which take about
-two thirds of the time of the newer ones (``bench.generate``, dynamic cache: first call 8.0
--> 5.5 s). Every other graph gets XLA's defaults: the classic emitters would also cut the
+A graph that will run once or a few times should compile fast; a training step's graph runs
+thousands of times and should run fast. Two kinds of graph are the first kind: the stages of
+a staged sync whose nodes changed shape (``runtime/stages.py``: a growing ``generate()``
+loop compiles one per length) and the graph computing an optimizer's new state before its
+first step (``runtime/births.py``). On CPU they compile at XLA's lowest optimization level
+with its classic fusion emitters: each option alone cuts a fifth, both halve the compile of
+such a small graph (``bench.generate``, dynamic cache: first call 8.0 -> 4.3 s, no slower
+per token). Every other graph gets XLA's defaults: the classic emitters alone would cut the
 first step of small Hugging Face models by 20-40% (``bench.first_steps``), but they make the
-steady MNIST step 15% slower (``bench.bench``).
+steady MNIST step 15% slower (``bench.bench``); the lowest level makes a step 2-3x slower.
 
 ``XLATORCH_XLA_OPTIONS="name=value,..."`` gives every graph these options instead
 (``XLATORCH_XLA_OPTIONS=``, empty: XLA's defaults everywhere); names are fields of XLA's
@@ -21,7 +23,7 @@ import os
 
 __all__ = ["options"]
 
-_FAST_COMPILE = {"cpu": {"xla_cpu_use_fusion_emitters": False}}
+_FAST_COMPILE = {"cpu": {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 0}}
 
 
 def _parse(text: str) -> dict:

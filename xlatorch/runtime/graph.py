@@ -215,14 +215,15 @@ def _isolate(storages, nodes, error, reason, dev) -> None:
             failure.give_back_or_fail(part, e)
 
 
-def _run_part(part, reason, dev) -> None:
+def _run_part(part, reason, dev, once=False) -> None:
     t0 = time.perf_counter_ns()
     nodes, leaves, enc, root_refs, _ = collect([st.value for st in part])
-    _run_storages(part, nodes, leaves, enc, root_refs, reason, dev, record.timed, False, t0)
+    _run_storages(part, nodes, leaves, enc, root_refs, reason, dev, record.timed, False, t0, once)
 
 
-def _run_storages(storages, nodes, leaves, enc, root_refs, reason, dev, timed, everything, t0) -> None:
-    """Compile (once) and run the graph computing ``storages``' pending values; commit them."""
+def _run_storages(storages, nodes, leaves, enc, root_refs, reason, dev, timed, everything, t0, once=False) -> None:
+    """Compile (once) and run the graph computing ``storages``' pending values; commit them
+    (``once``: a graph expected to run once, compiled to compile fast, ``runtime/compiler.py``)."""
     roots = [st.value for st in storages]
     keep = ()
     if checks.ENABLED and any(n.info.checked for n in nodes):
@@ -242,7 +243,7 @@ def _run_storages(storages, nodes, leaves, enc, root_refs, reason, dev, timed, e
         checks.settle()  # the previous step's check rows, before anything here runs on the device
     if exe is None and spmd is None:
         if births.ENABLED:
-            order = births.hoist(storages, nodes, key, lambda part: _run_part(part, reason, dev))
+            order = births.hoist(storages, nodes, key, lambda part: _run_part(part, reason, dev, once=True))
             if order is not None:  # optimizer state computed first: this graph is the next step's
                 nodes, leaves, enc, root_refs, _ = collect([st.value for st in order])
                 return _run_storages(order, nodes, leaves, enc, root_refs, reason, dev, timed, everything, t0)
@@ -255,7 +256,7 @@ def _run_storages(storages, nodes, leaves, enc, root_refs, reason, dev, timed, e
     try:
         if exe is None:
             args = (key, nodes, leaves, leaf_kinds, root_refs, data, packed, donate, gdev, keep, timed)
-            exe = _executable(*args, spmd=spmd)
+            exe = _executable(*args, spmd=spmd, once=once)
         else:
             COUNTERS["CachedCompile"] += 1
     except LoweringError:
