@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["options"]
+__all__ = ["options", "compile"]
 
 _FAST_COMPILE = {"cpu": {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 0}}
 
@@ -55,3 +55,16 @@ def options(once: bool = False, platform: str | None = None) -> dict | None:
 
         platform = jax.default_backend()
     return dict(_FAST_COMPILE.get(platform, {})) or None
+
+
+def compile(lowered, once: bool = False):
+    """``lowered.compile()`` (a ``jax.stages.Lowered``) with ``options(once)``; an error
+    caused by options the user set says where they came from."""
+    opts = options(once)
+    try:
+        return lowered.compile(compiler_options=opts)
+    except Exception as e:
+        text = os.environ.get("XLATORCH_XLA_OPTIONS")
+        if text:
+            e.add_note(f"xlatorch: compiled with XLATORCH_XLA_OPTIONS={text!r} (unset it for the defaults)")
+        raise

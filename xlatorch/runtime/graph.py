@@ -488,7 +488,7 @@ def _compile_fn(
 
         return compile_spmd(body, args, [r.aval for r in _roots(nodes, leaves, root_refs)], donate, kept, table)
     lowered = jax.jit(body, donate_argnums=(0,), out_shardings=placed).lower(*args)
-    compiled = lowered.compile(compiler_options=compiler.options(once))
+    compiled = compiler.compile(lowered, once)
     if local is not None:
 
         def call(arrays, packed_vals):

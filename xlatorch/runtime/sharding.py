@@ -272,7 +272,7 @@ def compile_sharded(body, data_avals, packed_avals, args_order, outs, mesh):
             fixed.append(o if s is None else jax.lax.with_sharding_constraint(o, s))
         return tuple(fixed)
 
-    compiled = jax.jit(sbody, donate_argnums=(0,)).lower(*args).compile(compiler_options=compiler.options())
+    compiled = compiler.compile(jax.jit(sbody, donate_argnums=(0,)).lower(*args))
 
     def call(arrays, packed_vals):
         packed_vals = [jax.device_put(p, rep) for p in packed_vals]

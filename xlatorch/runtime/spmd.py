@@ -60,7 +60,7 @@ def compile_spmd(body, args, out_avals, donate, kept, table):
     mapped = shard_map(spmd_body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
     global_args = [[jax.ShapeDtypeStruct(glob(block(a)), a.dtype, sharding=sharding) for a in group]
                    for group in args]  # fmt: skip
-    compiled = jax.jit(mapped, donate_argnums=(0,)).lower(*global_args).compile(compiler_options=compiler.options())
+    compiled = compiler.compile(jax.jit(mapped, donate_argnums=(0,)).lower(*global_args))
     if table.rows:  # the check rows (known once traced) are one more output
         out_shapes.append((len(table.rows), 3))
 
