@@ -144,14 +144,14 @@ def test_a_changing_stage_compiles_for_speed_of_compiling(monkeypatch):
     """The stages compiled per shape run once each: XLA compiles them with the options that
     compile fast (on CPU, the classic fusion emitters); the graphs that run every step get
     XLA's defaults (``runtime/compiler.py``)."""
-    seen = []
-    options = compiler.options
+    seen = []  # per compile: was it compiled to compile fast
+    compile_ = compiler.compile
 
-    def spy(once=False, platform=None):
+    def spy(lowered, once=False):
         seen.append(once)
-        return options(once, platform)
+        return compile_(lowered, once)
 
-    monkeypatch.setattr(compiler, "options", spy)
+    monkeypatch.setattr(compiler, "compile", spy)
     monkeypatch.setattr(graph, "CACHE", {})  # compile afresh what earlier tests compiled
     model = _Decoder()
     x = torch.randn(2, 1, 16)
@@ -173,8 +173,52 @@ def test_a_changing_stage_compiles_for_speed_of_compiling(monkeypatch):
     got = loop(x.to(DEV), torch.zeros(2, 1, 16).to(DEV), DEV)
     torch.testing.assert_close(torch.stack(got).cpu(), torch.stack(want), rtol=1e-5, atol=1e-6)
     assert seen[0] is False and seen.count(True) >= 3, seen  # step 0 whole; the changing part, per shape
-    assert options(True, "cpu") == {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 0}
-    assert options(False, "cpu") is None and options(True, "gpu") is None
+    assert compiler.options(True, "cpu") == {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 0}
+    assert compiler.options(False, "cpu") is None and compiler.options(True, "gpu") is None
+
+
+def test_a_fast_compiled_stage_that_keeps_running_is_compiled_to_run_fast(monkeypatch):
+    """A per-shape stage whose shape keeps coming back is compiled again with XLA's defaults
+    at a fixed cache hit (``compiler.RUNS_BEFORE_OPTIMIZING``), once; results equal CPU's."""
+    seen = []  # per compile: was it compiled to compile fast
+    compile_ = compiler.compile
+
+    def spy(lowered, once=False):
+        seen.append(once)
+        return compile_(lowered, once)
+
+    monkeypatch.setattr(compiler, "compile", spy)
+    monkeypatch.setattr(compiler, "RUNS_BEFORE_OPTIMIZING", 2)
+    monkeypatch.setattr(graph, "CACHE", {})
+    model = _Decoder()
+    x = torch.randn(2, 1, 16)
+
+    def rounds(x, device, n=5):
+        outs = []
+        for _ in range(n):
+            hist = torch.zeros(2, 1, 16, device=device)  # lengths 2 to 6 again each round
+            for _ in range(5):
+                h = x
+                for lin, norm in zip(model.layers, model.norms):
+                    h = h + torch.tanh(lin(norm(h)))
+                hist = torch.cat([hist, h], dim=1)
+                outs.append(hist.mean(1))
+                if device != "cpu":
+                    xm.mark_step()
+        return outs
+
+    want = rounds(x, "cpu")
+    model.to(DEV)
+    before = _counter("OptimizedRecompile")
+    got = rounds(x.to(DEV), DEV, 4)
+    fast = seen.count(True)
+    upgraded = _counter("OptimizedRecompile") - before
+    assert fast >= 1 and upgraded == fast, (seen, upgraded)
+    compiles = _counter("UncachedCompile")
+    got += rounds(x.to(DEV), DEV, 1)  # everything compiled, and compiled to run fast
+    assert _counter("UncachedCompile") == compiles and _counter("OptimizedRecompile") - before == upgraded
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.cpu(), w, rtol=1e-5, atol=1e-6)
 
 
 def test_xla_options_from_the_environment_reach_the_compiler(monkeypatch):

@@ -11,6 +11,11 @@ per token). Every other graph gets XLA's defaults: the classic emitters alone wo
 first step of small Hugging Face models by 20-40% (``bench.first_steps``), but they make the
 steady MNIST step 15% slower (``bench.bench``); the lowest level makes a step 2-3x slower.
 
+A graph compiled this way that is run again and again after all (a shape that keeps coming
+back) is compiled once more, with the defaults, at its ``RUNS_BEFORE_OPTIMIZING``-th cache
+hit (counter ``OptimizedRecompile``): a fixed point, so the same program gives the same
+numbers run after run.
+
 ``XLATORCH_XLA_OPTIONS="name=value,..."`` gives every graph these options instead
 (``XLATORCH_XLA_OPTIONS=``, empty: XLA's defaults everywhere); names are fields of XLA's
 ``DebugOptions``, e.g. ``xla_cpu_use_fusion_emitters=false``. Options are part of the
@@ -23,6 +28,7 @@ import os
 
 __all__ = ["options", "compile"]
 
+RUNS_BEFORE_OPTIMIZING = 16
 _FAST_COMPILE = {"cpu": {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 0}}
 
 

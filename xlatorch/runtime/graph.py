@@ -70,7 +70,7 @@ class Executable:
     graph whose collectives span several local devices (``threads`` > 1) runs once for all
     of them through ``run_all([(arrays, packed) per device])``."""
 
-    __slots__ = ("compiled", "run_all", "threads", "xla", "checks", "used", "need")
+    __slots__ = ("compiled", "run_all", "threads", "xla", "checks", "used", "need", "fast")
 
     def __init__(self, compiled, run_all=None, threads=0, xla=None):
         self.compiled = compiled
@@ -80,6 +80,7 @@ class Executable:
         self.checks = None  # a checks.Table when the graph has on-device checks (an extra last output)
         self.used = 0  # when it last ran (for the in-memory cache's eviction)
         self.need = _bytes_needed(xla)  # new buffers a run allocates (outputs + temporaries)
+        self.fast = 0  # compiled to compile fast: the runs left before it is compiled to run fast
 
 
 class OutOfMemory(torch.OutOfMemoryError):
@@ -254,7 +255,7 @@ def _run_storages(storages, nodes, leaves, enc, root_refs, reason, dev, timed, e
             return
     packed, leaf_kinds = pack(leaves)
     try:
-        if exe is None:
+        if exe is None or exe.fast:
             args = (key, nodes, leaves, leaf_kinds, root_refs, data, packed, donate, gdev, keep, timed)
             exe = _executable(*args, spmd=spmd, once=once)
         else:
@@ -295,11 +296,21 @@ def _executable(
     exe = CACHE.get(key)
     if exe is not None:
         COUNTERS["CachedCompile"] += 1
+        if exe.fast:
+            exe.fast -= 1
+            if not exe.fast:  # expected to run once, it keeps running: compile it to run fast
+                COUNTERS["OptimizedRecompile"] += 1
+                with timed("CompileTime"):
+                    exe = _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, gdev, keep, cut, spmd)
+                exe.used = next(_uses)
+                CACHE[key] = exe
         return exe
     COUNTERS["UncachedCompile"] += 1
     COUNTERS["CreateCompileHandles"] += 1  # torch_xla's name for the same event
     with timed("CompileTime") as tm:
         exe = _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, gdev, keep, cut, spmd, once)
+    if once and compiler.options(True) != compiler.options():
+        exe.fast = compiler.RUNS_BEFORE_OPTIMIZING
     record.add_sample("InputOutputAliasCount", len(donate))  # buffers the executable may reuse
     exe.used = next(_uses)
     CACHE[key] = exe
