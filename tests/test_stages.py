@@ -221,6 +221,52 @@ def test_a_fast_compiled_stage_that_keeps_running_is_compiled_to_run_fast(monkey
         torch.testing.assert_close(g.cpu(), w, rtol=1e-5, atol=1e-6)
 
 
+def test_a_failed_recompile_to_run_fast_keeps_the_graph_running(monkeypatch):
+    """Compiling a graph again to run fast is an optimization: when it fails, the step runs
+    with the executable it had, and nothing is compiled again for it."""
+    armed, failed, fast = [False], [], []
+    compile_ = compiler.compile
+
+    def flaky(lowered, once=False):
+        fast.append(once)
+        if armed[0] and not once:
+            failed.append(1)
+            raise RuntimeError("no memory left to compile")
+        return compile_(lowered, once)
+
+    monkeypatch.setattr(compiler, "compile", flaky)
+    monkeypatch.setattr(compiler, "RUNS_BEFORE_OPTIMIZING", 2)
+    monkeypatch.setattr(graph, "CACHE", {})
+    model = _Decoder()
+    x = torch.randn(2, 1, 16)
+
+    def rounds(x, device, n):
+        outs = []
+        for _ in range(n):
+            hist = torch.zeros(2, 1, 16, device=device)
+            for _ in range(5):
+                h = x
+                for lin, norm in zip(model.layers, model.norms):
+                    h = h + torch.tanh(lin(norm(h)))
+                hist = torch.cat([hist, h], dim=1)
+                outs.append(hist.mean(1))
+                if device != "cpu":
+                    xm.mark_step()
+        return outs
+
+    want = rounds(x, "cpu", 5)
+    model.to(DEV)
+    before = _counter("OptimizedRecompile")
+    got = rounds(x.to(DEV), DEV, 1)
+    armed[0] = True  # from here, only the recompiles to run fast would compile
+    got += rounds(x.to(DEV), DEV, 3)
+    assert fast.count(True) >= 1 and len(failed) == fast.count(True), (fast, failed)
+    got += rounds(x.to(DEV), DEV, 1)  # a failed recompile is not tried again
+    assert len(failed) == fast.count(True) and _counter("OptimizedRecompile") == before
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.cpu(), w, rtol=1e-5, atol=1e-6)
+
+
 def test_xla_options_from_the_environment_reach_the_compiler(monkeypatch):
     x = torch.arange(6.0).to(DEV)
     monkeypatch.setenv("XLATORCH_XLA_OPTIONS", "xla_cpu_use_fusion_emitters=false")

@@ -299,11 +299,15 @@ def _executable(
         if exe.fast:
             exe.fast -= 1
             if not exe.fast:  # expected to run once, it keeps running: compile it to run fast
+                try:
+                    with timed("CompileTime"):
+                        args = (nodes, leaves, leaf_kinds, root_refs, data, packed, donate, gdev, keep, cut, spmd)
+                        better = _compile(*args)
+                except Exception:  # an optimization only: the graph runs as compiled before
+                    return exe
                 COUNTERS["OptimizedRecompile"] += 1
-                with timed("CompileTime"):
-                    exe = _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, gdev, keep, cut, spmd)
-                exe.used = next(_uses)
-                CACHE[key] = exe
+                better.used = next(_uses)
+                exe = CACHE[key] = better
         return exe
     COUNTERS["UncachedCompile"] += 1
     COUNTERS["CreateCompileHandles"] += 1  # torch_xla's name for the same event
