@@ -28,6 +28,7 @@ def _fresh_metrics():
     from xlatorch.runtime import checks
 
     checks.settle()  # a failed on-device check the test left unread fails that test, not the next
+    checks._THREAD[0] = None  # a test's threads do not make the next test read its checks at once
 
 
 def pytest_addoption(parser):

@@ -236,6 +236,37 @@ def test_mark_step_does_not_wait_to_read_the_checks():
     assert met.counter_value("CheckRowsRead") == 3
 
 
+def test_once_a_second_thread_uses_the_device_each_step_reads_its_own_checks():
+    """Reading a step's rows from another thread would undo that step in the middle of its
+    thread's tracing: from the first step of a second thread, every sync reads its own rows."""
+    import threading
+
+    w = torch.randn(10, 4, device="xla")
+    xm.mark_step()
+    w.add_(F.embedding(I([1, 2], device="xla"), w).sum())
+    xm.mark_step()
+    met.clear_all()
+    xm.mark_step()  # one thread so far: the rows of the step before are read now, not at its own sync
+    assert met.counter_value("CheckRowsRead") == 1
+    errors = []
+
+    def other():
+        try:
+            v = torch.randn(10, 4, device="xla")
+            v.add_(F.embedding(I([3, 9], device="xla"), v).sum())
+            xm.mark_step()
+        except BaseException as e:  # noqa: BLE001 - the test reads it
+            errors.append(e)
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert errors == [] and met.counter_value("CheckRowsRead") == 2  # read by its own sync
+    w.add_(F.embedding(I([4, 12], device="xla"), w).sum())  # 12: out of range
+    with pytest.raises(IndexError, match="index out of range|out of bounds"):
+        xm.mark_step()  # the step's own sync raises
+
+
 def test_checks_can_be_turned_off():
     code = (
         "import torch, xlatorch\n"

@@ -22,6 +22,11 @@ set, that point raises the failed step's exception and undoes the step as above;
 program traced since from the failed step's results carry the error (``FailedValueError``).
 A program that ends with a failed step exits with status 1 after printing its error.
 
+Only while one thread uses the device: an execution may hold another thread's tensors (a
+sync runs every pending value) and reading its rows from elsewhere would undo that thread's
+step in the middle of its tracing. From the first step that involves a second thread, every
+sync reads its own rows before it returns, as with ``XLATORCH_CHECKS=sync``.
+
 ``XLATORCH_CHECKS=0`` turns the checks off (read at import): checked ops then behave as
 XLA does (indices clamped, integer division by zero gives a number). ``XLATORCH_CHECKS=sync``
 reads each sync's rows before it returns (the error is raised by the failed step's own
@@ -33,6 +38,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+import threading
 
 import numpy as np
 
@@ -135,6 +141,20 @@ class Unsettled:
 
 
 _UNSETTLED: list = []  # executions not read yet: each sync first settles those before it
+_THREAD: list = [None]  # the one thread using the device (None: none yet; False: several have)
+os.register_at_fork(after_in_child=lambda: _THREAD.__setitem__(0, None))  # a child's main thread is new
+
+
+def deferrable(storages) -> bool:
+    """Whether the rows of a step that computed ``storages`` may be read late: every thread
+    that used the device so far, and every owner of the step's tensors, is this one."""
+    me = threading.get_ident()
+    t = _THREAD[0]
+    if t is None:
+        t = _THREAD[0] = me
+    if t is not False and (t != me or any(st.owner != me for st in storages)):
+        t = _THREAD[0] = False
+    return t is not False
 
 
 def defer(u: Unsettled) -> None:
