@@ -140,25 +140,13 @@ def test_a_float_changing_part_compiles_per_shape_but_only_that_part():
     assert all(s <= 4 for s in sizes[2:]), sizes
 
 
-def test_a_changing_stage_compiles_for_speed_of_compiling(monkeypatch):
-    """The stages compiled per shape run once each: XLA compiles them with the options that
-    compile fast (on CPU, the classic fusion emitters); the graphs that run every step get
-    XLA's defaults (``runtime/compiler.py``)."""
-    seen = []  # per compile: was it compiled to compile fast
-    compile_ = compiler.compile
-
-    def spy(lowered, once=False):
-        seen.append(once)
-        return compile_(lowered, once)
-
-    monkeypatch.setattr(compiler, "compile", spy)
-    monkeypatch.setattr(graph, "CACHE", {})  # compile afresh what earlier tests compiled
-    model = _Decoder()
-    x = torch.randn(2, 1, 16)
-
-    def loop(x, hist, device):
-        outs = []
-        for _ in range(5):
+def _growing(model, x, device, rounds=1, steps=5):
+    """A float history growing by one row per step (a changing stage per length), started
+    afresh each round (lengths 2 to ``steps + 1`` come back); the means at each step."""
+    outs = []
+    for _ in range(rounds):
+        hist = torch.zeros(2, 1, 16, device=device)
+        for _ in range(steps):
             h = x
             for lin, norm in zip(model.layers, model.norms):
                 h = h + torch.tanh(lin(norm(h)))
@@ -166,56 +154,64 @@ def test_a_changing_stage_compiles_for_speed_of_compiling(monkeypatch):
             outs.append(hist.mean(1))
             if device != "cpu":
                 xm.mark_step()
-        return outs
+    return outs
 
-    want = loop(x, torch.zeros(2, 1, 16), "cpu")
+
+def _spy_compiles(monkeypatch, fail_unless_fast=None) -> list:
+    """Per XLA compile from now on: was it compiled to compile fast. ``fail_unless_fast``
+    (a list): while it holds True, a compile with XLA's defaults raises."""
+    seen = []
+    compile_ = compiler.compile
+
+    def spy(lowered, once=False):
+        seen.append(once)
+        if fail_unless_fast and fail_unless_fast[0] and not once:
+            raise RuntimeError("no memory left to compile")
+        return compile_(lowered, once)
+
+    monkeypatch.setattr(compiler, "compile", spy)
+    monkeypatch.setattr(graph, "CACHE", {})  # compile afresh what earlier tests compiled
+    return seen
+
+
+def test_a_changing_stage_compiles_for_speed_of_compiling(monkeypatch):
+    """The stages compiled per shape run once each: XLA compiles them with the options that
+    compile fast (on CPU, the classic fusion emitters); the graphs that run every step get
+    XLA's defaults (``runtime/compiler.py``)."""
+    seen = _spy_compiles(monkeypatch)
+    model = _Decoder()
+    x = torch.randn(2, 1, 16)
+    want = _growing(model, x, "cpu")
     model.to(DEV)
-    got = loop(x.to(DEV), torch.zeros(2, 1, 16).to(DEV), DEV)
+    got = _growing(model, x.to(DEV), DEV)
     torch.testing.assert_close(torch.stack(got).cpu(), torch.stack(want), rtol=1e-5, atol=1e-6)
     assert seen[0] is False and seen.count(True) >= 3, seen  # step 0 whole; the changing part, per shape
     assert compiler.options(True, "cpu") == {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 0}
     assert compiler.options(False, "cpu") is None and compiler.options(True, "gpu") is None
 
 
+def _recurring(monkeypatch):
+    """A model on the device, its input and CPU's results for 5 rounds of ``_growing``; a
+    fast-compiled graph is compiled to run fast at its second cache hit."""
+    monkeypatch.setattr(compiler, "RUNS_BEFORE_OPTIMIZING", 2)
+    model = _Decoder()
+    x = torch.randn(2, 1, 16)
+    want = _growing(model, x, "cpu", 5)
+    return model.to(DEV), x, want
+
+
 def test_a_fast_compiled_stage_that_keeps_running_is_compiled_to_run_fast(monkeypatch):
     """A per-shape stage whose shape keeps coming back is compiled again with XLA's defaults
     at a fixed cache hit (``compiler.RUNS_BEFORE_OPTIMIZING``), once; results equal CPU's."""
-    seen = []  # per compile: was it compiled to compile fast
-    compile_ = compiler.compile
-
-    def spy(lowered, once=False):
-        seen.append(once)
-        return compile_(lowered, once)
-
-    monkeypatch.setattr(compiler, "compile", spy)
-    monkeypatch.setattr(compiler, "RUNS_BEFORE_OPTIMIZING", 2)
-    monkeypatch.setattr(graph, "CACHE", {})
-    model = _Decoder()
-    x = torch.randn(2, 1, 16)
-
-    def rounds(x, device, n=5):
-        outs = []
-        for _ in range(n):
-            hist = torch.zeros(2, 1, 16, device=device)  # lengths 2 to 6 again each round
-            for _ in range(5):
-                h = x
-                for lin, norm in zip(model.layers, model.norms):
-                    h = h + torch.tanh(lin(norm(h)))
-                hist = torch.cat([hist, h], dim=1)
-                outs.append(hist.mean(1))
-                if device != "cpu":
-                    xm.mark_step()
-        return outs
-
-    want = rounds(x, "cpu")
-    model.to(DEV)
+    seen = _spy_compiles(monkeypatch)
+    model, x, want = _recurring(monkeypatch)
     before = _counter("OptimizedRecompile")
-    got = rounds(x.to(DEV), DEV, 4)
+    got = _growing(model, x.to(DEV), DEV, 4)
     fast = seen.count(True)
     upgraded = _counter("OptimizedRecompile") - before
     assert fast >= 1 and upgraded == fast, (seen, upgraded)
     compiles = _counter("UncachedCompile")
-    got += rounds(x.to(DEV), DEV, 1)  # everything compiled, and compiled to run fast
+    got += _growing(model, x.to(DEV), DEV)  # everything compiled, and compiled to run fast
     assert _counter("UncachedCompile") == compiles and _counter("OptimizedRecompile") - before == upgraded
     for g, w in zip(got, want):
         torch.testing.assert_close(g.cpu(), w, rtol=1e-5, atol=1e-6)
@@ -224,45 +220,17 @@ def test_a_fast_compiled_stage_that_keeps_running_is_compiled_to_run_fast(monkey
 def test_a_failed_recompile_to_run_fast_keeps_the_graph_running(monkeypatch):
     """Compiling a graph again to run fast is an optimization: when it fails, the step runs
     with the executable it had, and nothing is compiled again for it."""
-    armed, failed, fast = [False], [], []
-    compile_ = compiler.compile
-
-    def flaky(lowered, once=False):
-        fast.append(once)
-        if armed[0] and not once:
-            failed.append(1)
-            raise RuntimeError("no memory left to compile")
-        return compile_(lowered, once)
-
-    monkeypatch.setattr(compiler, "compile", flaky)
-    monkeypatch.setattr(compiler, "RUNS_BEFORE_OPTIMIZING", 2)
-    monkeypatch.setattr(graph, "CACHE", {})
-    model = _Decoder()
-    x = torch.randn(2, 1, 16)
-
-    def rounds(x, device, n):
-        outs = []
-        for _ in range(n):
-            hist = torch.zeros(2, 1, 16, device=device)
-            for _ in range(5):
-                h = x
-                for lin, norm in zip(model.layers, model.norms):
-                    h = h + torch.tanh(lin(norm(h)))
-                hist = torch.cat([hist, h], dim=1)
-                outs.append(hist.mean(1))
-                if device != "cpu":
-                    xm.mark_step()
-        return outs
-
-    want = rounds(x, "cpu", 5)
-    model.to(DEV)
+    armed = [False]
+    seen = _spy_compiles(monkeypatch, fail_unless_fast=armed)
+    model, x, want = _recurring(monkeypatch)
     before = _counter("OptimizedRecompile")
-    got = rounds(x.to(DEV), DEV, 1)
-    armed[0] = True  # from here, only the recompiles to run fast would compile
-    got += rounds(x.to(DEV), DEV, 3)
-    assert fast.count(True) >= 1 and len(failed) == fast.count(True), (fast, failed)
-    got += rounds(x.to(DEV), DEV, 1)  # a failed recompile is not tried again
-    assert len(failed) == fast.count(True) and _counter("OptimizedRecompile") == before
+    got = _growing(model, x.to(DEV), DEV)
+    fast, n = seen.count(True), len(seen)
+    armed[0] = True  # from here, only the recompiles to run fast would compile: they fail
+    got += _growing(model, x.to(DEV), DEV, 3)
+    assert fast >= 1 and seen[n:] == [False] * fast, seen
+    got += _growing(model, x.to(DEV), DEV)  # a failed recompile is not tried again
+    assert len(seen) == n + fast and _counter("OptimizedRecompile") == before
     for g, w in zip(got, want):
         torch.testing.assert_close(g.cpu(), w, rtol=1e-5, atol=1e-6)
 
