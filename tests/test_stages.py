@@ -186,7 +186,8 @@ def test_a_changing_stage_compiles_for_speed_of_compiling(monkeypatch):
     got = _growing(model, x.to(DEV), DEV)
     torch.testing.assert_close(torch.stack(got).cpu(), torch.stack(want), rtol=1e-5, atol=1e-6)
     assert seen[0] is False and seen.count(True) >= 3, seen  # step 0 whole; the changing part, per shape
-    assert compiler.options(True, "cpu") == {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 0}
+    fast = compiler.options(True, "cpu")
+    assert fast["xla_cpu_use_fusion_emitters"] is False and fast["xla_backend_optimization_level"] == 0
     assert compiler.options(False, "cpu") is None and compiler.options(True, "gpu") is None
 
 

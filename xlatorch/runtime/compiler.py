@@ -5,11 +5,12 @@ thousands of times and should run fast. Two kinds of graph are the first kind: t
 a staged sync whose nodes changed shape (``runtime/stages.py``: a growing ``generate()``
 loop compiles one per length) and the graph computing an optimizer's new state before its
 first step (``runtime/births.py``). On CPU they compile at XLA's lowest optimization level
-with its classic fusion emitters: each option alone cuts a fifth, both halve the compile of
-such a small graph (``bench.generate``, dynamic cache: first call 8.0 -> 4.3 s, no slower
-per token). Every other graph gets XLA's defaults: the classic emitters alone would cut the
-first step of small Hugging Face models by 20-40% (``bench.first_steps``), but they make the
-steady MNIST step 15% slower (``bench.bench``); the lowest level makes a step 2-3x slower.
+with its classic fusion emitters, in one LLVM module: the first two options alone cut a fifth
+each, together a half, the third a fifth more (``bench.generate``, dynamic cache: first call
+8.0 -> 4.3 -> 3.8 s, no slower per token). Every other graph gets XLA's defaults: the
+classic emitters alone would cut the first step of small Hugging Face models by 20-40%
+(``bench.first_steps``), but they make the steady MNIST step 15% slower (``bench.bench``);
+the lowest level makes a step 2-3x slower.
 
 A graph compiled this way that is run again and again after all (a shape that keeps coming
 back) is compiled once more, with the defaults, at its ``RUNS_BEFORE_OPTIMIZING``-th cache
@@ -29,7 +30,13 @@ import os
 __all__ = ["options", "compile"]
 
 RUNS_BEFORE_OPTIMIZING = 16
-_FAST_COMPILE = {"cpu": {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 0}}
+_FAST_COMPILE = {
+    "cpu": {
+        "xla_cpu_use_fusion_emitters": False,
+        "xla_backend_optimization_level": 0,
+        "xla_cpu_parallel_codegen_split_count": 1,  # one LLVM module: a small graph gains nothing from more
+    }
+}
 
 
 def _parse(text: str) -> dict:
