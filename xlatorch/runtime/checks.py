@@ -128,16 +128,15 @@ def failure(rows, flags, names) -> tuple[Exception, int] | None:
 class Unsettled:
     """A committed execution whose check rows are not read yet: what undoing it needs."""
 
-    __slots__ = ("table", "flags", "names", "storages", "news", "prevs", "keep")
+    __slots__ = ("table", "flags", "names", "storages", "news", "prevs")
 
-    def __init__(self, table, flags, names, storages, news, prevs, keep):
+    def __init__(self, table, flags, names, storages, news, prevs):
         self.table = table  # the executable's Table
         self.flags = flags  # the rows (a device array)
         self.names = names  # where(...)
         self.storages = storages  # the step's storages, in root order
         self.news = news  # the Data each was given by the commit
         self.prevs = prevs  # per storage: the Data it held before the step (kept roots), or None
-        self.keep = keep
 
 
 _UNSETTLED: list = []  # executions not read yet: each sync first settles those before it
@@ -167,8 +166,8 @@ _exit_hook: list = []
 
 
 def settle() -> None:
-    """Read the newest execution's check rows if not yet read; when one is set, undo that
-    step (see the module's docstring) and raise its error."""
+    """Read the check rows of every execution not read yet, oldest first; when one is set,
+    undo that step (see the module's docstring) and raise its error."""
     if not _UNSETTLED:
         return
     from xlatorch.runtime.tensor import LOCK

@@ -421,7 +421,7 @@ def _run_and_commit(exe, storages, data, packed, gdev, nodes, keep, everything, 
     prevs = [None if k is None else st.prev for st, k in zip(storages, keep)] if keep else [None] * len(storages)
     _commit(storages, outs[:-1], gdev, everything, t_run)
     names = checks.where(table.rows, nodes)
-    u = checks.Unsettled(table, outs[-1], names, storages, [st.value for st in storages], prevs, keep)
+    u = checks.Unsettled(table, outs[-1], names, storages, [st.value for st in storages], prevs)
     if checks.DEFER and not exe.threads and not ir._multi and checks.deferrable(storages):
         checks.defer(u)  # the host goes on tracing while this runs
     else:
