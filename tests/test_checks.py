@@ -267,6 +267,11 @@ def test_once_a_second_thread_uses_the_device_each_step_reads_its_own_checks():
         xm.mark_step()  # the step's own sync raises
 
 
+def _script(code: str, checks: str):
+    env = dict(os.environ, XLATORCH_CHECKS=checks)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+
+
 def test_checks_can_be_turned_off():
     code = (
         "import torch, xlatorch\n"
@@ -274,8 +279,7 @@ def test_checks_can_be_turned_off():
         "print(torch.index_select(x, 0, torch.tensor([5], device='xla')).cpu().tolist())\n"
         "print((torch.tensor([3], device='xla') // 0).cpu().tolist())\n"
     )
-    env = dict(os.environ, XLATORCH_CHECKS="0")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    out = _script(code, "0")
     assert out.returncode == 0, out.stderr
     lines = out.stdout.split()
     assert len(lines) == 2  # XLA's own behaviour (clamped index, a number), no error
@@ -302,11 +306,6 @@ def test_a_step_traced_on_a_failed_steps_results_carries_its_error():
     w.add_(1)
     xm.mark_step()
     torch.testing.assert_close(w.cpu(), torch.ones(3))
-
-
-def _script(code: str, checks: str):
-    env = dict(os.environ, XLATORCH_CHECKS=checks)
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_sync_mode_raises_at_the_failed_steps_mark_step():
