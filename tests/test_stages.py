@@ -193,8 +193,10 @@ def test_a_changing_stage_compiles_for_speed_of_compiling(monkeypatch):
 
 def _recurring(monkeypatch):
     """A model on the device, its input and CPU's results for 5 rounds of ``_growing``; a
-    fast-compiled graph is compiled to run fast at its second cache hit."""
+    fast-compiled graph is compiled to run fast at its second cache hit, however little work
+    it has."""
     monkeypatch.setattr(compiler, "RUNS_BEFORE_OPTIMIZING", 2)
+    monkeypatch.setattr(compiler, "MIN_WORK_TO_OPTIMIZE", 0)
     model = _Decoder()
     x = torch.randn(2, 1, 16)
     want = _growing(model, x, "cpu", 5)
@@ -216,6 +218,42 @@ def test_a_fast_compiled_stage_that_keeps_running_is_compiled_to_run_fast(monkey
     assert _counter("UncachedCompile") == compiles and _counter("OptimizedRecompile") - before == upgraded
     for g, w in zip(got, want):
         torch.testing.assert_close(g.cpu(), w, rtol=1e-5, atol=1e-6)
+
+
+def test_a_recurring_stage_too_small_to_gain_is_not_compiled_again(monkeypatch):
+    """A per-shape stage with little work (a growing history's cat and mean) runs as fast at
+    either optimization level: it keeps its fast executable however often it comes back, and
+    a loop's later rounds compile nothing (a generate() loop's 30 attention stages, compiled
+    again at once, had stalled one call 5 s)."""
+    seen = _spy_compiles(monkeypatch)
+    monkeypatch.setattr(compiler, "RUNS_BEFORE_OPTIMIZING", 2)
+    model = _Decoder()
+    x = torch.randn(2, 1, 16)
+    want = _growing(model, x, "cpu", 5)
+    model.to(DEV)
+    before = _counter("OptimizedRecompile")
+    got = _growing(model, x.to(DEV), DEV)
+    n = len(seen)
+    assert seen.count(True) >= 1, seen
+    got += _growing(model, x.to(DEV), DEV, 4)
+    assert len(seen) == n and _counter("OptimizedRecompile") == before, seen
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.cpu(), w, rtol=1e-5, atol=1e-6)
+
+
+def test_only_a_graph_with_work_enough_is_worth_compiling_again():
+    """XLA's cost analysis decides: a small attention-sized graph is not, a layer-sized matmul is."""
+    import jax
+    import jax.numpy as jnp
+
+    def mlp(x, w):
+        return jnp.tanh(x @ w).sum()
+
+    small = jax.jit(mlp).lower(jnp.ones((1, 32)), jnp.ones((32, 40))).compile()
+    large = jax.jit(mlp).lower(jnp.ones((256, 1024)), jnp.ones((1024, 1024))).compile()
+    assert not compiler.worth_optimizing(small)
+    assert compiler.worth_optimizing(large)
+    assert compiler.worth_optimizing(None)  # no analysis: as before, compiled again
 
 
 def test_a_failed_recompile_to_run_fast_keeps_the_graph_running(monkeypatch):

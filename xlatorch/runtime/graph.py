@@ -313,7 +313,7 @@ def _executable(
     COUNTERS["CreateCompileHandles"] += 1  # torch_xla's name for the same event
     with timed("CompileTime") as tm:
         exe = _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, gdev, keep, cut, spmd, once)
-    if once and compiler.options(True) != compiler.options():
+    if once and compiler.options(True) != compiler.options() and compiler.worth_optimizing(exe.xla):
         exe.fast = compiler.RUNS_BEFORE_OPTIMIZING
     record.add_sample("InputOutputAliasCount", len(donate))  # buffers the executable may reuse
     exe.used = next(_uses)
