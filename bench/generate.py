@@ -5,10 +5,11 @@ process with the persistent compile cache off, so the first call pays every comp
 
 Prints, per cache: the first call (compiles included), the second and third calls (new
 prompts of the same length), time per generated token at steady state, and the compiles of
-each call. Not a test: figures from one run. Needs ``transformers`` (``pip install
--e '.[bench]'``).
+each call; then the slowest of ``--later`` more calls, with what they compiled (a graph
+compiled again to run fast counts): a call that stalls where the others do not. Not a
+test: figures from one run. Needs ``transformers`` (``pip install -e '.[bench]'``).
 
-Usage: python -m bench.generate [--tokens 32] [--prompt 12] [--caches static,dynamic]
+Usage: python -m bench.generate [--tokens 32] [--prompt 12] [--caches static,dynamic] [--later 12]
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _child(cache: str, device: str, tokens: int, prompt: int) -> dict:
+def _child(cache: str, device: str, tokens: int, prompt: int, later: int) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -53,6 +54,10 @@ def _child(cache: str, device: str, tokens: int, prompt: int) -> dict:
         s, c, toks = call(seed)
         res[f"{name}_s"], res[f"{name}_compiles"], res[f"{name}_tokens"] = s, c, toks
     res["per_token_ms"] = res["third_s"] / tokens * 1e3
+    before = met.counter_value("OptimizedRecompile") or 0
+    runs = [call(4 + i) for i in range(later)]
+    res["slowest_later_s"] = max((s for s, _, _ in runs), default=0.0)
+    res["later_compiles"] = sum(c for _, c, _ in runs) + (met.counter_value("OptimizedRecompile") or 0) - before
     if device == "xla":
         res["staged_syncs"] = met.counter_value("StagedSync") or 0
         res["stages_on_host"] = met.counter_value("StageOnHost") or 0
@@ -64,10 +69,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=12)
     ap.add_argument("--caches", default="static,dynamic")
+    ap.add_argument("--later", type=int, default=12, help="calls after the third: the slowest is printed")
     ap.add_argument("--child", nargs=2, metavar=("CACHE", "DEVICE"))
     a = ap.parse_args()
     if a.child:
-        print(json.dumps(_child(a.child[0], a.child[1], a.tokens, a.prompt)))
+        print(json.dumps(_child(a.child[0], a.child[1], a.tokens, a.prompt, a.later)))
         return
     try:
         import transformers  # noqa: F401
@@ -79,20 +85,23 @@ def main() -> None:
     for cache in a.caches.split(","):
         for device in ("cpu", "xla"):
             cmd = [sys.executable, "-m", "bench.generate", "--child", cache, device,
-                   "--tokens", str(a.tokens), "--prompt", str(a.prompt)]  # fmt: skip
+                   "--tokens", str(a.tokens), "--prompt", str(a.prompt), "--later", str(a.later)]  # fmt: skip
             out = subprocess.run(cmd, cwd=os.path.dirname(HERE), env=env, capture_output=True, text=True)
             if out.returncode:
                 print(out.stderr[-2000:])
                 raise SystemExit(f"bench.generate: {cache}/{device} failed")
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(f"{'cache':8} {'device':6} {'first s':>8} {'comp':>5} {'second s':>9} {'comp':>5} {'third s':>8} "
-          f"{'comp':>5} {'ms/token':>9}  same tokens as CPU")  # fmt: skip
+          f"{'comp':>5} {'ms/token':>9} {'slowest later s':>15} {'comp':>5}  same tokens as CPU")  # fmt: skip
     by = {(r["cache"], r["device"]): r for r in rows}
     for r in rows:
         cpu = by[(r["cache"], "cpu")]
         same = all(r[f"{n}_tokens"] == cpu[f"{n}_tokens"] for n in ("first", "second", "third"))
         calls = "".join(f" {r[n + '_s']:8.2f} {r[n + '_compiles']:5}" for n in ("first", "second", "third"))
-        print(f"{r['cache']:8} {r['device']:6}{calls} {r['per_token_ms']:9.2f}  {same}")
+        print(
+            f"{r['cache']:8} {r['device']:6}{calls} {r['per_token_ms']:9.2f} {r['slowest_later_s']:15.2f} "
+            f"{r['later_compiles']:5}  {same}"
+        )
     for cache in a.caches.split(","):
         x, c = by[(cache, "xla")], by[(cache, "cpu")]
         second, token = x["second_s"] / c["second_s"], x["per_token_ms"] / c["per_token_ms"]
