@@ -98,5 +98,49 @@ def test_the_in_memory_cache_is_bounded_and_evicted_graphs_come_back_from_disk()
         assert met.counter_value("UncachedCompile") == 6
         assert (met.counter_value("PersistentCacheHit") or 0) == hits + 1
         torch.testing.assert_close(y.cpu(), torch.arange(101.0) * 3 + 1)
+        assert graph.CACHE_SIZE == 3 and not met.counter_value("CompileCacheGrown")  # a limit set is kept
     finally:
         graph.set_cache_size(old)
+        graph._fixed[0] = False
+
+
+def test_a_loop_over_more_graphs_than_the_limit_gets_room_for_them(monkeypatch):
+    """A program cycling through more graphs than the in-memory limit (a long dynamic-cache
+    generate(): one stage per length) would drop each just before it comes back and compile
+    every one at every round: each graph met again after it was dropped raises the limit by
+    one, so the second round compiles only those and the third nothing. A sweep of shapes that
+    never come back does not raise it."""
+    import torch
+
+    import xlatorch.core.xla_model as xm
+    import xlatorch.debug.metrics as met
+    from xlatorch.runtime import graph
+
+    monkeypatch.setattr(graph, "CACHE", {})
+    monkeypatch.setattr(graph, "CACHE_SIZE", 4)
+    monkeypatch.setattr(graph, "CACHE_SIZE_MAX", 32)
+    monkeypatch.setattr(graph, "_fixed", [False])
+    monkeypatch.setattr(graph, "_dropped", {})
+
+    def run(n):
+        y = torch.arange(float(n), device="xla") * 3 + 1
+        xm.mark_step()
+        return y
+
+    met.clear_all()
+    compiles = []
+    for _ in range(3):
+        before = met.counter_value("UncachedCompile") or 0
+        ys = [run(n) for n in range(201, 211)]  # ten graphs, one per shape
+        compiles.append((met.counter_value("UncachedCompile") or 0) - before)
+    assert compiles == [10, 6, 0], compiles  # the six dropped in round 0 come back once
+    assert graph.CACHE_SIZE == 10 and met.counter_value("CompileCacheGrown") == 6
+    for n, y in zip(range(201, 211), ys):
+        torch.testing.assert_close(y.cpu(), torch.arange(float(n)) * 3 + 1)
+    for n in range(301, 321):  # a sweep: every shape new, none met again
+        run(n)
+    assert graph.CACHE_SIZE == 10 and len(graph.CACHE) == 10
+    monkeypatch.setattr(graph, "CACHE_SIZE_MAX", 12)
+    for n in range(201, 211):  # dropped by the sweep: the limit grows only up to its maximum
+        run(n)
+    assert graph.CACHE_SIZE == 12 and len(graph.CACHE) == 12

@@ -42,15 +42,27 @@ CACHE: dict = {}  # graph key -> Executable
 # least recently used is dropped (counter ``CompileCacheEviction``) and, if met again,
 # compiled anew, which the persistent compilation cache turns into a load from disk.
 # A steady-state program uses a handful; a program sweeping input shapes would otherwise
-# keep every one (about 1 MB each).
-CACHE_SIZE = int(os.environ.get("XLATORCH_EXECUTABLE_CACHE_SIZE", "512"))
+# keep every one (0.5 MB for a small graph, more for a large one).
+#
+# A loop over more graphs than that (a dynamic-cache ``generate()`` of 600 tokens compiles a
+# stage per length) would drop each graph just before it comes back, and compile all of
+# them at every call. So, unless the user set the limit, each graph met again after it was
+# dropped raises it by one, up to ``CACHE_SIZE_MAX`` (counter ``CompileCacheGrown``): a sweep
+# that never comes back stays within the limit; a loop gets room for exactly what it reuses.
+_USER_SIZE = os.environ.get("XLATORCH_EXECUTABLE_CACHE_SIZE")
+CACHE_SIZE = int(_USER_SIZE or "512")
+CACHE_SIZE_MAX = 8 * CACHE_SIZE
+_fixed = [_USER_SIZE is not None]  # the user's limit is kept as given
+_dropped: dict = {}  # hash of a dropped graph's key -> None, oldest first (bounded)
 _uses = itertools.count()
 
 
 def set_cache_size(n: int) -> None:
-    """Keep at most ``n`` compiled graphs in memory (evicting the least recently used now)."""
+    """Keep at most ``n`` compiled graphs in memory (evicting the least recently used now);
+    the limit is then fixed (it no longer grows for a loop that needs more)."""
     global CACHE_SIZE
     CACHE_SIZE = max(1, int(n))
+    _fixed[0] = True
     _evict()
 
 
@@ -59,6 +71,19 @@ def _evict() -> None:
         oldest = min(CACHE, key=lambda k: CACHE[k].used)
         del CACHE[oldest]
         COUNTERS["CompileCacheEviction"] += 1
+        if not _fixed[0]:
+            _dropped[hash(oldest)] = None
+            if len(_dropped) > CACHE_SIZE_MAX:
+                del _dropped[next(iter(_dropped))]
+
+
+def _grow_if_dropped(key) -> None:
+    """At a miss: a graph dropped from memory and met again means the program loops over
+    more graphs than the limit: one more place, for it (not past ``CACHE_SIZE_MAX``)."""
+    global CACHE_SIZE
+    if _dropped and _dropped.pop(hash(key), 0) is None and CACHE_SIZE < CACHE_SIZE_MAX:
+        CACHE_SIZE += 1
+        COUNTERS["CompileCacheGrown"] += 1
 
 
 # Donation is offered whenever shapes match; XLA declining it (layouts) is not the user's concern.
@@ -311,6 +336,7 @@ def _executable(
         return exe
     COUNTERS["UncachedCompile"] += 1
     COUNTERS["CreateCompileHandles"] += 1  # torch_xla's name for the same event
+    _grow_if_dropped(key)
     with timed("CompileTime") as tm:
         exe = _compile(nodes, leaves, leaf_kinds, root_refs, data, packed, donate, gdev, keep, cut, spmd, once)
     if once and compiler.options(True) != compiler.options() and compiler.worth_optimizing(exe.xla):
