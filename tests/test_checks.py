@@ -210,6 +210,41 @@ def test_a_step_with_a_bad_target_raises_and_keeps_the_model_as_cpu_does(optimiz
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_a_checked_step_donates_the_state_it_updates_and_still_undoes_a_failed_step():
+    """Checks cost no second copy of the model's state on the device: the step's graph gives
+    its updated tensors their old data itself when a check fails, so their buffers are donated
+    (written in place) as without checks, and a failed step still leaves them as CPU does."""
+
+    def run(device):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Linear(8, 5)).to(device)
+        opt = torch.optim.Adam(model.parameters(), lr=0.01, capturable=device != "cpu")
+        x = torch.randn(4, 6).to(device)
+        met.clear_all()
+
+        def step(target):
+            opt.zero_grad()
+            F.cross_entropy(model(x), I(target, device=device)).backward()
+            opt.step()
+            xm.mark_step()
+
+        for _ in range(3):
+            step([0, 1, 2, 3])
+        with pytest.raises(IndexError, match="Target 7 is out of bounds"):
+            step([0, 1, 2, 7])
+            model[0].weight.cpu()  # the step's rows are read here at the latest
+        step([3, 2, 1, 0])
+        return [p.detach().cpu() for p in model.parameters()]
+
+    cpu_params = run("cpu")
+    xla_params = run("xla")
+    # The step's graph (compiled once) donates the 4 parameters and Adam's 8 moments at least.
+    donated = [v for _, v in met.metric_data("InputOutputAliasCount")[2]]
+    assert max(donated) >= 12, donated
+    for a, b in zip(xla_params, cpu_params):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_checks_do_not_recompile_or_cut_graphs():
     w = torch.randn(10, 4, device="xla")
     xm.mark_step()

@@ -12,6 +12,9 @@ the others are committed. A tensor the step updated in place (a parameter, optim
 state) keeps its value from before the step instead when its update depends on the
 failed op or was traced after it, as on CPU, where the exception stops the program
 before any later update (host-side state, such as a CPU step count, cannot be undone).
+The graph makes that choice itself (``plan.lower_fn``: its result for the tensor is the old
+data when such a row is set), so the old buffer is donated as without checks: checks cost
+no second copy of the model's state on the device.
 
 The rows are read late: a sync commits its results and dispatches without waiting, and the
 rows are read (``settle``) when the program next needs the device's results - at the next
@@ -136,7 +139,9 @@ class Unsettled:
         self.names = names  # where(...)
         self.storages = storages  # the step's storages, in root order
         self.news = news  # the Data each was given by the commit
-        self.prevs = prevs  # per storage: the Data it held before the step (kept roots), or None
+        # per storage: the Data that holds its data from before the step when the step failed
+        # (its committed Data, which the graph undid itself: runtime/plan.lower_fn), or None
+        self.prevs = prevs
 
 
 _UNSETTLED: list = []  # executions not read yet: each sync first settles those before it
@@ -196,8 +201,8 @@ def undo(u: Unsettled, late: bool = False) -> None:
     with uninterrupted():  # an interrupt must not leave the step half undone
         hit, bad = [], {}  # the roots the failure reaches; id(Data) -> their results, not to be read
         for i, (st, mask, back) in enumerate(zip(u.storages, u.table.masks, u.table.undo)):
-            if fired == -1:
-                mask = back = -1
+            if fired == -1:  # no results, and the step's inputs may be gone (donated): all fail
+                mask, back = -1, 0
             give = u.prevs[i] is not None and back & fired
             if give or mask & fired:
                 hit.append((i, st, give))

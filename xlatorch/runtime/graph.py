@@ -255,12 +255,10 @@ def _run_storages(storages, nodes, leaves, enc, root_refs, reason, dev, timed, e
     if checks.ENABLED and any(n.info.checked for n in nodes):
         keep = _undoable(storages, nodes, leaves)
     data = [v for v in leaves if type(v) is Data]
-    # Donate buffers no live tensor holds any more, when an output can reuse them.
+    # Donate buffers no live tensor holds any more, when an output can reuse them (with
+    # checks too: a step that fails one gives its updated tensors their old data in the graph).
     out_avals = {r.aval for r in roots}
-    # Not the data a failed check gives back (``keep``): reading it after the step's outputs
-    # are written would make XLA copy every updated buffer.
-    held = {id(leaves[k[0]]) for k in keep if k is not None}
-    donate = tuple(i for i, v in enumerate(data) if v.holders == 0 and v.aval in out_avals and id(v) not in held)
+    donate = tuple(i for i, v in enumerate(data) if v.holders == 0 and v.aval in out_avals)
     gdev = storages[0].dev
     spmd = sharding.prepare(data, storages) if sharding.ENABLED[0] else None  # (mesh, key part, outs)
     key = (tuple(enc), root_refs, tuple(v.sig for v in leaves), donate, gdev, keep, spmd and spmd[1])
@@ -444,10 +442,12 @@ def _run_and_commit(exe, storages, data, packed, gdev, nodes, keep, everything, 
         _commit(storages, outs, gdev, everything, t_run)
         return
     table = exe.checks
-    prevs = [None if k is None else st.prev for st, k in zip(storages, keep)] if keep else [None] * len(storages)
     _commit(storages, outs[:-1], gdev, everything, t_run)
     names = checks.where(table.rows, nodes)
-    u = checks.Unsettled(table, outs[-1], names, storages, [st.value for st in storages], prevs)
+    news = [st.value for st in storages]
+    # A root the graph undoes itself holds its data from before the step when its rows fired.
+    prevs = [d if back else None for d, back in zip(news, table.undo)] if keep else [None] * len(storages)
+    u = checks.Unsettled(table, outs[-1], names, storages, news, prevs)
     if checks.DEFER and not exe.threads and not ir._multi and checks.deferrable(storages):
         checks.defer(u)  # the host goes on tracing while this runs
     else:
@@ -456,8 +456,9 @@ def _run_and_commit(exe, storages, data, packed, gdev, nodes, keep, everything, 
 
 def _undoable(storages, nodes, leaves) -> tuple:
     """Per root: None, or ``(leaf, before)`` when its storage held device data before the step
-    (leaf ``leaf`` of the graph) that a failed check gives back; ``before``: a bit mask of
-    the checked nodes its thread traced before the storage's last write. Part of the graph's key."""
+    (leaf ``leaf`` of the graph) that the graph selects back when a check fails; ``before``: a
+    bit mask of the checked nodes its thread traced before the storage's last write. Part of
+    the graph's key."""
     lpos = {id(v): i for i, v in enumerate(leaves)}
     ticks = [(k, n.tick) for k, n in enumerate(nodes) if n.info.checked]
     keep = []

@@ -104,9 +104,10 @@ def lower_fn(plan, leaf_kinds, root_refs, scopes=None, table=None, keep=()):
     ``[bad, value, position]`` rows, and ``table`` (a ``checks.Table``) gets each row's node,
     exception type and message, and each root's mask of the rows it depends on (filled
     while JAX traces). A root with ``keep[i]`` set (its storage's data from before the
-    step is leaf ``keep[i][0]``) gets that leaf back when a row it depends on, or a row of a
-    checked node traced before its last write (``keep[i][1]``), is set: ``table.undo[i]``
-    holds those rows, and the sync, which did not donate the leaf, restores it.)"""
+    step is leaf ``keep[i][0]``) is that leaf's data instead of its new value when a row it
+    depends on, or a row of a checked node traced before its last write (``keep[i][1]``), is
+    set (``table.undo[i]`` holds those rows): the step undoes itself, so the sync may donate
+    the leaf as it does without checks (one copy of the model's state on the device, not two)."""
     from xlatorch.runtime.emit import emit_node
 
     if table is None:  # a dump: the checks' rows are computed all the same
@@ -145,10 +146,18 @@ def lower_fn(plan, leaf_kinds, root_refs, scopes=None, table=None, keep=()):
             return outs
         rows = jnp.stack([jnp.stack([jnp.asarray(x).astype(jnp.int64) for x in c[:3]]) for c in found])
         table.set_roots([None if r < 0 else r // 4096 for r in root_refs])
-        # A failed check gives root i its data from before the step back when a row of
-        # table.undo[i] fired: the sync keeps that buffer (never donated) and restores it.
+        # Root i is its data from before the step when a row of table.undo[i] fired (a
+        # select fused into its update: the donated buffer is written in place either way).
         table.undo = [table.undo_mask(i, keep[i][1]) if keep and keep[i] is not None else 0 for i in range(len(outs))]
-        return outs + (rows,)
+        fired: dict = {}  # undo mask -> whether one of its rows is set
+        outs = list(outs)
+        for i, m in enumerate(table.undo):
+            if m:
+                b = fired.get(m)
+                if b is None:
+                    b = fired[m] = jnp.any(rows[np.array([r for r in range(len(found)) if m >> r & 1]), 0] != 0)
+                outs[i] = jnp.where(b, leaf_vals[keep[i][0]], outs[i])
+        return tuple(outs) + (rows,)
 
     return fn
 
