@@ -144,3 +144,8 @@ def test_a_loop_over_more_graphs_than_the_limit_gets_room_for_them(monkeypatch):
     for n in range(201, 211):  # dropped by the sweep: the limit grows only up to its maximum
         run(n)
     assert graph.CACHE_SIZE == 12 and len(graph.CACHE) == 12
+    monkeypatch.setattr(graph, "CACHE_SIZE_MAX", 32)
+    monkeypatch.setattr(graph, "_host_room", lambda: False)  # the host short of memory: no more
+    for n in range(301, 311):
+        run(n)
+    assert graph.CACHE_SIZE == 12

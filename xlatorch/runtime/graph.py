@@ -47,7 +47,8 @@ CACHE: dict = {}  # graph key -> Executable
 # A loop over more graphs than that (a dynamic-cache ``generate()`` of 600 tokens compiles a
 # stage per length) would drop each graph just before it comes back, and compile all of
 # them at every call. So, unless the user set the limit, each graph met again after it was
-# dropped raises it by one, up to ``CACHE_SIZE_MAX`` (counter ``CompileCacheGrown``): a sweep
+# dropped raises it by one, up to ``CACHE_SIZE_MAX`` (counter ``CompileCacheGrown``), while
+# the host has a quarter of its memory available (executables live in host memory): a sweep
 # that never comes back stays within the limit; a loop gets room for exactly what it reuses.
 _USER_SIZE = os.environ.get("XLATORCH_EXECUTABLE_CACHE_SIZE")
 CACHE_SIZE = int(_USER_SIZE or "512")
@@ -81,9 +82,17 @@ def _grow_if_dropped(key) -> None:
     """At a miss: a graph dropped from memory and met again means the program loops over
     more graphs than the limit: one more place, for it (not past ``CACHE_SIZE_MAX``)."""
     global CACHE_SIZE
-    if _dropped and _dropped.pop(hash(key), 0) is None and CACHE_SIZE < CACHE_SIZE_MAX:
+    if _dropped and _dropped.pop(hash(key), 0) is None and CACHE_SIZE < CACHE_SIZE_MAX and _host_room():
         CACHE_SIZE += 1
         COUNTERS["CompileCacheGrown"] += 1
+
+
+def _host_room() -> bool:
+    """Whether a quarter of the host's memory is still available (True where unknown)."""
+    from xlatorch.runtime.memory import host_available_bytes
+
+    free = host_available_bytes()
+    return free is None or free * 4 >= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 # Donation is offered whenever shapes match; XLA declining it (layouts) is not the user's concern.

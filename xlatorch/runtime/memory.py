@@ -44,6 +44,11 @@ def available_bytes(jdev) -> int | None:
     if stats and "bytes_in_use" in stats:
         limit = stats.get("bytes_limit") or stats.get("bytes_reservable_limit")
         return None if not limit else limit - stats["bytes_in_use"]
+    return host_available_bytes()
+
+
+def host_available_bytes() -> int | None:
+    """The host's available memory (Linux's ``MemAvailable``), or None if unknown."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
