@@ -19,6 +19,19 @@ import xlatorch.debug.metrics as met
 from xlatorch.runtime.failure import FailedValueError
 
 X = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(params=["keep", "graph"])
+def undo(request, monkeypatch):
+    """Both ways a failed step is undone: the sync gives back the data it kept (CPU's way),
+    or the graph selects it itself and the data is donated (accelerators')."""
+    from xlatorch.runtime import checks, graph
+
+    monkeypatch.setattr(checks, "UNDO_IN_GRAPH", [request.param == "graph"])
+    monkeypatch.setattr(graph, "CACHE", {})
+    return request.param
+
+
 I = torch.tensor  # noqa: E741
 
 
@@ -176,7 +189,7 @@ def test_bad_targets_raise_in_backward_too():
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
-def test_a_step_with_a_bad_target_raises_and_keeps_the_model_as_cpu_does(optimizer):
+def test_a_step_with_a_bad_target_raises_and_keeps_the_model_as_cpu_does(optimizer, undo):
     # On CPU the exception stops the step before backward and the update: the parameters
     # and optimizer state keep their values, and the next good step trains from them.
     def run(device):
@@ -210,37 +223,61 @@ def test_a_step_with_a_bad_target_raises_and_keeps_the_model_as_cpu_does(optimiz
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_a_checked_step_donates_the_state_it_updates_and_still_undoes_a_failed_step():
-    """Checks cost no second copy of the model's state on the device: the step's graph gives
-    its updated tensors their old data itself when a check fails, so their buffers are donated
-    (written in place) as without checks, and a failed step still leaves them as CPU does."""
+def _adam_steps_with_a_bad_target(device):
+    """A small model trained by Adam, with a step whose target is out of range in the middle;
+    its parameters at the end."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Linear(8, 5)).to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, capturable=device != "cpu")
+    x = torch.randn(4, 6).to(device)
 
-    def run(device):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Linear(8, 5)).to(device)
-        opt = torch.optim.Adam(model.parameters(), lr=0.01, capturable=device != "cpu")
-        x = torch.randn(4, 6).to(device)
-        met.clear_all()
+    def step(target):
+        opt.zero_grad()
+        F.cross_entropy(model(x), I(target, device=device)).backward()
+        opt.step()
+        xm.mark_step()
 
-        def step(target):
-            opt.zero_grad()
-            F.cross_entropy(model(x), I(target, device=device)).backward()
-            opt.step()
-            xm.mark_step()
+    for _ in range(3):
+        step([0, 1, 2, 3])
+    with pytest.raises(IndexError, match="Target 7 is out of bounds"):
+        step([0, 1, 2, 7])
+        model[0].weight.cpu()  # the step's rows are read here at the latest
+    step([3, 2, 1, 0])
+    return [p.detach().cpu() for p in model.parameters()]
 
-        for _ in range(3):
-            step([0, 1, 2, 3])
-        with pytest.raises(IndexError, match="Target 7 is out of bounds"):
-            step([0, 1, 2, 7])
-            model[0].weight.cpu()  # the step's rows are read here at the latest
-        step([3, 2, 1, 0])
-        return [p.detach().cpu() for p in model.parameters()]
 
-    cpu_params = run("cpu")
-    xla_params = run("xla")
-    # The step's graph (compiled once) donates the 4 parameters and Adam's 8 moments at least.
-    donated = [v for _, v in met.metric_data("InputOutputAliasCount")[2]]
-    assert max(donated) >= 12, donated
+def _donated() -> int:
+    """The most buffers one graph compiled since the metrics were cleared donates."""
+    return max(v for _, v in met.metric_data("InputOutputAliasCount")[2])
+
+
+def test_a_checked_step_undone_in_the_graph_donates_the_state_it_updates(undo):
+    """Undone in the graph, a checked step costs no second copy of the model's state: its
+    updated tensors' buffers are donated (written in place) as without checks. Kept by the
+    sync instead (CPU's default), they are not. Either way a failed step leaves the model as
+    CPU does."""
+    cpu_params = _adam_steps_with_a_bad_target("cpu")
+    met.clear_all()
+    xla_params = _adam_steps_with_a_bad_target("xla")
+    # The step's graph updates 4 parameters and Adam's 8 moments (and 4 step counts).
+    assert (_donated() >= 12) == (undo == "graph"), _donated()
+    for a, b in zip(xla_params, cpu_params):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_on_cpu_checked_steps_undo_in_the_graph_once_keeping_the_state_would_not_fit(monkeypatch):
+    """CPU keeps the data a failed step gives back until the state it would keep takes a
+    quarter of the host's available memory; from then on the process undoes in the graph."""
+    from xlatorch.runtime import checks, graph, memory
+
+    monkeypatch.setattr(checks, "UNDO_IN_GRAPH", [None])
+    monkeypatch.setattr(checks, "_UNDO", "")
+    monkeypatch.setattr(graph, "CACHE", {})
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 4000)  # the state kept: ~1.5 kB
+    cpu_params = _adam_steps_with_a_bad_target("cpu")
+    met.clear_all()
+    xla_params = _adam_steps_with_a_bad_target("xla")
+    assert checks.UNDO_IN_GRAPH == [True] and _donated() >= 12
     for a, b in zip(xla_params, cpu_params):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
@@ -320,7 +357,7 @@ def test_checks_can_be_turned_off():
     assert len(lines) == 2  # XLA's own behaviour (clamped index, a number), no error
 
 
-def test_a_step_traced_on_a_failed_steps_results_carries_its_error():
+def test_a_step_traced_on_a_failed_steps_results_carries_its_error(undo):
     # Checks are read at the next sync, after the program traced the next step from the
     # failed step's results: the failed step is undone, and what the next step computed
     # from its results carries the error; the rest of the next step runs.
@@ -376,7 +413,7 @@ def test_a_program_that_ends_after_a_failed_step_exits_with_its_error():
     assert "IndexError: index 9 is out of bounds" in out.stderr and "XLATORCH_CHECKS=sync" in out.stderr
 
 
-def test_a_value_the_program_gave_a_tensor_after_a_failed_step_is_kept():
+def test_a_value_the_program_gave_a_tensor_after_a_failed_step_is_kept(undo):
     # The failed step is undone for the tensors whose values come from it; a tensor the
     # program has since given a value of its own (a checkpoint loaded into it) keeps that.
     w = torch.zeros(3, device="xla")

@@ -12,9 +12,14 @@ the others are committed. A tensor the step updated in place (a parameter, optim
 state) keeps its value from before the step instead when its update depends on the
 failed op or was traced after it, as on CPU, where the exception stops the program
 before any later update (host-side state, such as a CPU step count, cannot be undone).
-The graph makes that choice itself (``plan.lower_fn``: its result for the tensor is the old
-data when such a row is set), so the old buffer is donated as without checks: checks cost
-no second copy of the model's state on the device.
+Where the device's memory is scarce (an accelerator), the graph makes that choice itself
+(``plan.lower_fn``: its result for the tensor is the old data when such a row is set), so
+the old buffer is donated as without checks: no second copy of the model's state on the
+device. On CPU, where the device's memory is the host's, the old buffers are kept (not
+donated) until the rows are read, and the sync gives them back: the graph compiles about 10%
+faster without a select per updated tensor (``bench.first_steps``) - until the state kept
+would take a quarter of the host's available memory, when CPU switches to the first way for
+the rest of the process (``undo_in_graph``). ``XLATORCH_CHECKS_UNDO=graph|keep`` chooses.
 
 The rows are read late: a sync commits its results and dispatches without waiting, and the
 rows are read (``settle``) when the program next needs the device's results - at the next
@@ -52,14 +57,39 @@ __all__ = ["ENABLED", "DEFER", "Table", "Unsettled", "failure", "where", "settle
 _MODE = os.environ.get("XLATORCH_CHECKS", "1").strip().lower()
 ENABLED = _MODE not in ("0", "false", "off", "no")
 DEFER = _MODE != "sync"  # read a sync's rows when its results are next needed (see above)
+_UNDO = os.environ.get("XLATORCH_CHECKS_UNDO", "").strip().lower()
+if _UNDO not in ("", "graph", "keep"):
+    raise ValueError(f"xlatorch: XLATORCH_CHECKS_UNDO must be 'graph' or 'keep', got {_UNDO!r}")
+# Whether a checked step undoes itself in the graph (and donates what it updates): None until
+# decided (by platform, see above), then True or False; part of each graph's key.
+UNDO_IN_GRAPH: list = [{"graph": True, "keep": False}.get(_UNDO)]
+
+
+def undo_in_graph(dev: int, kept_bytes=None) -> bool:
+    """Whether checked steps undo themselves in the graph (see the module's docstring).
+    ``kept_bytes`` (a callable), at a compile: the bytes a step would keep otherwise; on CPU,
+    more than a quarter of the host's available memory switches this process to the graph."""
+    mode = UNDO_IN_GRAPH[0]
+    if mode is None:
+        from xlatorch.runtime.transfer import jax_device
+
+        mode = UNDO_IN_GRAPH[0] = jax_device(dev).platform != "cpu"
+    if not mode and kept_bytes is not None and not _UNDO:
+        from xlatorch.runtime.memory import host_available_bytes
+
+        free = host_available_bytes()
+        if free is not None and 4 * kept_bytes() > free:
+            mode = UNDO_IN_GRAPH[0] = True
+    return mode
 
 
 class Table:
     """A compiled graph's checks, filled while JAX traces it: ``rows`` holds ``(node index,
     exception type, message)`` per row of the extra output, ``masks`` per root the bit mask
-    of the rows it depends on, ``undo`` per root the rows that give it its old data back."""
+    of the rows it depends on, ``undo`` per root the rows that give it its old data back
+    (``in_graph``: the graph gives it back itself)."""
 
-    __slots__ = ("rows", "masks", "undo", "node_rows", "_node_masks")
+    __slots__ = ("rows", "masks", "undo", "in_graph", "node_rows", "_node_masks")
 
     def __init__(self):
         self.clear()
@@ -68,6 +98,7 @@ class Table:
         self.rows: list = []
         self.masks: list = []
         self.undo: list = []  # per root: the rows whose failure gives it its data from before the step back
+        self.in_graph = False
         self.node_rows: dict = {}  # node index -> mask of its own rows
         self._node_masks: list = []
 
@@ -140,7 +171,7 @@ class Unsettled:
         self.storages = storages  # the step's storages, in root order
         self.news = news  # the Data each was given by the commit
         # per storage: the Data that holds its data from before the step when the step failed
-        # (its committed Data, which the graph undid itself: runtime/plan.lower_fn), or None
+        # (the Data kept from before it, or its committed Data when the graph undid itself), or None
         self.prevs = prevs
 
 
@@ -201,8 +232,8 @@ def undo(u: Unsettled, late: bool = False) -> None:
     with uninterrupted():  # an interrupt must not leave the step half undone
         hit, bad = [], {}  # the roots the failure reaches; id(Data) -> their results, not to be read
         for i, (st, mask, back) in enumerate(zip(u.storages, u.table.masks, u.table.undo)):
-            if fired == -1:  # no results, and the step's inputs may be gone (donated): all fail
-                mask, back = -1, 0
+            if fired == -1:  # no results: what was kept goes back; what the graph undid is gone
+                mask, back = -1, 0 if u.table.in_graph else -1
             give = u.prevs[i] is not None and back & fired
             if give or mask & fired:
                 hit.append((i, st, give))

@@ -10,6 +10,7 @@ called asynchronously: nothing here waits for results.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import threading
 import time
@@ -260,18 +261,24 @@ def _run_storages(storages, nodes, leaves, enc, root_refs, reason, dev, timed, e
     """Compile (once) and run the graph computing ``storages``' pending values; commit them
     (``once``: a graph expected to run once, compiled to compile fast, ``runtime/compiler.py``)."""
     roots = [st.value for st in storages]
+    gdev = storages[0].dev
     keep = ()
+    in_graph = False  # a checked step undoes itself in the graph (runtime/checks.py)
     if checks.ENABLED and any(n.info.checked for n in nodes):
         keep = _undoable(storages, nodes, leaves)
+        in_graph = any(k is not None for k in keep) and checks.undo_in_graph(gdev)
     data = [v for v in leaves if type(v) is Data]
-    # Donate buffers no live tensor holds any more, when an output can reuse them (with
-    # checks too: a step that fails one gives its updated tensors their old data in the graph).
+    # Donate buffers no live tensor holds any more, when an output can reuse them. Not the
+    # data a failed check gives back, unless the graph gives it back itself (``in_graph``):
+    # reading it after the step's outputs are written would make XLA copy every updated buffer.
     out_avals = {r.aval for r in roots}
-    donate = tuple(i for i, v in enumerate(data) if v.holders == 0 and v.aval in out_avals)
-    gdev = storages[0].dev
+    held = () if in_graph else {id(leaves[k[0]]) for k in keep if k is not None}
+    donate = tuple(i for i, v in enumerate(data) if v.holders == 0 and v.aval in out_avals and id(v) not in held)
     spmd = sharding.prepare(data, storages) if sharding.ENABLED[0] else None  # (mesh, key part, outs)
-    key = (tuple(enc), root_refs, tuple(v.sig for v in leaves), donate, gdev, keep, spmd and spmd[1])
+    key = (tuple(enc), root_refs, tuple(v.sig for v in leaves), donate, gdev, keep, spmd and spmd[1], in_graph)
     exe = CACHE.get(key)  # one lookup on a hit: hashing the key walks the whole graph's encoding
+    if exe is None and held and checks.undo_in_graph(gdev, lambda: _bytes_of(leaves[k[0]] for k in keep if k)):
+        return _run_storages(storages, nodes, leaves, enc, root_refs, reason, dev, timed, everything, t0, once)
     if exe is None:
         checks.settle()  # the previous step's check rows, before anything here runs on the device
     if exe is None and spmd is None:
@@ -451,16 +458,24 @@ def _run_and_commit(exe, storages, data, packed, gdev, nodes, keep, everything, 
         _commit(storages, outs, gdev, everything, t_run)
         return
     table = exe.checks
+    if table.in_graph:  # a root the graph undoes holds its data from before the step when its rows fired
+        prevs = None
+    else:
+        prevs = [None if k is None else st.prev for st, k in zip(storages, keep)] if keep else [None] * len(storages)
     _commit(storages, outs[:-1], gdev, everything, t_run)
     names = checks.where(table.rows, nodes)
     news = [st.value for st in storages]
-    # A root the graph undoes itself holds its data from before the step when its rows fired.
-    prevs = [d if back else None for d, back in zip(news, table.undo)] if keep else [None] * len(storages)
+    if prevs is None:
+        prevs = [d if back else None for d, back in zip(news, table.undo)]
     u = checks.Unsettled(table, outs[-1], names, storages, news, prevs)
     if checks.DEFER and not exe.threads and not ir._multi and checks.deferrable(storages):
         checks.defer(u)  # the host goes on tracing while this runs
     else:
         checks.undo(u)  # reading the rows waits for this execution
+
+
+def _bytes_of(values) -> int:
+    return sum(math.prod(v.aval[0]) * v.aval[1].itemsize for v in values)
 
 
 def _undoable(storages, nodes, leaves) -> tuple:

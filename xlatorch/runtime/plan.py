@@ -104,10 +104,12 @@ def lower_fn(plan, leaf_kinds, root_refs, scopes=None, table=None, keep=()):
     ``[bad, value, position]`` rows, and ``table`` (a ``checks.Table``) gets each row's node,
     exception type and message, and each root's mask of the rows it depends on (filled
     while JAX traces). A root with ``keep[i]`` set (its storage's data from before the
-    step is leaf ``keep[i][0]``) is that leaf's data instead of its new value when a row it
-    depends on, or a row of a checked node traced before its last write (``keep[i][1]``), is
-    set (``table.undo[i]`` holds those rows): the step undoes itself, so the sync may donate
-    the leaf as it does without checks (one copy of the model's state on the device, not two)."""
+    step is leaf ``keep[i][0]``) gets that leaf's data back when a row it depends on, or a
+    row of a checked node traced before its last write (``keep[i][1]``), is set
+    (``table.undo[i]`` holds those rows): with ``checks.UNDO_IN_GRAPH`` the graph selects it
+    itself, and the sync may donate the leaf as it does without checks (one copy of the
+    model's state on the device, not two); otherwise the sync keeps the leaf and restores it."""
+    from xlatorch.runtime.checks import UNDO_IN_GRAPH
     from xlatorch.runtime.emit import emit_node
 
     if table is None:  # a dump: the checks' rows are computed all the same
@@ -146,9 +148,12 @@ def lower_fn(plan, leaf_kinds, root_refs, scopes=None, table=None, keep=()):
             return outs
         rows = jnp.stack([jnp.stack([jnp.asarray(x).astype(jnp.int64) for x in c[:3]]) for c in found])
         table.set_roots([None if r < 0 else r // 4096 for r in root_refs])
+        table.undo = [table.undo_mask(i, keep[i][1]) if keep and keep[i] is not None else 0 for i in range(len(outs))]
+        table.in_graph = bool(keep) and UNDO_IN_GRAPH[0] is True
+        if not table.in_graph:
+            return outs + (rows,)
         # Root i is its data from before the step when a row of table.undo[i] fired (a
         # select fused into its update: the donated buffer is written in place either way).
-        table.undo = [table.undo_mask(i, keep[i][1]) if keep and keep[i] is not None else 0 for i in range(len(outs))]
         fired: dict = {}  # undo mask -> whether one of its rows is set
         outs = list(outs)
         for i, m in enumerate(table.undo):
