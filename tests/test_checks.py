@@ -380,6 +380,22 @@ def test_a_step_traced_on_a_failed_steps_results_carries_its_error(undo):
     torch.testing.assert_close(w.cpu(), torch.ones(3))
 
 
+def test_a_tensor_overwritten_after_a_failed_op_keeps_its_value(undo):
+    # On CPU the failed op raises before the later copy: the tensor keeps its value. The step
+    # never reads that value (the copy overwrites it), so the sync keeps it to give it back.
+    buf = torch.zeros(3, device="xla")
+    src = torch.ones(3, device="xla")
+    xm.mark_step()
+    y = torch.arange(3.0, device="xla")[I([0, 5], device="xla")]  # index 5: out of range
+    buf.copy_(src * 2)
+    with pytest.raises(IndexError, match="index 5 is out of bounds"):
+        xm.mark_step()
+        buf.cpu()
+    torch.testing.assert_close(buf.cpu(), torch.zeros(3))
+    with pytest.raises(FailedValueError, match="index 5 is out of bounds"):
+        y.cpu()
+
+
 def test_sync_mode_raises_at_the_failed_steps_mark_step():
     code = (
         "import torch, xlatorch, xlatorch.core.xla_model as xm\n"

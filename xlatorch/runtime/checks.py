@@ -20,6 +20,8 @@ donated) until the rows are read, and the sync gives them back: the graph compil
 faster without a select per updated tensor (``bench.first_steps``) - until the state kept
 would take a quarter of the host's available memory, when CPU switches to the first way for
 the rest of the process (``undo_in_graph``). ``XLATORCH_CHECKS_UNDO=graph|keep`` chooses.
+One difference: when the execution itself fails (not a check), kept data goes back, while
+data the graph was to undo was donated, and those tensors carry the error.
 
 The rows are read late: a sync commits its results and dispatches without waiting, and the
 rows are read (``settle``) when the program next needs the device's results - at the next
@@ -232,8 +234,8 @@ def undo(u: Unsettled, late: bool = False) -> None:
     with uninterrupted():  # an interrupt must not leave the step half undone
         hit, bad = [], {}  # the roots the failure reaches; id(Data) -> their results, not to be read
         for i, (st, mask, back) in enumerate(zip(u.storages, u.table.masks, u.table.undo)):
-            if fired == -1:  # no results: what was kept goes back; what the graph undid is gone
-                mask, back = -1, 0 if u.table.in_graph else -1
+            if fired == -1:  # no results: what was kept goes back; what the graph was to undo is gone
+                mask, back = -1, 0 if u.prevs[i] is u.news[i] else -1
             give = u.prevs[i] is not None and back & fired
             if give or mask & fired:
                 hit.append((i, st, give))
@@ -250,7 +252,7 @@ def undo(u: Unsettled, late: bool = False) -> None:
             v = st.value
             if v is not u.news[i] and not (type(v) is Out and id(v.node) in tainted):
                 if st.prev is u.news[i]:  # the program gave it a value of its own since: kept
-                    st.prev = u.prevs[i]
+                    st.prev = None if fired == -1 and u.prevs[i] is u.news[i] else u.prevs[i]
                 continue
             if give:
                 failed.give_back(st, u.prevs[i], error)

@@ -96,6 +96,8 @@ def worth_optimizing(compiled) -> bool:
     try:
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        if "flops" not in cost and "bytes accessed" not in cost:
+            return True
         work = float(cost.get("flops", 0.0)) + float(cost.get("bytes accessed", 0.0))
     except Exception:
         return True

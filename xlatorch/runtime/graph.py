@@ -54,7 +54,7 @@ CACHE: dict = {}  # graph key -> Executable
 _USER_SIZE = os.environ.get("XLATORCH_EXECUTABLE_CACHE_SIZE")
 CACHE_SIZE = int(_USER_SIZE or "512")
 CACHE_SIZE_MAX = 8 * CACHE_SIZE
-_fixed = [_USER_SIZE is not None]  # the user's limit is kept as given
+_fixed = [bool(_USER_SIZE)]  # the user's limit is kept as given
 _dropped: dict = {}  # hash of a dropped graph's key -> None, oldest first (bounded)
 _uses = itertools.count()
 
@@ -71,12 +71,13 @@ def set_cache_size(n: int) -> None:
 def _evict() -> None:
     while len(CACHE) > CACHE_SIZE:
         oldest = min(CACHE, key=lambda k: CACHE[k].used)
-        del CACHE[oldest]
+        if CACHE.pop(oldest, None) is None:  # another device's thread dropped it (ir._multi syncs unlocked)
+            continue
         COUNTERS["CompileCacheEviction"] += 1
         if not _fixed[0]:
             _dropped[hash(oldest)] = None
             if len(_dropped) > CACHE_SIZE_MAX:
-                del _dropped[next(iter(_dropped))]
+                _dropped.pop(next(iter(_dropped)), None)
 
 
 def _grow_if_dropped(key) -> None:
@@ -266,18 +267,18 @@ def _run_storages(storages, nodes, leaves, enc, root_refs, reason, dev, timed, e
     in_graph = False  # a checked step undoes itself in the graph (runtime/checks.py)
     if checks.ENABLED and any(n.info.checked for n in nodes):
         keep = _undoable(storages, nodes, leaves)
-        in_graph = any(k is not None for k in keep) and checks.undo_in_graph(gdev)
+        in_graph = keep.in_graph = any(k is not None for k in keep) and checks.undo_in_graph(gdev)
     data = [v for v in leaves if type(v) is Data]
     # Donate buffers no live tensor holds any more, when an output can reuse them. Not the
     # data a failed check gives back, unless the graph gives it back itself (``in_graph``):
     # reading it after the step's outputs are written would make XLA copy every updated buffer.
     out_avals = {r.aval for r in roots}
-    held = () if in_graph else {id(leaves[k[0]]) for k in keep if k is not None}
+    held = () if in_graph else {id(leaves[k[0]]) for k in keep if k is not None and k[0] >= 0}
     donate = tuple(i for i, v in enumerate(data) if v.holders == 0 and v.aval in out_avals and id(v) not in held)
     spmd = sharding.prepare(data, storages) if sharding.ENABLED[0] else None  # (mesh, key part, outs)
     key = (tuple(enc), root_refs, tuple(v.sig for v in leaves), donate, gdev, keep, spmd and spmd[1], in_graph)
     exe = CACHE.get(key)  # one lookup on a hit: hashing the key walks the whole graph's encoding
-    if exe is None and held and checks.undo_in_graph(gdev, lambda: _bytes_of(leaves[k[0]] for k in keep if k)):
+    if exe is None and held and checks.undo_in_graph(gdev, lambda: _bytes_of(v for v in leaves if id(v) in held)):
         return _run_storages(storages, nodes, leaves, enc, root_refs, reason, dev, timed, everything, t0, once)
     if exe is None:
         checks.settle()  # the previous step's check rows, before anything here runs on the device
@@ -458,15 +459,13 @@ def _run_and_commit(exe, storages, data, packed, gdev, nodes, keep, everything, 
         _commit(storages, outs, gdev, everything, t_run)
         return
     table = exe.checks
-    if table.in_graph:  # a root the graph undoes holds its data from before the step when its rows fired
-        prevs = None
-    else:
-        prevs = [None if k is None else st.prev for st, k in zip(storages, keep)] if keep else [None] * len(storages)
+    # Per root: the data from before the step a failed check gives back, kept by the sync
+    prevs = [None if k is None else st.prev for st, k in zip(storages, keep)] if keep else [None] * len(storages)
     _commit(storages, outs[:-1], gdev, everything, t_run)
     names = checks.where(table.rows, nodes)
     news = [st.value for st in storages]
-    if prevs is None:
-        prevs = [d if back else None for d, back in zip(news, table.undo)]
+    if table.in_graph:  # or its committed data, which holds it when its rows fired (the graph undid it)
+        prevs = [d if back and keep[i][0] >= 0 else prevs[i] for i, (d, back) in enumerate(zip(news, table.undo))]
     u = checks.Unsettled(table, outs[-1], names, storages, news, prevs)
     if checks.DEFER and not exe.threads and not ir._multi and checks.deferrable(storages):
         checks.defer(u)  # the host goes on tracing while this runs
@@ -478,26 +477,32 @@ def _bytes_of(values) -> int:
     return sum(math.prod(v.aval[0]) * v.aval[1].itemsize for v in values)
 
 
-def _undoable(storages, nodes, leaves) -> tuple:
+class Keep(tuple):
+    """``_undoable``'s answer, and whether the graph undoes a failed step itself (``in_graph``)."""
+
+    in_graph = False
+
+
+def _undoable(storages, nodes, leaves) -> Keep:
     """Per root: None, or ``(leaf, before)`` when its storage held device data before the step
-    (leaf ``leaf`` of the graph) that the graph selects back when a check fails; ``before``: a
-    bit mask of the checked nodes its thread traced before the storage's last write. Part of
-    the graph's key."""
+    that a failed check gives back: leaf ``leaf`` of the graph, or -1 when the step overwrote
+    it without reading it (``fill_``, ``copy_``: the sync keeps it); ``before``: a bit mask of
+    the checked nodes its thread traced before the storage's last write. Part of the graph's key."""
     lpos = {id(v): i for i, v in enumerate(leaves)}
     ticks = [(k, n.tick) for k, n in enumerate(nodes) if n.info.checked]
     keep = []
     for st in storages:
         p = st.prev
-        j = -1 if p is None or p.aval != st.value.aval else lpos.get(id(p), -1)
-        if j < 0:
+        if p is None or p.aval != st.value.aval:
             keep.append(None)
             continue
+        j = lpos.get(id(p), -1)
         before = 0
         for k, (t, who) in ticks:
             if t < st.gen and who == st.owner:  # traced after the check, by the same thread
                 before |= 1 << k
         keep.append((j, before))
-    return tuple(keep)
+    return Keep(keep)
 
 
 _last_sync = 0

@@ -106,10 +106,10 @@ def lower_fn(plan, leaf_kinds, root_refs, scopes=None, table=None, keep=()):
     while JAX traces). A root with ``keep[i]`` set (its storage's data from before the
     step is leaf ``keep[i][0]``) gets that leaf's data back when a row it depends on, or a
     row of a checked node traced before its last write (``keep[i][1]``), is set
-    (``table.undo[i]`` holds those rows): with ``checks.UNDO_IN_GRAPH`` the graph selects it
-    itself, and the sync may donate the leaf as it does without checks (one copy of the
-    model's state on the device, not two); otherwise the sync keeps the leaf and restores it."""
-    from xlatorch.runtime.checks import UNDO_IN_GRAPH
+    (``table.undo[i]`` holds those rows): with ``keep.in_graph`` (``graph.Keep``) the graph
+    selects it itself, and the sync may donate the leaf as it does without checks (one copy of
+    the model's state on the device, not two); otherwise, or when the step did not read that
+    data (``keep[i][0]`` is -1), the sync keeps it and restores it."""
     from xlatorch.runtime.emit import emit_node
 
     if table is None:  # a dump: the checks' rows are computed all the same
@@ -149,7 +149,7 @@ def lower_fn(plan, leaf_kinds, root_refs, scopes=None, table=None, keep=()):
         rows = jnp.stack([jnp.stack([jnp.asarray(x).astype(jnp.int64) for x in c[:3]]) for c in found])
         table.set_roots([None if r < 0 else r // 4096 for r in root_refs])
         table.undo = [table.undo_mask(i, keep[i][1]) if keep and keep[i] is not None else 0 for i in range(len(outs))]
-        table.in_graph = bool(keep) and UNDO_IN_GRAPH[0] is True
+        table.in_graph = getattr(keep, "in_graph", False)  # graph.Keep: decided with the graph's key
         if not table.in_graph:
             return outs + (rows,)
         # Root i is its data from before the step when a row of table.undo[i] fired (a
@@ -157,7 +157,7 @@ def lower_fn(plan, leaf_kinds, root_refs, scopes=None, table=None, keep=()):
         fired: dict = {}  # undo mask -> whether one of its rows is set
         outs = list(outs)
         for i, m in enumerate(table.undo):
-            if m:
+            if m and keep[i][0] >= 0:  # -1: not read by the step, the sync keeps it
                 b = fired.get(m)
                 if b is None:
                     b = fired[m] = jnp.any(rows[np.array([r for r in range(len(found)) if m >> r & 1]), 0] != 0)
