@@ -149,3 +149,22 @@ def test_a_loop_over_more_graphs_than_the_limit_gets_room_for_them(monkeypatch):
     for n in range(301, 311):
         run(n)
     assert graph.CACHE_SIZE == 12
+
+
+def test_host_memory_counts_a_containers_limit(tmp_path, monkeypatch):
+    """Inside a container with a memory limit, the host's available and total memory are the
+    container's (the executable cache grows only while a quarter of it is free)."""
+    from xlatorch.runtime import graph, memory
+
+    limit, use = tmp_path / "memory.max", tmp_path / "memory.current"
+    limit.write_text(str(4 << 30))
+    use.write_text(str(3 << 30) + "\n")
+    monkeypatch.setattr(memory, "CGROUP_FILES", ((str(limit), str(use)),))
+    free, total = memory.host_memory()
+    assert total == 4 << 30 and free <= 1 << 30
+    assert free * 4 >= total and graph._host_room()  # exactly a quarter left
+    use.write_text(str((3 << 30) + 1))
+    assert not graph._host_room()
+    limit.write_text("max")  # no limit: the host's own figures
+    free, total = memory.host_memory()
+    assert total == os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

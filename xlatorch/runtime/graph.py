@@ -90,11 +90,12 @@ def _grow_if_dropped(key) -> None:
 
 
 def _host_room() -> bool:
-    """Whether a quarter of the host's memory is still available (True where unknown)."""
-    from xlatorch.runtime.memory import host_available_bytes
+    """Whether a quarter of the host's memory (a container's, where limited) is still
+    available (True where unknown)."""
+    from xlatorch.runtime.memory import host_memory
 
-    free = host_available_bytes()
-    return free is None or free * 4 >= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    free, total = host_memory()
+    return free is None or free * 4 >= total
 
 
 # Donation is offered whenever shapes match; XLA declining it (layouts) is not the user's concern.

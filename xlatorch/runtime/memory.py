@@ -47,16 +47,52 @@ def available_bytes(jdev) -> int | None:
     return host_available_bytes()
 
 
-def host_available_bytes() -> int | None:
-    """The host's available memory (Linux's ``MemAvailable``), or None if unknown."""
+# A container's memory limit and use (cgroup v2, then v1): the host's figures ignore it.
+CGROUP_FILES = (
+    ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+    ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+)
+
+
+def _cgroup() -> tuple[int, int] | None:
+    """(limit, use) of this process's memory cgroup, or None where it sets no limit."""
+    for limit_file, use_file in CGROUP_FILES:
+        try:
+            with open(limit_file) as f:
+                text = f.read().strip()
+            if not text.isdigit() or int(text) >= 1 << 60:  # "max", or v1's "no limit"
+                return None
+            with open(use_file) as f:
+                return int(text), int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def host_memory() -> tuple[int | None, int]:
+    """(available bytes or None if unknown, total bytes) of the host, within this process's
+    container limit where one is set (``MemAvailable`` and physical memory otherwise)."""
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    free = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    free = int(line.split()[1]) * 1024
+                    break
     except OSError:
         pass
-    return None
+    cg = _cgroup()
+    if cg is not None:
+        limit, used = cg
+        total = min(total, limit)
+        free = max(limit - used, 0) if free is None else min(free, max(limit - used, 0))
+    return free, total
+
+
+def host_available_bytes() -> int | None:
+    """The host's available memory (within a container's limit), or None if unknown."""
+    return host_memory()[0]
 
 
 def get_memory_info(device=None) -> dict[str, int]:
