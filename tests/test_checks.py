@@ -380,20 +380,35 @@ def test_a_step_traced_on_a_failed_steps_results_carries_its_error(undo):
     torch.testing.assert_close(w.cpu(), torch.ones(3))
 
 
-def test_a_tensor_overwritten_after_a_failed_op_keeps_its_value(undo):
+@pytest.mark.parametrize("source", ["computed", "device data", "host data"])
+def test_a_tensor_overwritten_after_a_failed_op_keeps_its_value(undo, source):
     # On CPU the failed op raises before the later copy: the tensor keeps its value. The step
-    # never reads that value (the copy overwrites it), so the sync keeps it to give it back.
+    # never reads that value (the copy overwrites it), so the sync keeps it to give it back;
+    # a copy of data that is ready joins the step as a pending value for that.
     buf = torch.zeros(3, device="xla")
     src = torch.ones(3, device="xla")
     xm.mark_step()
     y = torch.arange(3.0, device="xla")[I([0, 5], device="xla")]  # index 5: out of range
-    buf.copy_(src * 2)
+    buf.copy_({"computed": lambda: src * 2, "device data": lambda: src, "host data": lambda: torch.ones(3)}[source]())
     with pytest.raises(IndexError, match="index 5 is out of bounds"):
         xm.mark_step()
         buf.cpu()
     torch.testing.assert_close(buf.cpu(), torch.zeros(3))
     with pytest.raises(FailedValueError, match="index 5 is out of bounds"):
         y.cpu()
+
+
+def test_a_copy_of_ready_data_with_no_checked_op_pending_runs_nothing():
+    buf = torch.zeros(3, device="xla")
+    src = torch.ones(3, device="xla")
+    y = torch.arange(3.0, device="xla")[I([0, 2], device="xla")]  # checked, but synced below
+    xm.mark_step()
+    met.clear_all()
+    buf.copy_(src)  # the data itself: no graph
+    xm.mark_step()
+    assert not met.counter_value("CachedCompile") and not met.counter_value("UncachedCompile")
+    torch.testing.assert_close(buf.cpu(), torch.ones(3))
+    torch.testing.assert_close(y.cpu(), torch.tensor([0.0, 2.0]))
 
 
 def test_sync_mode_raises_at_the_failed_steps_mark_step():

@@ -21,7 +21,17 @@ from xlatorch.runtime.ir import VALUE_TYPES, Node, Scalar
 from xlatorch.runtime.record import COUNTERS
 from xlatorch.runtime.rng import next_key
 from xlatorch.runtime.source import user_frame
-from xlatorch.runtime.tensor import TICKS, XlaTensor, _in_backward, defer_to_owners, owner, value_of, wrap, write
+from xlatorch.runtime.tensor import (
+    CHECKED_SINCE_SYNC,
+    TICKS,
+    XlaTensor,
+    _in_backward,
+    defer_to_owners,
+    owner,
+    value_of,
+    wrap,
+    write,
+)
 
 __all__ = ["OpSpec", "Info", "dispatch", "call", "call_inplace", "call_out", "scalar", "SHIMS", "RUNTIME_OPS",
            "DECOMPS"]  # fmt: skip
@@ -253,6 +263,7 @@ def _node(spec: OpSpec, vals: tuple, sig: tuple) -> Node:
     COUNTERS[spec.counter] += 1
     if info.checked:
         n.tick = (next(TICKS), owner())  # this thread's later updates are undone if it fails (runtime/checks.py)
+        CHECKED_SINCE_SYNC.add(n.tick[1])
         if getattr(n, "src", None) is None:
             n.src = user_frame()  # a failed check names the user's line
     return n

@@ -28,6 +28,7 @@ from xlatorch.runtime.ir import Data
 from xlatorch.runtime.plan import LoweringError, collect, lower_fn, pack, plan
 from xlatorch.runtime.record import COUNTERS
 from xlatorch.runtime.tensor import (
+    CHECKED_SINCE_SYNC,
     DEFERRED,
     LOCK,
     PENDING,
@@ -189,6 +190,7 @@ def _sync(reason, dev, timed) -> None:
     if not storages:
         if everything:
             PENDING.clear()
+            CHECKED_SINCE_SYNC.clear()
         checks.settle()  # a sync reads the previous step's checks even when it has nothing to run
         return
     t0 = time.perf_counter_ns()
@@ -431,6 +433,7 @@ def _commit(storages, outs, gdev, everything, t_run) -> None:
         st.prev = None
     if everything:
         PENDING.clear()
+        CHECKED_SINCE_SYNC.clear()
     else:
         for st in storages:
             PENDING.pop(st.sid, None)

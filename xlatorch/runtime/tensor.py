@@ -336,8 +336,18 @@ def value_of(t: XlaTensor):
     return v
 
 
+# Threads that traced an op with an on-device check since the last sync ran everything: data
+# they write into a tensor (``copy_`` of ready device or host data) becomes a pending value,
+# so that the sync can undo the write if that op fails, as CPU would never have made it.
+CHECKED_SINCE_SYNC: set = set()
+
+
 def write(t: XlaTensor, v) -> None:
     """Make ``v`` the tensor's new value, updating its base and every alias."""
+    if type(v) is Data and CHECKED_SINCE_SYNC and _get_ident() in CHECKED_SINCE_SYNC:
+        from xlatorch.runtime.dispatch import convert_value
+
+        v = convert_value(v, v.aval[1])
     vw = t._vw
     st = t._st
     if vw is None:
