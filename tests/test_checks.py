@@ -398,6 +398,26 @@ def test_a_tensor_overwritten_after_a_failed_op_keeps_its_value(undo, source):
         y.cpu()
 
 
+def test_a_tensor_written_before_and_after_a_failed_op_carries_its_error(undo):
+    # CPU would keep the first write (the failed op stops the program before the second);
+    # that value is not kept here, so the tensor fails loudly instead of going back further.
+    w = torch.zeros(3, device="xla")
+    v = torch.zeros(3, device="xla")
+    xm.mark_step()
+    w.add_(1)
+    y = torch.arange(3.0, device="xla")[I([0, 5], device="xla")]  # index 5: out of range
+    w.add_(1)
+    v.add_(1)  # written only after it: its value at the failed op is the one before the step
+    with pytest.raises(IndexError, match="index 5 is out of bounds"):
+        xm.mark_step()
+        v.cpu()
+    with pytest.raises(FailedValueError, match="index 5 is out of bounds"):
+        w.cpu()
+    torch.testing.assert_close(v.cpu(), torch.zeros(3))
+    with pytest.raises(FailedValueError):
+        y.cpu()
+
+
 def test_a_copy_of_ready_data_with_no_checked_op_pending_runs_nothing():
     buf = torch.zeros(3, device="xla")
     src = torch.ones(3, device="xla")

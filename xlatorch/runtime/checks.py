@@ -11,7 +11,9 @@ ATen op and the user's line); the tensors that depend on the failed op carry the
 the others are committed. A tensor the step updated in place (a parameter, optimizer
 state) keeps its value from before the step instead when its update depends on the
 failed op or was traced after it, as on CPU, where the exception stops the program
-before any later update (host-side state, such as a CPU step count, cannot be undone).
+before any later update (host-side state, such as a CPU step count, cannot be undone). A
+tensor the step wrote both before the failed op and after it carries the error instead: its
+value at the failed op is not kept.
 Where the device's memory is scarce (an accelerator), the graph makes that choice itself
 (``plan.lower_fn``: its result for the tensor is the old data when such a row is set), so
 the old buffer is donated as without checks: no second copy of the model's state on the
@@ -91,7 +93,7 @@ class Table:
     of the rows it depends on, ``undo`` per root the rows that give it its old data back
     (``in_graph``: the graph gives it back itself)."""
 
-    __slots__ = ("rows", "masks", "undo", "in_graph", "node_rows", "_node_masks")
+    __slots__ = ("rows", "masks", "undo", "between", "in_graph", "node_rows", "_node_masks")
 
     def __init__(self):
         self.clear()
@@ -101,6 +103,7 @@ class Table:
         self.masks: list = []
         self.undo: list = []  # per root: the rows whose failure gives it its data from before the step back
         self.in_graph = False
+        self.between = []  # per root: rows whose failure leaves it no value to give back (written before and after)
         self.node_rows: dict = {}  # node index -> mask of its own rows
         self._node_masks: list = []
 
@@ -124,6 +127,14 @@ class Table:
         m = self.masks[i]
         for k, own in self.node_rows.items():
             if before >> k & 1:
+                m |= own
+        return m
+
+    def rows_of(self, nodes_mask: int) -> int:
+        """The rows of the checked nodes in ``nodes_mask``."""
+        m = 0
+        for k, own in self.node_rows.items():
+            if nodes_mask >> k & 1:
                 m |= own
         return m
 
@@ -236,8 +247,9 @@ def undo(u: Unsettled, late: bool = False) -> None:
         for i, (st, mask, back) in enumerate(zip(u.storages, u.table.masks, u.table.undo)):
             if fired == -1:  # no results: what was kept goes back; what the graph was to undo is gone
                 mask, back = -1, 0 if u.prevs[i] is u.news[i] else -1
-            give = u.prevs[i] is not None and back & fired
-            if give or mask & fired:
+            # Written before the failed op and after it: its value at that op is gone, it fails.
+            give = u.prevs[i] is not None and back & fired and (fired == -1 or not u.table.between[i] & fired)
+            if give or (mask | back) & fired:
                 hit.append((i, st, give))
                 bad[id(u.news[i])] = u.news[i]
         tainted = set()

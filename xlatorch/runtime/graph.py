@@ -488,10 +488,12 @@ class Keep(tuple):
 
 
 def _undoable(storages, nodes, leaves) -> Keep:
-    """Per root: None, or ``(leaf, before)`` when its storage held device data before the step
-    that a failed check gives back: leaf ``leaf`` of the graph, or -1 when the step overwrote
-    it without reading it (``fill_``, ``copy_``: the sync keeps it); ``before``: a bit mask of
-    the checked nodes its thread traced before the storage's last write. Part of the graph's key."""
+    """Per root: None, or ``(leaf, before, between)`` when its storage held device data before
+    the step that a failed check gives back: leaf ``leaf`` of the graph, or -1 when the step
+    overwrote it without reading it (``fill_``, ``copy_``: the sync keeps it); ``before``: a
+    bit mask of the checked nodes its thread traced before the storage's last write;
+    ``between``: those of them traced after its first write in the step (its value at such a
+    node is gone: when one fails, the tensor carries the error). Part of the graph's key."""
     lpos = {id(v): i for i, v in enumerate(leaves)}
     ticks = [(k, n.tick) for k, n in enumerate(nodes) if n.info.checked]
     keep = []
@@ -501,11 +503,13 @@ def _undoable(storages, nodes, leaves) -> Keep:
             keep.append(None)
             continue
         j = lpos.get(id(p), -1)
-        before = 0
+        before = between = 0
         for k, (t, who) in ticks:
             if t < st.gen and who == st.owner:  # traced after the check, by the same thread
                 before |= 1 << k
-        keep.append((j, before))
+                if t > st.first:  # and written before it too
+                    between |= 1 << k
+        keep.append((j, before, between))
     return Keep(keep)
 
 

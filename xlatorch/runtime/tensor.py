@@ -93,7 +93,7 @@ class Storage:
     read the storage (``reroot_lone_views``).
     """
 
-    __slots__ = ("value", "gen", "sid", "dev", "refs", "prev", "owner", "sharding", "__weakref__")
+    __slots__ = ("value", "gen", "sid", "dev", "refs", "prev", "first", "owner", "sharding", "__weakref__")
 
     def __init__(self, value):
         self.refs = []
@@ -104,6 +104,7 @@ class Storage:
         # The device data this storage held when the step began writing it: a step whose
         # on-device check fails gives it back (runtime/checks.py). Reset at each commit.
         self.prev = None
+        self.first = 0  # the tick of the step's first write of it (when ``prev`` was set)
         self.sharding = None  # SPMD: the sharding mark_sharding gave it (runtime/sharding.py)
         self.sid = sid = next(_ids)
         self.dev = value.dev if ir._multi else 0  # the local device index (see ir.current_device)
@@ -115,12 +116,15 @@ class Storage:
 
     def set(self, value) -> None:
         old = self.value
+        first = False
         if type(old) is Data:
             old.holders -= 1
             if self.prev is None:
-                self.prev = old
+                self.prev = first = old
         self.value = value
         self.gen = next(TICKS)
+        if first:
+            self.first = self.gen
         if type(value) is Data:
             value.holders += 1
         elif self.sid not in PENDING:
