@@ -93,7 +93,7 @@ class Table:
     of the rows it depends on, ``undo`` per root the rows that give it its old data back
     (``in_graph``: the graph gives it back itself)."""
 
-    __slots__ = ("rows", "masks", "undo", "between", "in_graph", "node_rows", "_node_masks")
+    __slots__ = ("rows", "masks", "undo", "in_graph", "node_rows", "_node_masks")
 
     def __init__(self):
         self.clear()
@@ -103,7 +103,6 @@ class Table:
         self.masks: list = []
         self.undo: list = []  # per root: the rows whose failure gives it its data from before the step back
         self.in_graph = False
-        self.between = []  # per root: rows whose failure leaves it no value to give back (written before and after)
         self.node_rows: dict = {}  # node index -> mask of its own rows
         self._node_masks: list = []
 
@@ -175,9 +174,9 @@ def failure(rows, flags, names) -> tuple[Exception, int] | None:
 class Unsettled:
     """A committed execution whose check rows are not read yet: what undoing it needs."""
 
-    __slots__ = ("table", "flags", "names", "storages", "news", "prevs")
+    __slots__ = ("table", "flags", "names", "storages", "news", "prevs", "between")
 
-    def __init__(self, table, flags, names, storages, news, prevs):
+    def __init__(self, table, flags, names, storages, news, prevs, between=()):
         self.table = table  # the executable's Table
         self.flags = flags  # the rows (a device array)
         self.names = names  # where(...)
@@ -186,6 +185,9 @@ class Unsettled:
         # per storage: the Data that holds its data from before the step when the step failed
         # (the Data kept from before it, or its committed Data when the graph undid itself), or None
         self.prevs = prevs
+        # per storage: the checked nodes traced between its first and last write in the step
+        # (graph.Keep.between): their failure leaves it no value to give back
+        self.between = between
 
 
 _UNSETTLED: list = []  # executions not read yet: each sync first settles those before it
@@ -248,7 +250,8 @@ def undo(u: Unsettled, late: bool = False) -> None:
             if fired == -1:  # no results: what was kept goes back; what the graph was to undo is gone
                 mask, back = -1, 0 if u.prevs[i] is u.news[i] else -1
             # Written before the failed op and after it: its value at that op is gone, it fails.
-            give = u.prevs[i] is not None and back & fired and (fired == -1 or not u.table.between[i] & fired)
+            lost = u.table.rows_of(u.between[i]) if u.between and u.between[i] else 0
+            give = u.prevs[i] is not None and back & fired and (fired == -1 or not lost & fired)
             if give or (mask | back) & fired:
                 hit.append((i, st, give))
                 bad[id(u.news[i])] = u.news[i]

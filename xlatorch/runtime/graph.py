@@ -470,7 +470,7 @@ def _run_and_commit(exe, storages, data, packed, gdev, nodes, keep, everything, 
     news = [st.value for st in storages]
     if table.in_graph:  # or its committed data, which holds it when its rows fired (the graph undid it)
         prevs = [d if back and keep[i][0] >= 0 else prevs[i] for i, (d, back) in enumerate(zip(news, table.undo))]
-    u = checks.Unsettled(table, outs[-1], names, storages, news, prevs)
+    u = checks.Unsettled(table, outs[-1], names, storages, news, prevs, keep.between if keep else ())
     if checks.DEFER and not exe.threads and not ir._multi and checks.deferrable(storages):
         checks.defer(u)  # the host goes on tracing while this runs
     else:
@@ -482,25 +482,29 @@ def _bytes_of(values) -> int:
 
 
 class Keep(tuple):
-    """``_undoable``'s answer, and whether the graph undoes a failed step itself (``in_graph``)."""
+    """``_undoable``'s answer (the graph's key holds it); whether the graph undoes a failed
+    step itself (``in_graph``); and, not in the key, ``between``: per root, the checked nodes
+    its thread traced after the step's first write of it and before its last."""
 
     in_graph = False
+    between: tuple = ()
 
 
 def _undoable(storages, nodes, leaves) -> Keep:
-    """Per root: None, or ``(leaf, before, between)`` when its storage held device data before
-    the step that a failed check gives back: leaf ``leaf`` of the graph, or -1 when the step
-    overwrote it without reading it (``fill_``, ``copy_``: the sync keeps it); ``before``: a
-    bit mask of the checked nodes its thread traced before the storage's last write;
-    ``between``: those of them traced after its first write in the step (its value at such a
-    node is gone: when one fails, the tensor carries the error). Part of the graph's key."""
+    """Per root: None, or ``(leaf, before)`` when its storage held device data before the step
+    that a failed check gives back: leaf ``leaf`` of the graph, or -1 when the step overwrote
+    it without reading it (``fill_``, ``copy_``: the sync keeps it); ``before``: a bit mask of
+    the checked nodes its thread traced before the storage's last write. ``Keep.between``
+    holds those of them traced after its first write in the step too (its value at such a
+    node is gone: when one fails, the tensor carries the error)."""
     lpos = {id(v): i for i, v in enumerate(leaves)}
     ticks = [(k, n.tick) for k, n in enumerate(nodes) if n.info.checked]
-    keep = []
+    keep, betweens = [], []
     for st in storages:
         p = st.prev
         if p is None or p.aval != st.value.aval:
             keep.append(None)
+            betweens.append(0)
             continue
         j = lpos.get(id(p), -1)
         before = between = 0
@@ -509,8 +513,11 @@ def _undoable(storages, nodes, leaves) -> Keep:
                 before |= 1 << k
                 if t > st.first:  # and written before it too
                     between |= 1 << k
-        keep.append((j, before, between))
-    return Keep(keep)
+        keep.append((j, before))
+        betweens.append(between)
+    keep = Keep(keep)
+    keep.between = tuple(betweens)
+    return keep
 
 
 _last_sync = 0

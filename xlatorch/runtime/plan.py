@@ -149,7 +149,6 @@ def lower_fn(plan, leaf_kinds, root_refs, scopes=None, table=None, keep=()):
         rows = jnp.stack([jnp.stack([jnp.asarray(x).astype(jnp.int64) for x in c[:3]]) for c in found])
         table.set_roots([None if r < 0 else r // 4096 for r in root_refs])
         table.undo = [table.undo_mask(i, keep[i][1]) if keep and keep[i] is not None else 0 for i in range(len(outs))]
-        table.between = [table.rows_of(keep[i][2]) if keep and keep[i] is not None else 0 for i in range(len(outs))]
         table.in_graph = getattr(keep, "in_graph", False)  # graph.Keep: decided with the graph's key
         if not table.in_graph:
             return outs + (rows,)
