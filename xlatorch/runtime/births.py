@@ -125,6 +125,7 @@ def hoist(storages, nodes, key, run_part):
             n.args = replace_operands(n.args, done)
     for n, st in found.values():
         st.prev = done[id(n)]  # a failed on-device check gives the constant back (runtime/checks.py)
+        st.first = st.gen  # its value before its last write, as far as checks can tell
     COUNTERS["BirthsHoisted"] += len(done)
     # The next step meets these storages as older than everything born in it.
     return sorted(storages, key=lambda st: (st.prev is None, st.sid))
