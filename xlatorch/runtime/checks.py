@@ -48,6 +48,7 @@ reads each sync's rows before it returns (the error is raised by the failed step
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import sys
 import threading
@@ -56,7 +57,7 @@ import numpy as np
 
 from xlatorch.runtime.ir import Out
 
-__all__ = ["ENABLED", "DEFER", "Table", "Unsettled", "failure", "where", "settle"]
+__all__ = ["ENABLED", "DEFER", "Table", "Keep", "undoable", "Unsettled", "failure", "where", "settle"]
 
 _MODE = os.environ.get("XLATORCH_CHECKS", "1").strip().lower()
 ENABLED = _MODE not in ("0", "false", "off", "no")
@@ -69,20 +70,20 @@ if _UNDO not in ("", "graph", "keep"):
 UNDO_IN_GRAPH: list = [{"graph": True, "keep": False}.get(_UNDO)]
 
 
-def undo_in_graph(dev: int, kept_bytes=None) -> bool:
+def undo_in_graph(dev: int, kept=None) -> bool:
     """Whether checked steps undo themselves in the graph (see the module's docstring).
-    ``kept_bytes`` (a callable), at a compile: the bytes a step would keep otherwise; on CPU,
-    more than a quarter of the host's available memory switches this process to the graph."""
+    ``kept``, at a compile: the device data a step would keep otherwise; on CPU, more than a
+    quarter of the host's available memory switches this process to the graph."""
     mode = UNDO_IN_GRAPH[0]
     if mode is None:
         from xlatorch.runtime.transfer import jax_device
 
         mode = UNDO_IN_GRAPH[0] = jax_device(dev).platform != "cpu"
-    if not mode and kept_bytes is not None and not _UNDO:
+    if not mode and kept is not None and not _UNDO:
         from xlatorch.runtime.memory import host_available_bytes
 
         free = host_available_bytes()
-        if free is not None and 4 * kept_bytes() > free:
+        if free is not None and 4 * sum(math.prod(v.aval[0]) * v.aval[1].itemsize for v in kept) > free:
             mode = UNDO_IN_GRAPH[0] = True
     return mode
 
@@ -171,6 +172,45 @@ def failure(rows, flags, names) -> tuple[Exception, int] | None:
     return error, mask
 
 
+class Keep(tuple):
+    """``undoable``'s answer (the graph's key holds it); whether the graph undoes a failed
+    step itself (``in_graph``); and, not in the key, ``between``: per root, the checked nodes
+    its thread traced after the step's first write of it and before its last."""
+
+    in_graph = False
+    between: tuple = ()
+
+
+def undoable(storages, nodes, leaves) -> Keep:
+    """Per root: None, or ``(leaf, before)`` when its storage held device data before the step
+    that a failed check gives back: leaf ``leaf`` of the graph, or -1 when the step overwrote
+    it without reading it (``fill_``, ``copy_``: the sync keeps it); ``before``: a bit mask of
+    the checked nodes its thread traced before the storage's last write. ``Keep.between``
+    holds those of them traced after its first write in the step too (its value at such a
+    node is gone: when one fails, the tensor carries the error)."""
+    lpos = {id(v): i for i, v in enumerate(leaves)}
+    ticks = [(k, n.tick) for k, n in enumerate(nodes) if n.info.checked]
+    keep, betweens = [], []
+    for st in storages:
+        p = st.prev
+        if p is None or p.aval != st.value.aval:
+            keep.append(None)
+            betweens.append(0)
+            continue
+        j = lpos.get(id(p), -1)
+        before = between = 0
+        for k, (t, who) in ticks:
+            if t < st.gen and who == st.owner:  # traced after the check, by the same thread
+                before |= 1 << k
+                if t > st.first:  # and written before it too
+                    between |= 1 << k
+        keep.append((j, before))
+        betweens.append(between)
+    keep = Keep(keep)
+    keep.between = tuple(betweens)
+    return keep
+
+
 class Unsettled:
     """A committed execution whose check rows are not read yet: what undoing it needs."""
 
@@ -186,7 +226,7 @@ class Unsettled:
         # (the Data kept from before it, or its committed Data when the graph undid itself), or None
         self.prevs = prevs
         # per storage: the checked nodes traced between its first and last write in the step
-        # (graph.Keep.between): their failure leaves it no value to give back
+        # (Keep.between): their failure leaves it no value to give back
         self.between = between
 
 

@@ -10,7 +10,6 @@ called asynchronously: nothing here waits for results.
 from __future__ import annotations
 
 import itertools
-import math
 import os
 import threading
 import time
@@ -269,7 +268,7 @@ def _run_storages(storages, nodes, leaves, enc, root_refs, reason, dev, timed, e
     keep = ()
     in_graph = False  # a checked step undoes itself in the graph (runtime/checks.py)
     if checks.ENABLED and any(n.info.checked for n in nodes):
-        keep = _undoable(storages, nodes, leaves)
+        keep = checks.undoable(storages, nodes, leaves)
         in_graph = keep.in_graph = any(k is not None for k in keep) and checks.undo_in_graph(gdev)
     data = [v for v in leaves if type(v) is Data]
     # Donate buffers no live tensor holds any more, when an output can reuse them. Not the
@@ -281,7 +280,7 @@ def _run_storages(storages, nodes, leaves, enc, root_refs, reason, dev, timed, e
     spmd = sharding.prepare(data, storages) if sharding.ENABLED[0] else None  # (mesh, key part, outs)
     key = (tuple(enc), root_refs, tuple(v.sig for v in leaves), donate, gdev, keep, spmd and spmd[1], in_graph)
     exe = CACHE.get(key)  # one lookup on a hit: hashing the key walks the whole graph's encoding
-    if exe is None and held and checks.undo_in_graph(gdev, lambda: _bytes_of(v for v in leaves if id(v) in held)):
+    if exe is None and held and checks.undo_in_graph(gdev, [v for v in leaves if id(v) in held]):
         return _run_storages(storages, nodes, leaves, enc, root_refs, reason, dev, timed, everything, t0, once)
     if exe is None:
         checks.settle()  # the previous step's check rows, before anything here runs on the device
@@ -475,49 +474,6 @@ def _run_and_commit(exe, storages, data, packed, gdev, nodes, keep, everything, 
         checks.defer(u)  # the host goes on tracing while this runs
     else:
         checks.undo(u)  # reading the rows waits for this execution
-
-
-def _bytes_of(values) -> int:
-    return sum(math.prod(v.aval[0]) * v.aval[1].itemsize for v in values)
-
-
-class Keep(tuple):
-    """``_undoable``'s answer (the graph's key holds it); whether the graph undoes a failed
-    step itself (``in_graph``); and, not in the key, ``between``: per root, the checked nodes
-    its thread traced after the step's first write of it and before its last."""
-
-    in_graph = False
-    between: tuple = ()
-
-
-def _undoable(storages, nodes, leaves) -> Keep:
-    """Per root: None, or ``(leaf, before)`` when its storage held device data before the step
-    that a failed check gives back: leaf ``leaf`` of the graph, or -1 when the step overwrote
-    it without reading it (``fill_``, ``copy_``: the sync keeps it); ``before``: a bit mask of
-    the checked nodes its thread traced before the storage's last write. ``Keep.between``
-    holds those of them traced after its first write in the step too (its value at such a
-    node is gone: when one fails, the tensor carries the error)."""
-    lpos = {id(v): i for i, v in enumerate(leaves)}
-    ticks = [(k, n.tick) for k, n in enumerate(nodes) if n.info.checked]
-    keep, betweens = [], []
-    for st in storages:
-        p = st.prev
-        if p is None or p.aval != st.value.aval:
-            keep.append(None)
-            betweens.append(0)
-            continue
-        j = lpos.get(id(p), -1)
-        before = between = 0
-        for k, (t, who) in ticks:
-            if t < st.gen and who == st.owner:  # traced after the check, by the same thread
-                before |= 1 << k
-                if t > st.first:  # and written before it too
-                    between |= 1 << k
-        keep.append((j, before))
-        betweens.append(between)
-    keep = Keep(keep)
-    keep.between = tuple(betweens)
-    return keep
 
 
 _last_sync = 0

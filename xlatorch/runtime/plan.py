@@ -106,7 +106,7 @@ def lower_fn(plan, leaf_kinds, root_refs, scopes=None, table=None, keep=()):
     while JAX traces). A root with ``keep[i]`` set (its storage's data from before the
     step is leaf ``keep[i][0]``) gets that leaf's data back when a row it depends on, or a
     row of a checked node traced before its last write (``keep[i][1]``), is set
-    (``table.undo[i]`` holds those rows): with ``keep.in_graph`` (``graph.Keep``) the graph
+    (``table.undo[i]`` holds those rows): with ``keep.in_graph`` (``checks.Keep``) the graph
     selects it itself, and the sync may donate the leaf as it does without checks (one copy of
     the model's state on the device, not two); otherwise, or when the step did not read that
     data (``keep[i][0]`` is -1), the sync keeps it and restores it."""
@@ -149,7 +149,7 @@ def lower_fn(plan, leaf_kinds, root_refs, scopes=None, table=None, keep=()):
         rows = jnp.stack([jnp.stack([jnp.asarray(x).astype(jnp.int64) for x in c[:3]]) for c in found])
         table.set_roots([None if r < 0 else r // 4096 for r in root_refs])
         table.undo = [table.undo_mask(i, keep[i][1]) if keep and keep[i] is not None else 0 for i in range(len(outs))]
-        table.in_graph = getattr(keep, "in_graph", False)  # graph.Keep: decided with the graph's key
+        table.in_graph = getattr(keep, "in_graph", False)  # checks.Keep: decided with the graph's key
         if not table.in_graph:
             return outs + (rows,)
         # Root i is its data from before the step when a row of table.undo[i] fired (a
