@@ -14,6 +14,7 @@ import xlatorch
 import xlatorch.core.xla_model as xm
 import xlatorch.debug as xd
 import xlatorch.debug.metrics as met
+from tests.tolerances import AdaptiveSteps
 from xlatorch.amp import GradScaler, autocast, syncfree
 from xlatorch.amp.policy import FP32, LOW, POLICY, PROMOTE
 
@@ -285,18 +286,24 @@ def test_syncfree_optimizer_matches_torch_optim(cls, kw):
     dev = copy.deepcopy(cpu).to("xla")
     ref, opt = getattr(torch.optim, cls.__name__)(cpu.parameters(), **kw), cls(dev.parameters(), **kw)
     g = torch.Generator().manual_seed(2)
+    steps = AdaptiveSteps(rtol=1e-5, atol=1e-6)  # Adam: an element's step is its gradient's rounding amplified
     xd.clear()
     for step in range(4):
         x = torch.randn(6, 4, generator=g)
         for m, o in ((cpu, ref), (dev, opt)):
             o.zero_grad()
             m(x.to(next(m.parameters()).device)).square().mean().backward()
+        steps.before(cpu.parameters())
         ref.step()
+        steps.after(cpu.parameters())
         opt.step(found_inf=torch.zeros((), device="xla")) if step % 2 else opt.step()
         xm.mark_step()
     assert xd.sync_counts() == {}, xd.sync_report()
-    for a, b in zip(cpu.parameters(), dev.parameters()):
-        torch.testing.assert_close(b.detach().cpu(), a.detach(), rtol=1e-5, atol=1e-6)
+    if cls is syncfree.SGD:
+        for a, b in zip(cpu.parameters(), dev.parameters()):
+            torch.testing.assert_close(b.detach().cpu(), a.detach(), rtol=1e-5, atol=1e-6)
+    else:
+        steps.assert_close(dev.parameters(), cpu.parameters())
     want, got = ref.state_dict(), opt.state_dict()
     assert got["param_groups"] == [dict(g, capturable=True) if "capturable" in g else g for g in want["param_groups"]]
     assert {i: set(s) for i, s in got["state"].items()} == {i: set(s) for i, s in want["state"].items()}
