@@ -122,7 +122,7 @@ def _transfers() -> int:
 
 def _count_ops(fn) -> int:
     """The number of ATen ops ``fn`` dispatches to the xla device."""
-    from xlatorch.runtime import tensor
+    from xlatorch.runtime.trace import tensor
 
     n = [0]
     orig = tensor.DISPATCH

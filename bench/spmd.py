@@ -44,7 +44,7 @@ def run(variant: str, small: bool, steps: int) -> dict:
     import xlatorch.debug.metrics as met
     import xlatorch.distributed.spmd as xs
     from examples.models import programs
-    from xlatorch.runtime import graph
+    from xlatorch.runtime.lower import cache
 
     p = programs(small=small)["gpt"]
     n = int(os.environ["CPU_NUM_DEVICES"])
@@ -78,7 +78,7 @@ def run(variant: str, small: bool, steps: int) -> dict:
         losses.append(loss.item())
         if i == 1:
             warm = met.counter_value("UncachedCompile") or 0
-    step_exe = max(graph.CACHE.values(), key=lambda e: e.used)  # the training step ran last
+    step_exe = max(cache.CACHE.values(), key=lambda e: e.used)  # the training step ran last
     m = step_exe.xla.memory_analysis()
     params = list(model.parameters())
     state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]

@@ -49,7 +49,7 @@ class Entry:
     fallback: str | None = None  # a declared CPU fallback, with the reason
     test: dict = field(default_factory=dict)  # OpInfo hints: opinfo names, tolerances, xfails
     # A check CPU PyTorch makes on the data (index bounds, division by zero): an expression
-    # giving L.checks results, computed inside the compiled graph (xlatorch/runtime/checks.py).
+    # giving L.checks results, computed inside the compiled graph (xlatorch/runtime/lower/checks.py).
     check: str | None = None
     check_if: str | None = None  # "integral": only when the computation dtype is integral
 

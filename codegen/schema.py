@@ -12,7 +12,7 @@ import torchgen
 from torchgen.gen import get_grouped_native_functions, parse_native_yaml
 from torchgen.model import NativeFunctionsGroup
 
-# Argument kinds; the names match xlatorch.runtime.dispatch.
+# Argument kinds; the names match xlatorch.runtime.trace.dispatch.
 TRACED_SCALAR_TYPES = {"Scalar", "Scalar?", "float", "float?"}
 
 
@@ -86,9 +86,11 @@ def _schema(f) -> Schema:
     fn = f.func
     args = []
     outs = {a.name for a in fn.arguments.out}
-    for a, ko in [(a, False) for a in fn.arguments.flat_positional] + [
-        (a, True) for a in fn.arguments.flat_kwarg_only
-    ] + [(a, True) for a in fn.arguments.out]:
+    for a, ko in (
+        [(a, False) for a in fn.arguments.flat_positional]
+        + [(a, True) for a in fn.arguments.flat_kwarg_only]
+        + [(a, True) for a in fn.arguments.out]
+    ):
         t = str(a.type)
         py = a.name + "_" if keyword.iskeyword(a.name) else a.name
         args.append(Arg(a.name, py, t, _kind(t), ko, _default(a.default, t), a.name in outs))

@@ -4,10 +4,10 @@
 import torch
 
 from xlatorch._generated import lowerings as E
-from xlatorch.runtime.dispatch import (
-    GENERATOR, LIST, ONE, OPT_TENSOR, SCALAR, SCALAR_LIST, STATIC, TENSOR, TENSOR_LIST, TUPLE,
-    OpSpec, call, call_inplace, call_out,
+from xlatorch.runtime.ir.ops import (
+    GENERATOR, LIST, ONE, OPT_TENSOR, SCALAR, SCALAR_LIST, STATIC, TENSOR, TENSOR_LIST, TUPLE, OpSpec,
 )
+from xlatorch.runtime.trace.dispatch import call, call_inplace, call_out
 
 aten = torch.ops.aten
 

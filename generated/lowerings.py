@@ -12,7 +12,7 @@ import numpy as np
 from jax import lax
 
 import xlatorch.lowering as L
-from xlatorch.runtime.dtypes import to_jax as torch_dtype
+from xlatorch.runtime.base.dtypes import to_jax as torch_dtype
 
 
 def empty_memory_format(out, size, dtype, layout, device, pin_memory, memory_format):

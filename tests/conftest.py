@@ -25,10 +25,10 @@ def _fresh_metrics():
     met.clear_all()
     yield
     torch.set_default_device(None)
-    from xlatorch.runtime import checks
+    from xlatorch.runtime.execute import settle
 
-    checks.settle()  # a failed on-device check the test left unread fails that test, not the next
-    checks._THREAD[0] = None  # a test's threads do not make the next test read its checks at once
+    settle.settle()  # a failed on-device check the test left unread fails that test, not the next
+    settle._THREAD[0] = None  # a test's threads do not make the next test read its checks at once
 
 
 def pytest_addoption(parser):

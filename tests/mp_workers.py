@@ -151,7 +151,7 @@ def killed(index):
 def late(index):
     if index == 0:
         xr_timeout = 2.0
-        from xlatorch.runtime.distributed import rendezvous
+        from xlatorch.runtime.base.topology import rendezvous
 
         rendezvous("late", timeout=xr_timeout)
     else:

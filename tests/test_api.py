@@ -10,7 +10,7 @@ import xlatorch.core.xla_model as xm
 import xlatorch.debug.metrics as met
 import xlatorch.runtime as xr
 from xlatorch.core import step_closures
-from xlatorch.runtime.tensor import pending_storages
+from xlatorch.runtime.trace.tensor import pending_storages
 
 
 def _executions() -> int:

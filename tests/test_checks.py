@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import xlatorch.core.xla_model as xm
 import xlatorch.debug.metrics as met
 from tests.tolerances import AdaptiveSteps
-from xlatorch.runtime.failure import FailedValueError
+from xlatorch.runtime.ir.failed import FailedValueError
 
 X = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
 
@@ -26,10 +26,11 @@ X = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
 def undo(request, monkeypatch):
     """Both ways a failed step is undone: the sync gives back the data it kept (CPU's way),
     or the graph selects it itself and the data is donated (accelerators')."""
-    from xlatorch.runtime import checks, graph
+    from xlatorch.runtime.lower import cache
+    from xlatorch.runtime.plan import keep
 
-    monkeypatch.setattr(checks, "UNDO_IN_GRAPH", [request.param == "graph"])
-    monkeypatch.setattr(graph, "CACHE", {})
+    monkeypatch.setattr(keep, "UNDO_IN_GRAPH", [request.param == "graph"])
+    monkeypatch.setattr(cache, "CACHE", {})
     return request.param
 
 
@@ -281,17 +282,19 @@ def test_a_checked_step_undone_in_the_graph_donates_the_state_it_updates(undo):
 def test_on_cpu_checked_steps_undo_in_the_graph_once_keeping_the_state_would_not_fit(monkeypatch):
     """CPU keeps the data a failed step gives back until the state it would keep takes a
     quarter of the host's available memory; from then on the process undoes in the graph."""
-    from xlatorch.runtime import checks, graph, memory
+    from xlatorch.runtime.base import memory
+    from xlatorch.runtime.lower import cache
+    from xlatorch.runtime.plan import keep
 
-    monkeypatch.setattr(checks, "UNDO_IN_GRAPH", [None])
-    monkeypatch.setattr(checks, "_UNDO", "")
-    monkeypatch.setattr(graph, "CACHE", {})
+    monkeypatch.setattr(keep, "UNDO_IN_GRAPH", [None])
+    monkeypatch.setattr(keep, "_UNDO", "")
+    monkeypatch.setattr(cache, "CACHE", {})
     monkeypatch.setattr(memory, "host_available_bytes", lambda: 4000)  # the state kept: ~1.5 kB
     steps = AdaptiveSteps(rtol=1e-5, atol=1e-6)
     cpu_params = _adam_steps_with_a_bad_target("cpu", steps)
     met.clear_all()
     xla_params = _adam_steps_with_a_bad_target("xla")
-    assert checks.UNDO_IN_GRAPH == [True] and _donated() >= 12
+    assert keep.UNDO_IN_GRAPH == [True] and _donated() >= 12
     steps.assert_close(xla_params, cpu_params)
 
 

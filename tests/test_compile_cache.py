@@ -75,21 +75,21 @@ def test_the_in_memory_cache_is_bounded_and_evicted_graphs_come_back_from_disk()
 
     import xlatorch.core.xla_model as xm
     import xlatorch.debug.metrics as met
-    from xlatorch.runtime import graph
+    from xlatorch.runtime.lower import cache
 
     def run(n):
         y = torch.arange(float(n), device="xla") * 3 + 1
         xm.mark_step()
         return y
 
-    old = graph.CACHE_SIZE
-    graph.CACHE.clear()  # graphs of earlier tests would be evicted first
-    graph.set_cache_size(3)
+    old = cache.CACHE_SIZE
+    cache.CACHE.clear()  # graphs of earlier tests would be evicted first
+    cache.set_cache_size(3)
     try:
         met.clear_all()
         for n in (101, 102, 103, 104, 105):  # five graphs (one per shape)
             run(n)
-        assert len(graph.CACHE) <= 3
+        assert len(cache.CACHE) <= 3
         assert met.counter_value("CompileCacheEviction") == 2
         run(105)  # the newest stays warm
         assert met.counter_value("UncachedCompile") == 5
@@ -98,10 +98,10 @@ def test_the_in_memory_cache_is_bounded_and_evicted_graphs_come_back_from_disk()
         assert met.counter_value("UncachedCompile") == 6
         assert (met.counter_value("PersistentCacheHit") or 0) == hits + 1
         torch.testing.assert_close(y.cpu(), torch.arange(101.0) * 3 + 1)
-        assert graph.CACHE_SIZE == 3 and not met.counter_value("CompileCacheGrown")  # a limit set is kept
+        assert cache.CACHE_SIZE == 3 and not met.counter_value("CompileCacheGrown")  # a limit set is kept
     finally:
-        graph.set_cache_size(old)
-        graph._fixed[0] = False
+        cache.set_cache_size(old)
+        cache._fixed[0] = False
 
 
 def test_a_loop_over_more_graphs_than_the_limit_gets_room_for_them(monkeypatch):
@@ -114,13 +114,13 @@ def test_a_loop_over_more_graphs_than_the_limit_gets_room_for_them(monkeypatch):
 
     import xlatorch.core.xla_model as xm
     import xlatorch.debug.metrics as met
-    from xlatorch.runtime import graph
+    from xlatorch.runtime.lower import cache
 
-    monkeypatch.setattr(graph, "CACHE", {})
-    monkeypatch.setattr(graph, "CACHE_SIZE", 4)
-    monkeypatch.setattr(graph, "CACHE_SIZE_MAX", 32)
-    monkeypatch.setattr(graph, "_fixed", [False])
-    monkeypatch.setattr(graph, "_dropped", {})
+    monkeypatch.setattr(cache, "CACHE", {})
+    monkeypatch.setattr(cache, "CACHE_SIZE", 4)
+    monkeypatch.setattr(cache, "CACHE_SIZE_MAX", 32)
+    monkeypatch.setattr(cache, "_fixed", [False])
+    monkeypatch.setattr(cache, "_dropped", {})
 
     def run(n):
         y = torch.arange(float(n), device="xla") * 3 + 1
@@ -134,27 +134,28 @@ def test_a_loop_over_more_graphs_than_the_limit_gets_room_for_them(monkeypatch):
         ys = [run(n) for n in range(201, 211)]  # ten graphs, one per shape
         compiles.append((met.counter_value("UncachedCompile") or 0) - before)
     assert compiles == [10, 6, 0], compiles  # the six dropped in round 0 come back once
-    assert graph.CACHE_SIZE == 10 and met.counter_value("CompileCacheGrown") == 6
+    assert cache.CACHE_SIZE == 10 and met.counter_value("CompileCacheGrown") == 6
     for n, y in zip(range(201, 211), ys):
         torch.testing.assert_close(y.cpu(), torch.arange(float(n)) * 3 + 1)
     for n in range(301, 321):  # a sweep: every shape new, none met again
         run(n)
-    assert graph.CACHE_SIZE == 10 and len(graph.CACHE) == 10
-    monkeypatch.setattr(graph, "CACHE_SIZE_MAX", 12)
+    assert cache.CACHE_SIZE == 10 and len(cache.CACHE) == 10
+    monkeypatch.setattr(cache, "CACHE_SIZE_MAX", 12)
     for n in range(201, 211):  # dropped by the sweep: the limit grows only up to its maximum
         run(n)
-    assert graph.CACHE_SIZE == 12 and len(graph.CACHE) == 12
-    monkeypatch.setattr(graph, "CACHE_SIZE_MAX", 32)
-    monkeypatch.setattr(graph, "_host_room", lambda: False)  # the host short of memory: no more
+    assert cache.CACHE_SIZE == 12 and len(cache.CACHE) == 12
+    monkeypatch.setattr(cache, "CACHE_SIZE_MAX", 32)
+    monkeypatch.setattr(cache, "_host_room", lambda: False)  # the host short of memory: no more
     for n in range(301, 311):
         run(n)
-    assert graph.CACHE_SIZE == 12
+    assert cache.CACHE_SIZE == 12
 
 
 def test_host_memory_counts_a_containers_limit(tmp_path, monkeypatch):
     """Inside a container with a memory limit, the host's available and total memory are the
     container's (the executable cache grows only while a quarter of it is free)."""
-    from xlatorch.runtime import graph, memory
+    from xlatorch.runtime.base import memory
+    from xlatorch.runtime.lower import cache
 
     limit, use = tmp_path / "memory.max", tmp_path / "memory.current"
     limit.write_text(str(4 << 30))
@@ -162,9 +163,9 @@ def test_host_memory_counts_a_containers_limit(tmp_path, monkeypatch):
     monkeypatch.setattr(memory, "CGROUP_FILES", ((str(limit), str(use)),))
     free, total = memory.host_memory()
     assert total == 4 << 30 and free <= 1 << 30
-    assert free * 4 >= total and graph._host_room()  # exactly a quarter left
+    assert free * 4 >= total and cache._host_room()  # exactly a quarter left
     use.write_text(str((3 << 30) + 1))
-    assert not graph._host_room()
+    assert not cache._host_room()
     limit.write_text("max")  # no limit: the host's own figures
     free, total = memory.host_memory()
     assert total == os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

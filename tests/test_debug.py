@@ -17,9 +17,10 @@ import xlatorch.core.xla_model as xm
 import xlatorch.debug as xd
 import xlatorch.debug.metrics as met
 from xlatorch.debug import knob
-from xlatorch.runtime import ir, record
-from xlatorch.runtime.ir import Out
-from xlatorch.runtime.tensor import value_of
+from xlatorch.runtime.base import record
+from xlatorch.runtime.ir import values as ir
+from xlatorch.runtime.ir.values import Out
+from xlatorch.runtime.trace.tensor import value_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = os.path.basename(__file__)
@@ -130,7 +131,7 @@ def test_data_dependent_size_change_is_named():
     x = torch.tensor([0.0, 1.0, 0.0, 2.0, 3.0, 0.0, 0.0]).to("xla")
     for k in (0.5, 1.5):
         # (float work on the result: a changing graph of integer bookkeeping alone would run
-        # on the host, compiling nothing; runtime/stages.py)
+        # on the host, compiling nothing; runtime/plan/stages.py)
         y = torch.nonzero(x > k) * 0.5  # noqa: F841
         xm.mark_step()
     rec = xd.compile_reasons()[-1]

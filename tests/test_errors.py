@@ -4,12 +4,12 @@ import threading
 
 import pytest
 import torch
-from xlatorch._generated import dispatch as table
 
 import xlatorch.core.xla_model as xm
-from xlatorch.runtime import dispatch as D
-from xlatorch.runtime import tensor as T
-from xlatorch.runtime.failure import FailedValueError
+from xlatorch._generated import dispatch as table
+from xlatorch.runtime.ir.failed import FailedValueError
+from xlatorch.runtime.trace import dispatch as D
+from xlatorch.runtime.trace import tensor as T
 
 
 def test_a_failed_sync_poisons_only_its_tensors(monkeypatch):

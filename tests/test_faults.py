@@ -154,10 +154,10 @@ def _sgd_reference(w0, x, lr):
 
 def test_a_failed_op_costs_only_what_depends_on_it(monkeypatch):
     import torch
-    from xlatorch._generated import dispatch as table
 
     import xlatorch.core.xla_model as xm
-    from xlatorch.runtime.failure import FailedValueError
+    from xlatorch._generated import dispatch as table
+    from xlatorch.runtime.ir.failed import FailedValueError
 
     w0, x = torch.randn(4, 3), torch.randn(3, 5)
     w = w0.to("xla").requires_grad_()
@@ -185,7 +185,7 @@ def test_an_out_of_memory_graph_costs_only_its_part():
     import torch
 
     import xlatorch.core.xla_model as xm
-    from xlatorch.runtime.failure import FailedValueError
+    from xlatorch.runtime.ir.failed import FailedValueError
 
     w0, x = torch.randn(4, 3), torch.randn(3, 5)
     w = w0.to("xla").requires_grad_()
@@ -291,10 +291,9 @@ def _train_skipping(seed, skip, steps=12):
 def test_reading_a_failed_value_raises_in_any_thread(monkeypatch):
     import threading
 
-    from xlatorch._generated import dispatch as table
-
     import xlatorch.core.xla_model as xm
-    from xlatorch.runtime.failure import FailedValueError
+    from xlatorch._generated import dispatch as table
+    from xlatorch.runtime.ir.failed import FailedValueError
 
     def broken(out, self):
         raise ZeroDivisionError("exploded")

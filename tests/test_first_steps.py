@@ -1,5 +1,5 @@
 """The first two steps of a training loop compile one large graph, not two: optimizer state
-born in step 0 from a constant is computed by a small graph of its own (runtime/births.py),
+born in step 0 from a constant is computed by a small graph of its own (runtime/plan/births.py),
 so step 0's graph is step 1's. Losses and weights match CPU eager."""
 
 import pytest
@@ -7,16 +7,16 @@ import torch
 
 import xlatorch.core.xla_model as xm
 import xlatorch.debug.metrics as met
-import xlatorch.runtime.graph as graph
 from examples.models import programs
 from tests.tolerances import AdaptiveSteps
-from xlatorch.runtime import births, compiler
+from xlatorch.runtime.lower import cache, compiler
+from xlatorch.runtime.plan import births
 
 
 @pytest.fixture(autouse=True)
 def _fresh_cache(monkeypatch):
     """Compile counts of a first run: no executables from earlier tests."""
-    monkeypatch.setattr(graph, "CACHE", {})
+    monkeypatch.setattr(cache, "CACHE", {})
     births._SPLIT.clear()
 
 
@@ -97,7 +97,7 @@ def test_step_one_reuses_step_zero_graph(opt):
 
 def test_the_state_graph_compiles_fast_and_the_step_graph_runs_fast(monkeypatch):
     """The optimizer state's graph runs once: it gets the options that compile fast
-    (``runtime/compiler.py``); the step's graph, run every step, XLA's defaults."""
+    (``runtime/lower/compiler.py``); the step's graph, run every step, XLA's defaults."""
     seen = []  # per compile: was it compiled to compile fast
     compile_ = compiler.compile
     monkeypatch.setattr(compiler, "compile", lambda lowered, once=False: seen.append(once) or compile_(lowered, once))
@@ -127,7 +127,7 @@ def test_same_numbers_as_without_the_split(monkeypatch):
     make_opt = OPTIMIZERS["adamw"]
     got, _, _, model = _train(p, xm.xla_device(), make_opt)
     monkeypatch.setattr(births, "ENABLED", False)
-    monkeypatch.setattr(graph, "CACHE", {})
+    monkeypatch.setattr(cache, "CACHE", {})
     want, compiles, _, ref = _train(p, xm.xla_device(), make_opt)
     assert compiles == [1, 1, 0, 0], compiles
     assert got == want

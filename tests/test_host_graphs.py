@@ -1,5 +1,5 @@
-"""Tiny graphs read by the host run there whole (``runtime/stages.py``: ``Whole``), and a buffer
-made from a shape and filled in part is a birth (``runtime/births.py``): what a generation
+"""Tiny graphs read by the host run there whole (``runtime/plan/stages.py``: ``Whole``), and a buffer
+made from a shape and filled in part is a birth (``runtime/plan/births.py``): what a generation
 loop's setup and its static KV cache need to compile nothing new on a second call. Values
 equal CPU eager; compiles and counters are read through the metrics API."""
 
@@ -10,8 +10,8 @@ import torch
 
 import xlatorch.core.xla_model as xm
 import xlatorch.debug.metrics as met
-import xlatorch.runtime.graph as graph
-from xlatorch.runtime import births, stages
+from xlatorch.runtime.lower import cache
+from xlatorch.runtime.plan import births, stages
 
 DEV = "xla"
 
@@ -19,7 +19,7 @@ DEV = "xla"
 @pytest.fixture(autouse=True)
 def _fresh_cache(monkeypatch):
     """Compile counts of a first run: no executables from earlier tests."""
-    monkeypatch.setattr(graph, "CACHE", {})
+    monkeypatch.setattr(cache, "CACHE", {})
     births._SPLIT.clear()
     stages.SEEN.clear()
 

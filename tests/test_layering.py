@@ -1,10 +1,12 @@
-"""The package's imports follow the pipeline (ARCHITECTURE.md, "Layering"), read with ``ast``.
+"""The package's imports follow the pipeline (ARCHITECTURE.md, "Layering"), read with ``ast``
+(imports inside functions included).
 
 The runtime records and the debug tools report: nothing under ``xlatorch/runtime/`` imports
 ``xlatorch.debug``, ``xlatorch.core``, ``xlatorch.distributed``, ``xlatorch.fallback`` or
-``xlatorch.compat`` (lazy imports inside functions included), only the package root imports
-``xlatorch.compat``, ``runtime/record.py`` imports nothing of xlatorch,
-and no import circle joins the package's top-level folders.
+``xlatorch.compat``; only the package root imports ``xlatorch.compat``;
+``runtime/base/record.py`` imports nothing of xlatorch. Inside the runtime, a stage imports
+only the stages before it (``STAGES``, in processing order) and its own; no two files of the
+package import each other, directly or through others.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ def _modules() -> dict[str, str]:
 def _imports(path: str, module: str) -> set[str]:
     """Every xlatorch module ``path`` imports, wherever the import statement is."""
     found = set()
+    modules = _modules()
     for n in ast.walk(ast.parse(open(path).read(), path)):
         if isinstance(n, ast.Import):
             found.update(a.name for a in n.names)
@@ -39,9 +42,18 @@ def _imports(path: str, module: str) -> set[str]:
             if n.level:  # relative: resolve against the importing package
                 parts = module.split(".")[: -n.level] if not path.endswith("__init__.py") else module.split(".")
                 base = ".".join(parts + ([n.module] if n.module else []))
-            found.add(base)
-            found.update(f"{base}.{a.name}" for a in n.names)
+            names = [f"{base}.{a.name}" for a in n.names]
+            if not all(m in modules for m in names):  # ``from pkg import module`` reads the module, not pkg
+                found.add(base)
+            found.update(names)
     return {m for m in found if m == "xlatorch" or m.startswith("xlatorch.")}
+
+
+def _owner(module: str, modules) -> str:
+    """The file a dotted name lives in: the module itself, or the module defining that name."""
+    while module not in modules:
+        module = module.rpartition(".")[0]
+    return module
 
 
 def _folder(module: str) -> str | None:
@@ -70,8 +82,49 @@ def test_only_the_package_root_uses_the_front_doors():
 
 
 def test_the_recording_module_is_the_bottom():
-    path = _modules()["xlatorch.runtime.record"]
-    assert not _imports(path, "xlatorch.runtime.record")
+    path = _modules()["xlatorch.runtime.base.record"]
+    assert not _imports(path, "xlatorch.runtime.base.record")
+
+
+# The runtime's stages in processing order (runtime/README.md); ``device`` and the package
+# itself (``xr``) sit on top of them all.
+STAGES = ("base", "ir", "trace", "plan", "lower", "multi", "execute")
+
+
+def _stage(module: str) -> int | None:
+    parts = module.split(".")
+    if parts[:2] != ["xlatorch", "runtime"]:
+        return None
+    return STAGES.index(parts[2]) if len(parts) > 3 and parts[2] in STAGES else len(STAGES)
+
+
+def test_runtime_stages_import_only_earlier_stages():
+    modules = _modules()
+    bad = []
+    for mod, path in modules.items():
+        s = _stage(mod)
+        if s is None:
+            continue
+        for m in sorted(_imports(path, mod)):
+            t = _stage(_owner(m, modules))
+            if t is not None and t > s:
+                bad.append(f"{mod} ({STAGES[s] if s < len(STAGES) else 'top'}) imports {m}")
+    assert not bad, "\n".join(bad)
+    seen = {mod.split(".")[2] for mod in modules if _stage(mod) is not None and _stage(mod) < len(STAGES)}
+    assert seen == set(STAGES)  # every stage is a folder the walk saw
+
+
+def test_no_import_circle_between_files():
+    modules = _modules()
+    edges = defaultdict(set)
+    for mod, path in modules.items():
+        for m in _imports(path, mod):
+            dst = _owner(m, modules)
+            if dst != mod and dst != "xlatorch":  # every module imports its package root first
+                edges[mod].add(dst)
+    assert "xlatorch.runtime.execute.sync" in edges["xlatorch.runtime.execute.materialize"]  # the walk found imports
+    cycle = _cycle(edges)
+    assert cycle is None, "import circle between files: " + " -> ".join(cycle)
 
 
 def _cycle(edges) -> list[str] | None:

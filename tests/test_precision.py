@@ -56,7 +56,7 @@ def probe(train: bool) -> dict:
     """Run in the mode's subprocess: what the device computes, reports and stores."""
     import xlatorch
     import xlatorch.debug.metrics as met
-    from xlatorch.runtime.transfer import materialized
+    from xlatorch.runtime.execute.materialize import materialized
 
     def stored(t):  # the dtype of the runtime's device buffer (a view's value is its clone's)
         return str(materialized(t if t._vw is None else t.clone()).array.dtype)
@@ -244,14 +244,14 @@ def test_mlp_training(mode):
      ("", False), ("yes", False)],
 )  # fmt: skip
 def test_env_flag_reads_like_torch_xla(monkeypatch, value, on):
-    from xlatorch.runtime.dtypes import env_flag
+    from xlatorch.runtime.base.dtypes import env_flag
 
     monkeypatch.setenv("XLA_USE_BF16", value)
     assert env_flag("XLA_USE_BF16") is on
 
 
 def test_use_bf16_wins_over_downcast_for_float64():
-    from xlatorch.runtime.dtypes import storage_map
+    from xlatorch.runtime.base.dtypes import storage_map
 
     use = {torch.float32: torch.bfloat16, torch.float64: torch.bfloat16}
     assert storage_map(True, True) == storage_map(True, False) == use

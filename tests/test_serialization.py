@@ -15,7 +15,7 @@ import torch
 
 import xlatorch.core.xla_model as xm
 import xlatorch.utils.serialization as xser
-from xlatorch.runtime.serialization import replay
+from xlatorch.runtime.execute.serialization import replay
 
 DEV = xm.xla_device()
 Point = collections.namedtuple("Point", ["x", "y"])
@@ -450,7 +450,7 @@ def _saved(tmp_path, n=1000):
 def test_a_flipped_byte_in_tensor_data_is_an_error_naming_the_record(tmp_path):
     import zipfile
 
-    from xlatorch.runtime.serialization import CheckpointCorruptError
+    from xlatorch.runtime.execute.serialization import CheckpointCorruptError
 
     path = _saved(tmp_path)
     with zipfile.ZipFile(path) as z:
@@ -464,7 +464,7 @@ def test_a_flipped_byte_in_tensor_data_is_an_error_naming_the_record(tmp_path):
 
 
 def test_a_truncated_checkpoint_is_an_error_naming_the_file(tmp_path):
-    from xlatorch.runtime.serialization import CheckpointCorruptError
+    from xlatorch.runtime.execute.serialization import CheckpointCorruptError
 
     path = _saved(tmp_path)
     raw = path.read_bytes()

@@ -1,4 +1,4 @@
-"""Graphs whose shapes change from sync to sync run as stages (``runtime/stages.py``): the
+"""Graphs whose shapes change from sync to sync run as stages (``runtime/plan/stages.py``): the
 unchanged part compiles once, the changing part per shape or, when it is small integer
 bookkeeping, on the host. Results equal CPU eager; compiles stay flat."""
 
@@ -9,8 +9,10 @@ import torch
 
 import xlatorch.core.xla_model as xm
 import xlatorch.debug.metrics as met
-import xlatorch.runtime.graph as graph
-from xlatorch.runtime import compiler, record, stages
+from xlatorch.runtime.base import record
+from xlatorch.runtime.execute import host
+from xlatorch.runtime.lower import cache, compiler
+from xlatorch.runtime.plan import stages
 
 DEV = "xla"
 
@@ -122,8 +124,8 @@ def test_a_float_changing_part_compiles_per_shape_but_only_that_part():
     host = _counter("StageOnHost")
     sizes = []  # nodes of each graph compiled
 
-    def hook(key, nodes, *args):
-        sizes.append(len(nodes))
+    def hook(request, *args):
+        sizes.append(len(request.nodes))
 
     record.COMPILE_HOOKS.append(hook)
     try:
@@ -170,14 +172,14 @@ def _spy_compiles(monkeypatch, fail_unless_fast=None) -> list:
         return compile_(lowered, once)
 
     monkeypatch.setattr(compiler, "compile", spy)
-    monkeypatch.setattr(graph, "CACHE", {})  # compile afresh what earlier tests compiled
+    monkeypatch.setattr(cache, "CACHE", {})  # compile afresh what earlier tests compiled
     return seen
 
 
 def test_a_changing_stage_compiles_for_speed_of_compiling(monkeypatch):
     """The stages compiled per shape run once each: XLA compiles them with the options that
     compile fast (on CPU, the classic fusion emitters); the graphs that run every step get
-    XLA's defaults (``runtime/compiler.py``)."""
+    XLA's defaults (``runtime/lower/compiler.py``)."""
     seen = _spy_compiles(monkeypatch)
     model = _Decoder()
     x = torch.randn(2, 1, 16)
@@ -340,7 +342,7 @@ def test_an_interrupt_between_stages_changes_nothing(monkeypatch):
     ids_d, mask_d = ids.to(DEV), mask.to(DEV)
     _generate(model, ids_d, mask_d, 3, DEV)  # the loop's graph is known: the next one is staged
     weights = [p.detach().cpu().clone() for p in model.parameters()]
-    real = stages.on_host
+    real = host.on_host
     calls = []
 
     def interrupted(*args):
@@ -349,10 +351,10 @@ def test_an_interrupt_between_stages_changes_nothing(monkeypatch):
             raise KeyboardInterrupt
         return real(*args)
 
-    monkeypatch.setattr(stages, "on_host", interrupted)
+    monkeypatch.setattr(host, "on_host", interrupted)
     with pytest.raises(KeyboardInterrupt):
         _generate(model, ids_d, mask_d, 6, DEV)
-    monkeypatch.setattr(stages, "on_host", real)
+    monkeypatch.setattr(host, "on_host", real)
     assert len(calls) == 2
     for p, w in zip(model.parameters(), weights):
         assert torch.equal(p.detach().cpu(), w)
@@ -383,7 +385,7 @@ def test_last_step_without_its_pad_borrows_the_plan(monkeypatch):
     """The last step's graph lacks one op (no padding left): a new structure, whose nodes match
     the previous plan's but for that op. It runs as the same stages (cached) and compiles
     nothing; results equal CPU's."""
-    monkeypatch.setattr(graph, "CACHE", {})
+    monkeypatch.setattr(cache, "CACHE", {})
     model = _Decoder()
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(1, 50, (2, 5), generator=gen)

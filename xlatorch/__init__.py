@@ -25,7 +25,7 @@ jax.config.update("jax_enable_x64", True)  # int64 / float64 are exact, as in Py
 from xlatorch import runtime as _xr  # noqa: E402
 
 _xr._from_environment()  # PJRT_DEVICE=CPU|GPU|TPU
-from xlatorch.runtime import compile_cache  # noqa: E402
+from xlatorch.runtime.lower import compile_cache  # noqa: E402
 
 compile_cache.configure()  # before any compile: JAX's persistent cache lives in ours
 
@@ -39,15 +39,15 @@ if torch._C._get_privateuse1_backend_name() != "xla":
 
 from xlatorch._generated import dispatch as _table  # noqa: E402
 from xlatorch.runtime import device as _device  # noqa: E402
-from xlatorch.runtime.dispatch import DECOMPS as _DECOMPS  # noqa: E402
-from xlatorch.runtime.dispatch import SHIMS as _SHIMS  # noqa: E402
+from xlatorch.runtime.trace.dispatch import DECOMPS as _DECOMPS  # noqa: E402
+from xlatorch.runtime.trace.dispatch import SHIMS as _SHIMS  # noqa: E402
 
 _SHIMS.update(_table.SHIMS)
 _DECOMPS.update({op: torch._decomp.decomposition_table[op] for op in _table.DECOMPOSED})
 _device.install(_table.SPECS)
 _device.check_runtime(_table.RUNTIME)
 _device.register(_table.FACTORIES)
-from xlatorch.runtime import fx as _fx  # noqa: E402
+from xlatorch.runtime.trace import fx as _fx  # noqa: E402
 
 _fx.SPECS.update({s.overload: s for s in _table.SPECS.values() if s.overload is not None})
 
@@ -55,8 +55,8 @@ import xlatorch.debug  # noqa: E402,F401  (the compile explainer, sync report an
 from xlatorch.amp import autocast_mode as _autocast  # noqa: E402
 from xlatorch.debug import profiler as _profiler  # noqa: E402
 from xlatorch.fallback import cpu as _fallback  # noqa: E402,F401  (ops with no lowering run on CPU)
-from xlatorch.runtime import interrupts as _interrupts  # noqa: E402
-from xlatorch.runtime import serialization as _serialization  # noqa: E402,F401  (torch.load of device tensors)
+from xlatorch.runtime.base import interrupts as _interrupts  # noqa: E402
+from xlatorch.runtime.execute import serialization as _serialization  # noqa: E402,F401  (torch.load of device tensors)
 
 _autocast.install()  # torch.autocast("xla"): the policy table's kernels on AutocastPrivateUse1
 _interrupts.install()  # Ctrl-C is raised in the user's code, not inside dispatch or a sync
@@ -114,7 +114,7 @@ def launch(fn, args=(), start_method: str = "spawn", debug_single_process: bool 
     ``debug_single_process`` runs one replica in this process.
     """
     from xlatorch.distributed import xla_multiprocessing as xmp
-    from xlatorch.runtime import distributed
+    from xlatorch.runtime.base import topology as distributed
 
     if "XLATORCH_RANK" in os.environ or {"RANK", "WORLD_SIZE", "MASTER_ADDR"} <= set(os.environ):
         distributed.initialize()

@@ -1,7 +1,7 @@
 """``torch.compile(model, backend="openxla")`` (or ``"xlatorch"``) on the xla device.
 
 Dynamo captures the program as FX graphs, AOTAutograd turns each into ATen forward and
-backward graphs, and each of those becomes one node of the lazy graph (``runtime/fx.py``),
+backward graphs, and each of those becomes one node of the lazy graph (``runtime/trace/fx.py``),
 lowered by the ops.yaml emitters: a compiled step pays one node per graph instead of Python
 dispatch per op, and the step (forward, backward, optimizer) still compiles into one cached
 XLA program at ``mark_step``. A graph with an op that has no lowering runs op by op on the
@@ -23,9 +23,9 @@ from torch._dynamo.backends.registry import _COMPILER_FNS, _lazy_import, registe
 from torch._dynamo.variables.builder import VariableBuilder
 from torch._functorch.aot_autograd import make_boxed_func
 
-from xlatorch.runtime.fx import FxProgram, Unlowerable
-from xlatorch.runtime.record import COUNTERS
-from xlatorch.runtime.tensor import XlaTensor
+from xlatorch.runtime.base.record import COUNTERS
+from xlatorch.runtime.trace.fx import FxProgram, Unlowerable
+from xlatorch.runtime.trace.tensor import XlaTensor
 
 __all__ = ["xlatorch_backend"]
 
@@ -67,7 +67,7 @@ def _decompositions() -> dict:
     graphs reach FxProgram made of lowered ops (compose before you add)."""
     from torch._decomp import decomposition_table
 
-    from xlatorch.runtime.fx import HANDLED, SPECS
+    from xlatorch.runtime.trace.fx import HANDLED, SPECS
 
     return {op: fn for op, fn in decomposition_table.items() if op not in SPECS and op not in HANDLED}
 

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from xlatorch.runtime.ir import Data
-from xlatorch.runtime.lowered import lower
-from xlatorch.runtime.tensor import XlaTensor, value_of
+from xlatorch.runtime.execute.lowered import lower
+from xlatorch.runtime.ir.values import Data
+from xlatorch.runtime.trace.tensor import XlaTensor, value_of
 
 __all__ = [
     "StableHLOExportOptions",

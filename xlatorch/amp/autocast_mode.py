@@ -15,7 +15,7 @@ import weakref
 import torch
 
 from xlatorch.amp.policy import FP32, LOW, POLICY
-from xlatorch.runtime import record
+from xlatorch.runtime.base import record
 
 __all__ = ["autocast", "install", "DEFAULT_DTYPE", "SUPPORTED_DTYPES"]
 

@@ -14,8 +14,8 @@ import inspect
 
 import torch
 
-from xlatorch.runtime.collectives import all_reduce
-from xlatorch.runtime.distributed import world_size
+from xlatorch.runtime.base.topology import world_size
+from xlatorch.runtime.trace.collectives import all_reduce
 
 __all__ = ["GradScaler"]
 

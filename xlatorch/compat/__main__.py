@@ -21,8 +21,6 @@ import os
 import subprocess
 import sys
 
-from xlatorch.compat import FRONT_DIR
-
 USAGE = """usage: python -m xlatorch.compat [PYTHON OPTIONS] SCRIPT [ARGS...]
        python -m xlatorch.compat [PYTHON OPTIONS] -m MODULE [ARGS...]
        python -m xlatorch.compat [PYTHON OPTIONS] -c CODE [ARGS...]
@@ -64,7 +62,8 @@ def command(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     if _ignores_environment(options) or sys.flags.ignore_environment or sys.flags.isolated:
         _fail("xlatorch.compat: -I / -E make Python ignore PYTHONPATH, which carries the aliases")
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([FRONT_DIR] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    front = os.path.join(os.path.dirname(os.path.abspath(__file__)), "front")  # xlatorch.compat.FRONT_DIR
+    env["PYTHONPATH"] = os.pathsep.join([front] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     # This interpreter's own flags (-u, -X dev, -W ...) carry over, as multiprocessing carries them.
     return [sys.executable, *subprocess._args_from_interpreter_flags(), *argv], env
 

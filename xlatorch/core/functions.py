@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from xlatorch.runtime import collectives as cc
-from xlatorch.runtime.distributed import global_ordinal, world_size
+from xlatorch.runtime.base.topology import global_ordinal, world_size
+from xlatorch.runtime.trace import collectives as cc
 
 __all__ = ["all_reduce", "all_gather", "reduce_scatter", "SyncBatchNorm"]
 

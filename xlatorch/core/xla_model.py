@@ -8,12 +8,20 @@ import jax
 import torch
 
 from xlatorch.core import step_closures
-from xlatorch.runtime import record, rng
-from xlatorch.runtime.collectives import all_gather, all_reduce, all_to_all, broadcast, reduce_scatter
-from xlatorch.runtime.distributed import reduce_gradients, rendezvous
-from xlatorch.runtime.graph import sync as _sync
-from xlatorch.runtime.memory import get_memory_info
-from xlatorch.runtime.record import COUNTERS
+from xlatorch.runtime.base import record
+from xlatorch.runtime.base.memory import get_memory_info
+from xlatorch.runtime.base.record import COUNTERS
+from xlatorch.runtime.base.topology import rendezvous
+from xlatorch.runtime.execute.sync import sync as _sync
+from xlatorch.runtime.ir import rng
+from xlatorch.runtime.trace.collectives import (
+    all_gather,
+    all_reduce,
+    all_to_all,
+    broadcast,
+    reduce_gradients,
+    reduce_scatter,
+)
 
 __all__ = [
     "xla_device", "get_xla_supported_devices", "xla_device_hw", "mark_step", "wait_device_ops",
@@ -70,8 +78,7 @@ def mark_step(wait: bool = False, reset_scope: bool = True) -> None:
 
 def _mark_step(wait: bool) -> None:
     COUNTERS["MarkStep"] += 1
-    from xlatorch.runtime.distributed import thread_replicas
-    from xlatorch.runtime.ir import current_device
+    from xlatorch.runtime.base.topology import current_device, thread_replicas
 
     # Under dp.DataParallel each thread steps its own device.
     _sync("mark_step", current_device() if thread_replicas() else None)
@@ -126,7 +133,7 @@ def broadcast_master_param(model: torch.nn.Module) -> None:
 
 def wait_device_ops(devices=None) -> None:
     """Block until every dispatched computation has finished."""
-    from xlatorch.runtime.graph import wait
+    from xlatorch.runtime.execute.sync import wait
 
     wait()
 
@@ -181,8 +188,8 @@ def save(data, file_or_path, master_only: bool = True, global_master: bool = Fal
     False. To a path the write is atomic (temporary file beside it, fsync, rename, fsync
     of the directory): a crash leaves the previous file intact, never a partial one.
     """
-    from xlatorch.runtime.serialization import atomic_write, cpu_pickle_module
-    from xlatorch.runtime.sharding import gathered
+    from xlatorch.runtime.execute.serialization import atomic_write, cpu_pickle_module
+    from xlatorch.runtime.multi.sharding import gathered
 
     _sync("save")
     with gathered(data):  # SPMD over several processes: shards split across them, gathered by all
@@ -215,7 +222,7 @@ def mesh_reduce(tag: str, data, reduce_fn):
     """``reduce_fn`` of every replica's ``data`` (tensors travel as CPU tensors, through the host)."""
     from torch.utils._pytree import tree_map
 
-    from xlatorch.runtime.distributed import exchange
+    from xlatorch.runtime.base.topology import exchange
 
     cpu = tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, data)
     return reduce_fn(exchange(tag, cpu))

@@ -10,17 +10,43 @@ Nodes carry ``# file.py:12`` annotations when they recorded the user's source li
 from __future__ import annotations
 
 from xlatorch.debug import knob
-from xlatorch.debug.explain import aval_text, dtype_name, op_name
-from xlatorch.runtime.lowered import graph_of, lower
-from xlatorch.runtime.source import fmt_src
+from xlatorch.runtime.base import topology
+from xlatorch.runtime.base.source import fmt_src
+from xlatorch.runtime.execute.lowered import graph_of, lower
 
-__all__ = ["ir_text", "hlo_text", "dot_text", "graph_text"]
+__all__ = ["ir_text", "hlo_text", "dot_text", "graph_text", "aval_text", "dtype_name", "op_name"]
+
+_SHORT = {
+    "float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16", "int64": "i64", "int32": "i32",
+    "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "pred", "complex64": "c64", "complex128": "c128",
+}  # fmt: skip
+
+
+def dtype_name(dt) -> str:
+    """``f32`` for ``torch.float32`` (HLO-style short names)."""
+    s = str(dt).replace("torch.", "")
+    return _SHORT.get(s, s)
+
+
+def aval_text(aval) -> str:
+    """``f32[64,784]`` for an aval ``((64, 784), torch.float32)``."""
+    if aval is None:
+        return "undefined"
+    shape, dt = aval
+    return f"{dtype_name(dt)}[{','.join(str(d) for d in shape)}]"
+
+
+def op_name(spec) -> str:
+    """``aten::mm`` (default overload) or ``aten::add.Tensor``."""
+    name = getattr(spec, "name", None) or str(spec)
+    name = name[: -len(".default")] if name.endswith(".default") else name
+    return name if "::" in name else "aten::" + name  # xlatorch's own ops are named xla::<op>
 
 
 def _ref_namer(nodes, leaves, cut=None):
     """Names of values: ``%3`` (node 3), ``%3.1`` (its output 1), ``%i0`` (leaf 0). ``cut``: the
-    outputs of earlier stages that this graph reads as device data (``runtime/stages.py``)."""
-    from xlatorch.runtime.ir import Out
+    outputs of earlier stages that this graph reads as device data (``runtime/plan/stages.py``)."""
+    from xlatorch.runtime.ir.values import Out
 
     order = {id(n): i for i, n in enumerate(nodes)}
     lpos = {id(v): i for i, v in enumerate(leaves)}
@@ -44,7 +70,7 @@ def _root_name(r: int, nodes) -> str:
 
 
 def _leaf_text(v) -> str:
-    from xlatorch.runtime.ir import Data
+    from xlatorch.runtime.ir.values import Data
 
     if type(v) is Data:
         return f"device_data : {aval_text(v.aval)}" + _sharding_text(v)
@@ -54,15 +80,15 @@ def _leaf_text(v) -> str:
 
 def _sharding_text(v) -> str:
     """`` {sharding={devices=[4,2]<=[8]}}`` for device data under SPMD (how the graph input is split)."""
-    from xlatorch.runtime import sharding
+    from xlatorch.runtime.multi import sharding
 
-    if not sharding.ENABLED[0]:
+    if not topology.SPMD[0]:
         return ""
     return " {sharding=" + sharding.hlo_sharding_text(v.array.sharding, len(v.aval[0])) + "}"
 
 
 def _args_text(n, name) -> str:
-    from xlatorch.runtime.ir import VALUE_TYPES
+    from xlatorch.runtime.ir.values import VALUE_TYPES
 
     names = getattr(n.spec, "arg_names", ())
     parts = []
@@ -136,7 +162,7 @@ def _q(s: str) -> str:
 def dot_text(tensors) -> str:
     """The graph computing ``tensors`` in graphviz dot: one box per IR node (op, output type,
     source line), one ellipse per input, outputs drawn with a double border. Does not sync."""
-    from xlatorch.runtime.ir import operands
+    from xlatorch.runtime.ir.values import operands
 
     nodes, leaves, root_refs = graph_of(tensors, "xlatorch.debug")
     name = _ref_namer(nodes, leaves)

@@ -22,9 +22,10 @@ import collections
 import dataclasses
 
 from xlatorch.debug import knob
-from xlatorch.runtime import record
-from xlatorch.runtime.record import cause
-from xlatorch.runtime.source import fmt_src, user_frame
+from xlatorch.debug.dump import aval_text, dtype_name, graph_text, op_name
+from xlatorch.runtime.base import record
+from xlatorch.runtime.base.record import cause
+from xlatorch.runtime.base.source import fmt_src, user_frame
 
 __all__ = ["CompileRecord", "compile_reasons", "sync_report", "sync_counts", "summary", "cause", "clear"]
 
@@ -35,25 +36,6 @@ _STEP: collections.Counter = collections.Counter()
 _step = 0  # mark_steps seen
 _last_sync: tuple[str, str | None] = ("mark_step", None)
 
-_SHORT = {
-    "float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16", "int64": "i64", "int32": "i32",
-    "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "pred", "complex64": "c64", "complex128": "c128",
-}  # fmt: skip
-
-
-def dtype_name(dt) -> str:
-    """``f32`` for ``torch.float32`` (HLO-style short names)."""
-    s = str(dt).replace("torch.", "")
-    return _SHORT.get(s, s)
-
-
-def aval_text(aval) -> str:
-    """``f32[64,784]`` for an aval ``((64, 784), torch.float32)``."""
-    if aval is None:
-        return "undefined"
-    shape, dt = aval
-    return f"{dtype_name(dt)}[{','.join(str(d) for d in shape)}]"
-
 
 def sig_text(sig) -> str:
     """A leaf's signature as text: device data by aval, host scalars by kind."""
@@ -63,13 +45,6 @@ def sig_text(sig) -> str:
     if type(sig) is tuple and len(sig) == 2 and type(sig[0]) is tuple:
         return aval_text(sig)
     return repr(sig)
-
-
-def op_name(spec) -> str:
-    """``aten::mm`` (default overload) or ``aten::add.Tensor``."""
-    name = getattr(spec, "name", None) or str(spec)
-    name = name[: -len(".default")] if name.endswith(".default") else name
-    return name if "::" in name else "aten::" + name  # xlatorch's own ops are named xla::<op>
 
 
 @dataclasses.dataclass
@@ -170,7 +145,7 @@ def _arg_name(spec, j: int) -> str:
 
 def _static_positions(spec, sig) -> list[int]:
     """Positions of a node's arguments that are compile-time constants (not values)."""
-    from xlatorch.runtime import dispatch as d
+    from xlatorch.runtime.ir import ops as d
 
     kinds = getattr(spec, "kinds", None)
     if kinds is None or len(kinds) != len(sig):
@@ -276,13 +251,15 @@ def memory_text(mem: dict | None) -> str:
             f"({_mib(mem['alias'])} aliased to donated inputs), temporaries {_mib(mem['temp'])}")  # fmt: skip
 
 
-def on_compile(key, nodes, leaves, root_refs, exe, compile_ns: int, cut=None) -> CompileRecord | None:
-    """Record (and at level >= 1 log) why graph ``key`` was compiled (called on every compile).
+def on_compile(request, exe, compile_ns: int) -> CompileRecord | None:
+    """Record (and at level >= 1 log) why a graph was compiled (called on every compile with
+    its ``runtime/lower/executable.CompileRequest``).
 
     Never raises: a fault in the debug tools must not fail the user's step.
     """
     try:
-        return _on_compile(key, nodes, leaves, root_refs, exe, compile_ns, cut)
+        r = request
+        return _on_compile(r.key, r.nodes, r.leaves, r.root_refs, exe, compile_ns, r.cut)
     except Exception as e:  # pragma: no cover - a bug here is reported, not raised
         knob.LOG.warning(f"xlatorch.debug: could not explain a compile: {type(e).__name__}: {e}")
         return None
@@ -325,8 +302,6 @@ def _on_compile(key, nodes, leaves, root_refs, exe, compile_ns: int, cut=None) -
         if lvl >= 2:
             text += f"\n  memory: {memory_text(rec.memory)}"
         if lvl >= 3:
-            from xlatorch.debug.dump import graph_text
-
             text += "\n" + graph_text(nodes, leaves, root_refs, cut)
         knob.LOG.info(text)
     return rec
@@ -427,7 +402,7 @@ def clear() -> None:
     _step = 0
 
 
-# The runtime calls these at every compile, sync and mark_step (xlatorch.runtime.record).
+# The runtime calls these at every compile, sync and mark_step (xlatorch.runtime.base.record).
 record.COMPILE_HOOKS.append(on_compile)
 record.SYNC_HOOKS.append(on_sync)
 record.STEP_HOOKS.append(end_step)

@@ -27,7 +27,7 @@ import logging
 import os
 import sys
 
-from xlatorch.runtime import record
+from xlatorch.runtime.base import record
 
 __all__ = ["get_level", "set_level", "level", "LOG", "source_lines", "hlo_debug"]
 
@@ -83,7 +83,7 @@ def _configure() -> None:
     global _handler
     record.SOURCE_LINES = source_lines()
     record.HLO_DEBUG = _HLO_DEBUG
-    ir = sys.modules.get("xlatorch.runtime.ir")
+    ir = sys.modules.get("xlatorch.runtime.ir.values")
     if ir is not None:  # else ir reads record.SOURCE_LINES when it is imported
         ir.DEBUG_SOURCE = record.SOURCE_LINES
     if LEVEL >= 1:

@@ -3,7 +3,7 @@
 Counters are plain integers (``CachedCompile``, ``MarkStep``, ``aten::nonzero`` ...).
 Metrics are lists of samples: times in nanoseconds (``CompileTime``, ``ExecuteTime``,
 ``TransferToDeviceTime`` ...) or plain numbers (``TensorsGraphSize``). The runtime records
-both in ``xlatorch.runtime.record``; this module reports them.
+both in ``xlatorch.runtime.base.record``; this module reports them.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 import time
 
-from xlatorch.runtime import record
-from xlatorch.runtime.record import COUNTERS, add_sample, timed
-from xlatorch.runtime.record import METRICS as _METRICS
+from xlatorch.runtime.base import record
+from xlatorch.runtime.base.record import COUNTERS, add_sample, timed
+from xlatorch.runtime.base.record import METRICS as _METRICS
 
 __all__ = ["COUNTERS", "add_sample", "timed", "counter_names", "counter_value", "metric_names", "metric_data",
            "clear_counters", "clear_metrics", "clear_all", "executed_fallback_ops", "metrics_report",

@@ -45,7 +45,7 @@ import time
 
 import jax
 
-from xlatorch.runtime import record
+from xlatorch.runtime.base import record
 
 __all__ = [
     "start_trace", "stop_trace", "trace", "trace_detached", "trace_steps", "Trace", "StepTrace",
@@ -76,7 +76,7 @@ _state = _State()
 def _refresh() -> None:
     global ACTIVE
     ACTIVE = _state.log_dir is not None or _state.server is not None or _state.schedule is not None
-    # What the runtime times with, and its sync/step spans (xlatorch.runtime.record).
+    # What the runtime times with, and its sync/step spans (xlatorch.runtime.base.record).
     record.TIMED = timed if ACTIVE else record.timed
     record.PHASE = phase if ACTIVE else None
 
@@ -244,7 +244,7 @@ def start_trace(log_dir: str | os.PathLike, *, create_perfetto_trace: bool = Tru
     Raises:
       RuntimeError: if a capture is already running.
     """
-    from xlatorch.runtime.transfer import jax_device
+    from xlatorch.runtime.base.topology import jax_device
 
     jax_device()  # join the job the environment describes before JAX's backend starts
     opts = jax.profiler.ProfileOptions()
@@ -266,7 +266,7 @@ def stop_trace() -> str:
     Raises:
       RuntimeError: if no capture is running.
     """
-    from xlatorch.runtime.graph import wait
+    from xlatorch.runtime.execute.sync import wait
 
     with _lock:
         if _state.log_dir is None:
@@ -374,9 +374,9 @@ def trace_steps(log_dir: str | os.PathLike, start: int = 0, stop: int = 5, **opt
         if not _state.exit_hook:
             atexit.register(_stop_at_exit)
             _state.exit_hook = True
-    from xlatorch.runtime import transfer
+    from xlatorch.runtime.base import topology
 
-    if transfer._devices:  # otherwise devices_ready() starts it (no backend before the job is joined)
+    if topology._devices:  # otherwise devices_ready() starts it (no backend before the job is joined)
         _advance_schedule()
 
 

@@ -63,7 +63,7 @@ class DataParallel:
             self._models = [base]
             self._contexts = [Context(torch.device("cpu"))]
             return
-        from xlatorch.runtime.ir import enable_multi_device
+        from xlatorch.runtime.base.topology import enable_multi_device
 
         enable_multi_device()
         self._models = [copy.deepcopy(base).to(d) for d in self._devices]
@@ -81,8 +81,9 @@ class DataParallel:
         if not self._devices:  # native CPU
             return [loop_fn(self._models[0], _Steps(loader), torch.device("cpu"), self._contexts[0])]
         from xlatorch.distributed.parallel_loader import ParallelLoader
-        from xlatorch.runtime import distributed, replication
-        from xlatorch.runtime.ir import set_current_device
+        from xlatorch.runtime.base import topology as distributed
+        from xlatorch.runtime.base.topology import set_current_device
+        from xlatorch.runtime.multi import replication
 
         para = ParallelLoader(loader, self._devices)
         results: list = [None] * len(self._devices)

@@ -29,7 +29,8 @@ _END = object()
 
 def _world():
     """Processes shard the batches; the local devices of one process split its share."""
-    from xlatorch.runtime import distributed, sharding
+    from xlatorch.runtime.base import topology as distributed
+    from xlatorch.runtime.multi import sharding
 
     if sharding.is_spmd():  # one program over every process: each feeds the same global batch
         return 1, 0
@@ -70,8 +71,8 @@ def _shard_len(loader, per_round: int = 1) -> int:
 
 
 def _to_device(batch, dev: int, input_sharding=None):
-    from xlatorch.runtime.tensor import wrap
-    from xlatorch.runtime.transfer import to_device
+    from xlatorch.runtime.execute.transfer import to_device
+    from xlatorch.runtime.trace.tensor import wrap
 
     if input_sharding is not None:
         return _shard(_to_device(batch, dev), input_sharding)
@@ -147,7 +148,7 @@ class ParallelLoader:
     def __init__(self, loader, devices, batchdim: int = 0, batches_per_execution: int = 1,
                  loader_prefetch_size: int = 8, device_prefetch_size: int = 4,
                  host_to_device_transfer_threads: int = 1, input_sharding=None):  # fmt: skip
-        from xlatorch.runtime.ir import device_index
+        from xlatorch.runtime.base.topology import device_index
 
         self._devices = [torch.device(d) for d in devices]
         if not self._devices:

@@ -31,7 +31,8 @@ from torch._C._distributed_c10d import (
 )
 from torch.futures import Future
 
-from xlatorch.runtime import collectives, distributed
+from xlatorch.runtime.base import topology as distributed
+from xlatorch.runtime.trace import collectives
 
 __all__ = ["ProcessGroupXla"]
 
@@ -185,7 +186,7 @@ _ROOTED = "use the all-replica form (all_gather, all_reduce, reduce_scatter) and
 
 def _install_c10d_ops() -> None:
     """c10d's ops reach xla tensors' dispatch (not this backend's methods) for these calls."""
-    from xlatorch.runtime.dispatch import RUNTIME_OPS
+    from xlatorch.runtime.trace.dispatch import RUNTIME_OPS
 
     c10d = torch.ops.c10d
     RUNTIME_OPS.update({

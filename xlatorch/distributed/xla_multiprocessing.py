@@ -71,7 +71,7 @@ def _worker(index: int, fn, args, env: dict, conn) -> None:
     if launcher:
         threading.Thread(target=_watch_launcher, args=(launcher,), daemon=True, name="xlatorch-launcher-watch").start()
     try:
-        from xlatorch.runtime import distributed
+        from xlatorch.runtime.base import topology as distributed
 
         distributed.initialize()
         fn(distributed.global_ordinal(), *args)
@@ -196,7 +196,7 @@ class MpSerialExecutor:
     """Runs a function in each local process one at a time (torch_xla API)."""
 
     def run(self, fn):
-        from xlatorch.runtime import distributed
+        from xlatorch.runtime.base import topology as distributed
 
         result = None
         for turn in range(distributed.local_world_size()):

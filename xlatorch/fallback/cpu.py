@@ -13,12 +13,13 @@ import os
 import torch
 from torch.utils._pytree import tree_map
 
-from xlatorch.runtime import dispatch
-from xlatorch.runtime.ir import device_index
-from xlatorch.runtime.record import COUNTERS, cause
-from xlatorch.runtime.source import user_line as user_frame
-from xlatorch.runtime.tensor import XlaTensor, wrap, write
-from xlatorch.runtime.transfer import to_cpu, to_device
+from xlatorch.runtime.base.record import COUNTERS, cause
+from xlatorch.runtime.base.source import user_line as user_frame
+from xlatorch.runtime.base.topology import device_index
+from xlatorch.runtime.execute.materialize import to_cpu
+from xlatorch.runtime.execute.transfer import to_device
+from xlatorch.runtime.trace import dispatch
+from xlatorch.runtime.trace.tensor import XlaTensor, wrap, write
 
 __all__ = ["run_on_cpu", "ORIGINS", "user_frame"]
 

@@ -6,7 +6,7 @@ static arguments as Python values) and gives one result or a list of them. A res
 the first offending element and ``position`` its flat index (the message's ``{0}`` and
 ``{1}``), or None when there is nothing to check. The
 runtime turns results into one extra output of the graph and raises at the sync
-(``xlatorch/runtime/checks.py``). Messages are CPU PyTorch's own.
+(``xlatorch/runtime/lower/checks.py``). Messages are CPU PyTorch's own.
 """
 
 from __future__ import annotations

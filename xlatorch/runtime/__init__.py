@@ -14,21 +14,21 @@ def device_type() -> str:
 
 def world_size() -> int:
     """Number of replicas (processes) in the job."""
-    from xlatorch.runtime.distributed import world_size as ws
+    from xlatorch.runtime.base.topology import world_size as ws
 
     return ws()
 
 
 def global_ordinal() -> int:
     """This process's replica index in the job."""
-    from xlatorch.runtime.distributed import global_ordinal as g
+    from xlatorch.runtime.base.topology import global_ordinal as g
 
     return g()
 
 
 def local_ordinal() -> int:
     """This process's replica index on this host."""
-    from xlatorch.runtime.distributed import local_ordinal as lo
+    from xlatorch.runtime.base.topology import local_ordinal as lo
 
     return lo()
 
@@ -48,7 +48,7 @@ def global_runtime_device_count() -> int:
 
 def local_process_count() -> int:
     """How many processes of the job run on this host."""
-    from xlatorch.runtime.distributed import local_world_size
+    from xlatorch.runtime.base.topology import local_world_size
 
     return local_world_size()
 
@@ -67,14 +67,14 @@ def use_spmd(auto: bool = False) -> None:
     """
     if auto:
         raise NotImplementedError("xlatorch: use_spmd(auto=True) (automatic sharding) is not supported")
-    from xlatorch.runtime.sharding import use_spmd as _use
+    from xlatorch.runtime.multi.sharding import use_spmd as _use
 
     _use()
 
 
 def is_spmd() -> bool:
     """Whether ``use_spmd()`` was called."""
-    from xlatorch.runtime.sharding import is_spmd as _is
+    from xlatorch.runtime.multi.sharding import is_spmd as _is
 
     return _is()
 

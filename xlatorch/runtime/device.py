@@ -14,11 +14,16 @@ import operator
 
 import torch
 
-from xlatorch.runtime import births, dynamic, modules, rng, views
-from xlatorch.runtime.dispatch import RUNTIME_OPS, SHIMS, call, convert_value, node
-from xlatorch.runtime.ir import device_index
-from xlatorch.runtime.tensor import XlaTensor, value_of, wrap, write
-from xlatorch.runtime.transfer import to_cpu, to_device, to_other_device
+from xlatorch.runtime.base.topology import device_index, local_device_count
+from xlatorch.runtime.execute.materialize import to_cpu, to_other_device
+from xlatorch.runtime.execute.transfer import to_device
+from xlatorch.runtime.ir import rng
+from xlatorch.runtime.ir.ops import SPECS
+from xlatorch.runtime.plan import births
+from xlatorch.runtime.trace import dynamic, modules, views
+from xlatorch.runtime.trace.dispatch import RUNTIME_OPS, SHIMS, call
+from xlatorch.runtime.trace.nodes import convert_value, node
+from xlatorch.runtime.trace.tensor import XlaTensor, value_of, wrap, write
 
 aten = torch.ops.aten
 
@@ -40,8 +45,6 @@ class _DeviceModule:
 
     @staticmethod
     def device_count() -> int:
-        from xlatorch.runtime.transfer import local_device_count
-
         return local_device_count()
 
     @staticmethod
@@ -176,9 +179,6 @@ def _alias(self):
 
 def _item(self):
     return to_cpu(self, ".item()").item()
-
-
-SPECS: dict = {}
 
 
 def install(specs: dict) -> None:

@@ -32,9 +32,9 @@ import zlib
 
 import torch
 
-from xlatorch.runtime.serialization import atomic_write, encode_view, fsync_dir, replay, tensor_pickle_module
-from xlatorch.runtime.tensor import XlaTensor
-from xlatorch.runtime.transfer import _base_to_cpu
+from xlatorch.runtime.execute.materialize import _base_to_cpu
+from xlatorch.runtime.execute.serialization import atomic_write, encode_view, fsync_dir, replay, tensor_pickle_module
+from xlatorch.runtime.trace.tensor import XlaTensor
 
 __all__ = ["save", "load", "CheckpointError"]
 
@@ -65,8 +65,8 @@ def save(data, path, master_only: bool = True, global_master: bool = False) -> N
     whole: see the module docstring.
     """
     from xlatorch.core.xla_model import is_master_ordinal
-    from xlatorch.runtime.graph import sync
-    from xlatorch.runtime.sharding import gathered
+    from xlatorch.runtime.execute.sync import sync
+    from xlatorch.runtime.multi.sharding import gathered
 
     sync("save")
     with gathered(data):  # SPMD over several processes: shards split across them, gathered by all

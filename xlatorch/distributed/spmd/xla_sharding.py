@@ -3,7 +3,7 @@
 A ``Mesh`` names a logical arrangement of the job's devices; a partition spec says, per
 tensor dimension, which mesh axes split it. They become a ``jax.sharding.NamedSharding``:
 ``mark_sharding`` on device data re-places it, on a pending value it becomes a
-``with_sharding_constraint`` in the step's program (``xlatorch/runtime/sharding.py``).
+``with_sharding_constraint`` in the step's program (``xlatorch/runtime/multi/sharding.py``).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from jax.sharding import NamedSharding, PartitionSpec
 
-from xlatorch.runtime import sharding as _sh
-from xlatorch.runtime.tensor import XlaTensor
+from xlatorch.runtime.multi import sharding as _sh
+from xlatorch.runtime.trace.tensor import XlaTensor
 
 __all__ = ["Mesh", "HybridMesh", "get_1d_mesh", "set_global_mesh", "get_global_mesh", "mark_sharding",
            "clear_sharding", "get_sharding_spec", "XLAShard", "XLAShardedTensor", "ShardingSpec",
@@ -167,11 +167,12 @@ class XLAShardedTensor:
     @property
     def local_shards(self) -> list[XLAShard]:
         """This process's shards, one per local device (syncs if pending; downloads each)."""
-        from xlatorch.runtime.transfer import _from_array, materialized
+        from xlatorch.runtime.execute.materialize import materialized
+        from xlatorch.runtime.execute.transfer import from_array
 
         arr = materialized(self.global_tensor).array
         dtype = self.global_tensor.dtype
-        return [XLAShard(_from_array(s.data, dtype), s.index, s.replica_id) for s in arr.addressable_shards]
+        return [XLAShard(from_array(s.data, dtype), s.index, s.replica_id) for s in arr.addressable_shards]
 
     def __getattr__(self, name):
         return getattr(self.global_tensor, name)

@@ -1,0 +1,1 @@
+"""The runtime's base stage (see README.md)."""

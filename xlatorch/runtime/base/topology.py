@@ -1,0 +1,262 @@
+"""Where the program runs: this process's devices, and the replica world (joining JAX's
+distributed runtime, ordinals, rendezvous).
+
+One process drives one device and is one replica. Processes join through
+``jax.distributed.initialize`` (the PJRT coordination service; collectives over gloo
+on CPU, NCCL on GPU, ICI on TPU), after which the global device mesh spans every
+process and graphs containing collectives run as one SPMD program on it
+(``runtime/trace/collectives.py``, ``runtime/execute/sync.py``).
+
+The job is described by environment variables, set by ``xmp.spawn`` for the
+processes it starts, or by the user / cluster for multi-host jobs:
+
+- ``XLATORCH_COORDINATOR`` host:port of process 0's coordination service
+- ``XLATORCH_WORLD_SIZE`` number of processes in the job
+- ``XLATORCH_RANK`` this process's global ordinal
+- ``XLATORCH_LOCAL_RANK`` / ``XLATORCH_LOCAL_WORLD_SIZE`` ordinal and count on this host
+
+or by ``torchrun`` (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``).
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import pickle
+import threading
+
+from xlatorch.runtime.base import record
+
+__all__ = [
+    "initialize", "shutdown", "is_initialized", "coordinator_address", "world_size", "global_ordinal",
+    "local_ordinal", "local_world_size",
+    "rendezvous", "RendezvousTimeout", "jax_device", "local_device_count", "current_device",
+    "set_current_device", "device_index", "enable_multi_device", "SPMD",
+]  # fmt: skip
+
+# SPMD[0]: the process runs SPMD (``xr.use_spmd()``: xla:0 is one device over every device of
+# the job, runtime/multi/sharding.py); read on hot paths as a plain list item.
+SPMD = [False]
+_world = {"size": 1, "rank": 0, "local_rank": 0, "local_size": 1, "joined": False}
+_rdv_counts: dict[str, int] = {}
+
+
+def _env_int(name: str, default: int) -> int:
+    v = os.environ.get(name)
+    return default if v in (None, "") else int(v)
+
+
+def initialize() -> None:
+    """Join the job described by the environment (a no-op in a one-process job).
+
+    Must run before the process first touches its device: JAX's backend is
+    created once, and a joined process sees the global mesh.
+    """
+    if _world["joined"]:
+        return
+    _from_torchrun()
+    size = _env_int("XLATORCH_WORLD_SIZE", 1)
+    rank = _env_int("XLATORCH_RANK", 0)
+    _world.update(size=size, rank=rank, local_rank=_env_int("XLATORCH_LOCAL_RANK", rank),
+                  local_size=_env_int("XLATORCH_LOCAL_WORLD_SIZE", size), joined=True)  # fmt: skip
+    if size == 1:
+        return
+    import jax
+
+    if jax.config.jax_platforms in (None, "", "cpu") or os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    coordinator = os.environ["XLATORCH_COORDINATOR"]
+    timeout = _env_int("XLATORCH_INIT_TIMEOUT", 120)
+    jax.distributed.initialize(coordinator, num_processes=size, process_id=rank, initialization_timeout=timeout)
+
+
+def _from_torchrun() -> None:
+    """Processes started by ``torchrun`` join through its variables; the coordinator listens on
+    ``MASTER_PORT + 1`` (``MASTER_PORT`` itself is torch.distributed's store)."""
+    env = os.environ
+    if "XLATORCH_WORLD_SIZE" in env or not {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"} <= set(env):
+        return
+    env["XLATORCH_COORDINATOR"] = f"{env['MASTER_ADDR']}:{int(env['MASTER_PORT']) + 1}"
+    env["XLATORCH_WORLD_SIZE"] = env["WORLD_SIZE"]
+    env["XLATORCH_RANK"] = env["RANK"]
+    env["XLATORCH_LOCAL_RANK"] = env.get("LOCAL_RANK", env["RANK"])
+    env["XLATORCH_LOCAL_WORLD_SIZE"] = env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])
+
+
+def coordinator_address() -> tuple[str, int]:
+    """(host, port) of the job's coordination service (``127.0.0.1`` and a free port alone)."""
+    addr = os.environ.get("XLATORCH_COORDINATOR")
+    if not addr:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            addr = os.environ["XLATORCH_COORDINATOR"] = f"127.0.0.1:{s.getsockname()[1]}"
+    host, port = addr.rsplit(":", 1)
+    return host, int(port)
+
+
+def shutdown() -> None:
+    """Leave the job: waits until every process has arrived (JAX's shutdown barrier)."""
+    if _world["size"] > 1 and _world["joined"]:
+        import jax
+
+        jax.distributed.shutdown()
+
+
+def is_initialized() -> bool:
+    return _world["joined"]
+
+
+_threads = {"count": 0}  # > 0 while dp.DataParallel runs one replica per local device in threads
+
+
+def set_thread_replicas(count: int) -> None:
+    """``dp.DataParallel``: ``count`` replicas are this process's first ``count`` local devices,
+    one thread each (0: back to one replica per process)."""
+    _threads["count"] = count
+
+
+def thread_replicas() -> int:
+    return _threads["count"]
+
+
+def process_world() -> tuple[int, int]:
+    """(number of processes in the job, this process's index), whatever threads run inside."""
+    return _world["size"], _world["rank"]
+
+
+def set_spmd(on: bool) -> None:
+    """Under SPMD the job is one replica: one program over every device (``runtime/multi/sharding.py``)."""
+    SPMD[0] = on
+
+
+def world_size() -> int:
+    """Number of replicas in the job: processes, or the devices of ``dp.DataParallel`` (1 under SPMD:
+    one program over every device, as torch_xla counts it)."""
+    if SPMD[0]:
+        return 1
+    return _threads["count"] or _world["size"]
+
+
+def global_ordinal() -> int:
+    """This replica's index in the job (under ``dp.DataParallel``, this thread's device)."""
+    if _threads["count"]:
+        return current_device()
+    return _world["rank"]
+
+
+def local_ordinal() -> int:
+    """This replica's index on its host."""
+    if _threads["count"]:
+        return global_ordinal()
+    return _world["local_rank"]
+
+
+def local_world_size() -> int:
+    return _world["local_size"]
+
+
+class RendezvousTimeout(RuntimeError):
+    """Not every replica reached a rendezvous in time."""
+
+
+def _client():
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
+def rendezvous(tag: str, payload: bytes = b"", replicas=None, timeout: float | None = None) -> list[bytes]:
+    """Wait until every replica reaches ``tag``; returns every replica's ``payload``, by ordinal.
+
+    Uses the coordination service's key-value store (host side, no device work).
+    Raises ``RendezvousTimeout`` naming the tag and the missing replicas after
+    ``timeout`` seconds (default ``$XLATORCH_RENDEZVOUS_TIMEOUT`` or 300).
+    """
+    n = world_size()
+    if n == 1:
+        return [payload]
+    if timeout is None:
+        timeout = float(os.environ.get("XLATORCH_RENDEZVOUS_TIMEOUT", 300))
+    count = _rdv_counts[tag] = _rdv_counts.get(tag, 0) + 1
+    key = f"xlatorch/rendezvous/{tag}/{count}"
+    client = _client()
+    client.key_value_set(f"{key}/{global_ordinal()}", base64.b64encode(payload).decode())
+    ranks = range(n) if not replicas else replicas
+    out = []
+    for r in ranks:
+        try:
+            v = client.blocking_key_value_get(f"{key}/{r}", int(timeout * 1000))
+        except Exception as e:
+            raise RendezvousTimeout(
+                f"xlatorch: rendezvous '{tag}' timed out after {timeout:g}s: replica {r} of {n} did not arrive "
+                f"({type(e).__name__})"
+            ) from None
+        out.append(base64.b64decode(v))
+    return out
+
+
+def exchange(tag: str, obj) -> list:
+    """Every replica's ``obj`` (picklable), by ordinal."""
+    return [pickle.loads(b) for b in rendezvous(tag, pickle.dumps(obj))]
+
+
+# --- this process's devices -----------------------------------------------------------------
+
+_devices: list = []
+# Called once when the process finds several local devices (runtime/ir/values.py: nodes then
+# track which device they live on).
+MULTI_DEVICE_HOOKS: list = []
+_thread = threading.local()
+
+
+def jax_device(dev: int = 0):
+    """The JAX device backing local device ``dev`` (``xla:0`` is the first local device)."""
+    if not _devices:
+        import jax
+
+        initialize()  # join the job the environment describes (a no-op alone)
+        # Under SPMD, xla:0 is one device spanning them all (runtime/multi/sharding.py).
+        _devices.extend(jax.local_devices()[:1] if SPMD[0] else jax.local_devices())
+        if len(_devices) > 1:  # several local devices: nodes track which one they live on
+            enable_multi_device()
+        for hook in record.DEVICE_HOOKS:  # xlatorch.debug.profiler: a capture scheduled before now may start
+            hook()
+    return _devices[dev]
+
+
+def enable_multi_device() -> None:
+    """From now on values track which local device they live on (``dp.DataParallel``)."""
+    for hook in MULTI_DEVICE_HOOKS:
+        hook()
+
+
+def local_device_count() -> int:
+    """How many local xla devices this process has (starting the runtime if needed)."""
+    jax_device()
+    return len(_devices)
+
+
+def current_device() -> int:
+    """The local device index new values go to in this thread (``dp.DataParallel`` sets it)."""
+    return getattr(_thread, "device", 0)
+
+
+def set_current_device(index: int) -> None:
+    _thread.device = index
+
+
+def device_index(device) -> int:
+    """The local device a ``torch.device('xla', i)`` names. Device tensors all report ``xla:0``
+    to PyTorch (its autograd engine supports one device of a Python backend), so index 0
+    (or none) means this thread's device; ``xla:i`` for i > 0 names device i."""
+    index = getattr(device, "index", None) if device is not None else None
+    if index:
+        n = local_device_count()
+        if index >= n:  # as CUDA's "invalid device ordinal", never a silent xla:0
+            raise RuntimeError(
+                f"xlatorch: invalid device ordinal: xla:{index} (this process has {n} xla device(s): "
+                f"{', '.join(f'xla:{i}' for i in range(n))})"
+            )
+    return index or current_device()

@@ -1,0 +1,1 @@
+"""The runtime's execute stage (see README.md)."""

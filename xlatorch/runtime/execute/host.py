@@ -1,0 +1,84 @@
+"""Stages of a graph that run on the host: PyTorch's CPU kernels, node by node.
+
+runtime/plan/stages.py decides which nodes may (``bookkeeping``: small integer tensors of a
+generation loop; ``exact``: float ops that give the same bits on the host); ``on_host`` runs
+them and uploads what the next stage reads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from xlatorch.runtime.base import record
+from xlatorch.runtime.execute.transfer import from_array, to_device
+from xlatorch.runtime.ir.values import Data, Out, Scalar
+from xlatorch.runtime.plan.stages import bookkeeping, exact
+
+__all__ = ["on_host"]
+
+
+_WRITES: dict = {}  # spec -> positions of the arguments its ATen op writes in place
+
+
+def _writes(spec) -> tuple:
+    w = _WRITES.get(spec)
+    if w is None:
+        args = spec.overload._schema.arguments
+        w = _WRITES[spec] = tuple(i for i, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write)
+    return w
+
+
+def on_host(nodes, cut, roots, gdev, whole=False) -> list | None:
+    """Run a stage's ``nodes`` on the host with PyTorch's CPU kernels and upload ``roots``'
+    values; None (nothing uploaded) when the stage may not run there: a value that is not a
+    small integer or boolean tensor (``whole``, a tiny graph: nor an exact float op), a random
+    op, or an op that raises (the caller then compiles the stage, and a real error is
+    reported from the device as usual)."""
+    if not all((exact if whole else bookkeeping)(n) for n in nodes):
+        return None
+    host: dict = {}  # id(value) -> CPU tensor
+
+    def value(a):
+        t = type(a)
+        if t is Out or t is Data:
+            x = host.get(id(a))
+            if x is None:
+                d = cut.get(id(a), a)  # an earlier stage's output, or a leaf
+                with record.TIMED("TransferFromDeviceTime"):
+                    x = host[id(a)] = from_array(d.array, d.aval[1])
+            return x
+        if t is Scalar:
+            return torch.tensor(a.value, dtype=a.aval[1]) if a.tensor else a.value
+        if t is tuple:
+            return [None if x is None else value(x) for x in a]
+        return a
+
+    try:
+        for n in nodes:
+            spec = n.spec
+            args, kwargs = [], {}
+            writes = _writes(spec)
+            for i, (name, a, ko) in enumerate(zip(spec.arg_names, n.args, spec.kwarg_only)):
+                x = value(a)
+                if name == "device" and x is not None:
+                    x = "cpu"
+                if i in writes and isinstance(x, torch.Tensor):
+                    x = x.clone()  # the node is functional: its in-place op writes a copy
+                if ko:
+                    kwargs[name] = x
+                else:
+                    args.append(x)
+            res = spec.overload(*args, **kwargs)
+            res = [res] if isinstance(res, torch.Tensor) else list(res)
+            if spec.mutates:
+                res = [x for r in res for x in (r if isinstance(r, (list, tuple)) else (r,))]
+            for o, r in zip(n.outs, res):
+                if o is not None:
+                    if (tuple(r.shape), r.dtype) != o.aval:
+                        return None
+                    host[id(o)] = r
+    except Exception:
+        return None
+    if not whole:
+        record.COUNTERS["StageOnHost"] += 1
+    return [to_device(host[id(o)], gdev) for o in roots]

@@ -1,0 +1,376 @@
+"""Graph cutting: collect pending values, key the graph, compile on a miss, execute, commit.
+
+At a sync every live storage with a pending value becomes an output of one computation per
+device (a ``Step``). The graph's key is its structure (node hashes plus how nodes share
+operands) and its leaves' avals: a plain tuple, hashed once per sync; device data and host
+scalars are parameters, so a fixed-shape step hits the cache from its second occurrence on.
+Executables are called asynchronously: nothing here waits for results. A step runs and
+commits whole, or fails whole (runtime/execute/faults.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import jax
+
+from xlatorch.runtime.base import config, record, topology
+from xlatorch.runtime.base.record import COUNTERS
+from xlatorch.runtime.base.source import fmt_src
+from xlatorch.runtime.base.threads import CHECKED_SINCE_SYNC, DEFERRED, LOCK, _in_backward
+from xlatorch.runtime.execute import faults, host, settle
+from xlatorch.runtime.execute.compile import executable
+from xlatorch.runtime.execute.execution import EXECUTIONS, uninterrupted
+from xlatorch.runtime.ir import failed
+from xlatorch.runtime.ir import values as ir
+from xlatorch.runtime.ir.failed import FailedValueError
+from xlatorch.runtime.ir.values import Data
+from xlatorch.runtime.lower import cache, checks
+from xlatorch.runtime.lower.executable import CompileRequest, OutOfMemory, check_memory
+from xlatorch.runtime.lower.function import LoweringError
+from xlatorch.runtime.multi import sharding
+from xlatorch.runtime.multi.replication import run_replicated
+from xlatorch.runtime.plan import births, keep, stages
+from xlatorch.runtime.plan.collect import collect, pack
+from xlatorch.runtime.trace.tensor import PENDING, pending_storages, reroot_lone_views
+
+__all__ = ["sync", "wait", "Step"]
+
+
+class Step:
+    """One device's part of a sync: ``storages`` (their pending values are the roots) and their
+    collected ``graph``; why (``reason``) and where (``dev``) it runs; whether it computes every
+    pending value (``everything``); when the sync began (``t0``) and how it is timed
+    (``timed``); ``once``: a graph expected to run once (compiled to compile fast).
+
+    ``prepare`` adds what the cache key says: ``keep`` (what a failed check gives back,
+    runtime/plan/keep.py), ``data`` (the device-data leaves), ``donate`` (which of them the
+    executable may reuse), ``spmd`` (the mesh and shardings under ``xr.use_spmd()``), ``key``.
+    A step lives for its sync only: an executable, a pending check and a births callback
+    never keep it (it holds the step's graph and buffers)."""
+
+    __slots__ = ("reason", "dev", "storages", "graph", "everything", "t0", "timed", "once",
+                 "keep", "held", "data", "donate", "spmd", "key")  # fmt: skip
+
+    def __init__(self, reason, dev, storages, graph, everything, t0, timed, once=False):
+        self.reason, self.dev, self.storages, self.graph = reason, dev, storages, graph
+        self.everything, self.t0, self.timed, self.once = everything, t0, timed, once
+
+    def prepare(self):
+        """Decide donation, what is kept for undo and the cache key; the cached executable or None."""
+        g = self.graph
+        leaves = g.leaves
+        gdev = self.storages[0].dev
+        kept = ()
+        in_graph = False  # a checked step undoes itself in the graph (runtime/plan/keep.py)
+        if config.CHECKS and any(n.info.checked for n in g.nodes):
+            kept = keep.undoable(self.storages, g.nodes, leaves)
+            in_graph = kept.in_graph = any(k is not None for k in kept) and keep.undo_in_graph(gdev)
+        self.keep = kept
+        self.data = data = [v for v in leaves if type(v) is Data]
+        # Donate buffers no live tensor holds any more, when an output can reuse them. Not the
+        # data a failed check gives back, unless the graph gives it back itself (``in_graph``):
+        # reading it after the step's outputs are written would make XLA copy every updated buffer.
+        out_avals = {st.value.aval for st in self.storages}
+        self.held = held = () if in_graph else {id(leaves[k[0]]) for k in kept if k is not None and k[0] >= 0}
+        self.donate = tuple(
+            i for i, v in enumerate(data) if v.holders == 0 and v.aval in out_avals and id(v) not in held
+        )
+        self.spmd = sharding.prepare(data, self.storages) if topology.SPMD[0] else None  # (mesh, key part, outs)
+        self.key = (tuple(g.enc), g.root_refs, tuple(v.sig for v in leaves), self.donate, gdev, kept,
+                    self.spmd and self.spmd[1], in_graph)  # fmt: skip
+        return cache.CACHE.get(self.key)  # one lookup on a hit: hashing the key walks the whole graph's encoding
+
+
+def sync(reason: str = "mark_step", dev: int | None = None) -> None:
+    """Materialise every live pending tensor (of local device ``dev``, default: all devices),
+    with one (cached) XLA execution per device."""
+    lock = None if ir._multi else LOCK  # see base/threads.LOCK
+    if lock is not None:
+        lock.acquire()
+    try:
+        phase = record.PHASE
+        if phase is not None:  # profiling: spans for the sync, its compile and execution
+            with phase("xlatorch.sync", reason=reason):
+                _sync(reason, dev, record.TIMED)
+        else:  # otherwise that test is all the profiler costs a sync
+            _sync(reason, dev, record.timed)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _sync(reason, dev, timed) -> None:
+    if DEFERRED and _in_backward() == -1:
+        error = DEFERRED.pop(threading.get_ident(), None)
+        if error is not None:
+            raise error
+    # Creation order: the same for every replica running the same program whichever way it
+    # reached this sync (a replicated graph must be the same program on every replica).
+    storages = pending_storages()
+    if dev is None:
+        devs = {st.dev for st in storages}
+        if len(devs) > 1:
+            for d in sorted(devs):
+                sync(reason, d)
+            return
+        everything = True
+    else:
+        everything = all(st.dev == dev for st in storages)
+        storages = [st for st in storages if st.dev == dev]
+    if not storages:
+        if everything:
+            PENDING.clear()
+            CHECKED_SINCE_SYNC.clear()
+        settle.settle()  # a sync reads the previous step's checks even when it has nothing to run
+        return
+    t0 = time.perf_counter_ns()
+    reroot_lone_views(storages)
+    graph = collect([st.value for st in storages])
+    if graph.failed:
+        healthy, error = faults.split_failed(storages, graph.nodes)
+        if error is not None:  # run what does not depend on the failure, then report it
+            sync(reason, dev)
+            err = FailedValueError(f"xlatorch: a tensor's value could not be computed: {error}")
+            err.__cause__ = error
+            ok = {id(st) for st in healthy}
+            faults.raise_owned(err, [st for st in storages if id(st) not in ok])
+            return
+        storages = healthy
+    for hook in record.SYNC_HOOKS:  # xlatorch.debug: the graph-cut report
+        hook(reason, len(graph.nodes))
+    step = Step(reason, dev, storages, graph, everything, t0, timed)
+    try:
+        _run(step)
+    except LoweringError as le:
+        # One op could not be lowered: it fails, what depends on it carries the error, the
+        # rest of the step runs.
+        n = step.graph.nodes[le.k]
+        err = le.error
+        err.add_note(f"xlatorch: raised while lowering {_op_name(n)}; the tensors computed from it carry this error")
+        failed.fail_node(n, err)
+        try:
+            sync(reason, dev)
+        except FailedValueError as fe:
+            if failed.cause(fe) is not err:
+                raise
+        err.__suppress_context__ = True
+        faults.raise_owned(err, [st for st in step.storages if failed.is_failed_storage(st)])
+    except OutOfMemory as oom:
+        _isolate(step, oom)
+        raise
+
+
+def _op_name(n) -> str:
+    name = n.spec.name.removesuffix(".default")
+    src = getattr(n, "src", None)
+    return f"aten::{name}" + (f" at {fmt_src(src, full=True)}" if src is not None else "")
+
+
+def _isolate(step: Step, error) -> None:
+    """After ``error`` stopped a step's graph before it ran: run its independent parts one by one.
+
+    Parts that run are committed; a part that fails again keeps, for each tensor the step
+    updated in place, its data from before the step, and the rest of its tensors carry
+    the error."""
+    parts = faults.components(step.storages, step.graph.nodes)
+    if len(parts) == 1:
+        faults.give_back_or_fail(step.storages, error)
+        return
+    for part in parts:
+        try:
+            _run_part(part, step.reason, step.dev)
+        except OutOfMemory as e:
+            faults.give_back_or_fail(part, e)
+
+
+def _run_part(part, reason, dev, once=False) -> None:
+    t0 = time.perf_counter_ns()
+    _run(Step(reason, dev, part, collect([st.value for st in part]), False, t0, record.timed, once))
+
+
+def _run(step: Step) -> None:
+    """Compile (once) and run the step's graph; commit its values."""
+    gdev = step.storages[0].dev
+    reason, dev = step.reason, step.dev
+
+    def hoisted(part) -> None:  # runs the optimizer state's constants apart; keeps no Step
+        _run_part(part, reason, dev, once=True)
+
+    while True:
+        exe = step.prepare()
+        if exe is None and step.held and keep.undo_in_graph(gdev, [v for v in step.graph.leaves if id(v) in step.held]):
+            continue  # keeping the old data would not fit: this process now undoes in the graph
+        if exe is None:
+            settle.settle()  # the previous step's check rows, before anything here runs on the device
+        if exe is None and step.spmd is None:
+            if births.ENABLED:
+                order = births.hoist(step.storages, step.graph.nodes, step.key, hoisted)
+                if order is not None:  # optimizer state computed first: this graph is the next step's
+                    step.storages, step.graph, step.once = order, collect([st.value for st in order]), False
+                    continue
+            # A graph whose shapes changed since it last ran may run as stages.
+            g = step.graph
+            stage = stages.split(g.nodes, g.enc, g.root_refs, gdev, step.reason)
+            if stage is not None and _run_stages(step, stage):
+                _traced(step.t0)
+                return
+        break
+    g = step.graph
+    packed, leaf_kinds = pack(g.leaves)
+    try:
+        if exe is None or exe.fast:
+            req = CompileRequest(step.key, g.nodes, g.leaves, leaf_kinds, g.root_refs, step.data, packed, step.donate,
+                                 gdev, step.keep, None, step.spmd, step.once)  # fmt: skip
+            exe = executable(req, step.timed)
+        else:
+            COUNTERS["CachedCompile"] += 1
+    except LoweringError:
+        raise  # the caller fails just that node
+    except Exception as e:
+        faults.fail_storages(step.storages, e)
+        raise
+    check_memory(exe, gdev)
+    record.add_sample("TensorsGraphSize", len(g.nodes))
+    cache.touch(exe)
+    # The previous step's check rows, read as late as possible: the host prepared this step
+    # while it ran. A failure found here raises before this step runs or donates anything.
+    settle.settle()
+    # From here the step's buffers are donated: it runs and commits whole, or fails whole.
+    try:
+        with uninterrupted():
+            _run_and_commit(exe, step, packed)
+    finally:
+        _traced(step.t0)
+
+
+def _traced(t0) -> None:
+    global _last_sync
+    now = time.perf_counter_ns()
+    if _last_sync:
+        # Host time of the step outside the sync itself: op tracing plus the user's Python.
+        record.add_sample("LazyTracing", t0 - _last_sync)
+    _last_sync = now
+
+
+def _run_stages(step: Step, stage) -> bool:
+    """Run the step's graph as the stages ``stages.split`` gave its nodes, then commit the step
+    whole. Nothing is donated and nothing committed before the last stage has run, so on
+    any failure (a check that fires, an error) this returns False having changed nothing,
+    and the caller runs the graph whole, which reports it as usual."""
+    settle.settle()  # before the try below: an earlier step's error is not a stage's to swallow
+    t_run = time.perf_counter_ns()
+    g, gdev, timed = step.graph, step.storages[0].dev, step.timed
+    nodes, leaves, enc = g.nodes, g.leaves, g.enc
+    cut: dict = {}  # id(Out) -> Data: values computed by the stages so far
+    outs = ()
+    whole = type(stage) is stages.Whole  # a tiny graph: on the host, or whole as usual
+    borrowed = type(stage) is stages.Borrowed  # runs only if it compiles nothing, else whole as before
+    parts = stages.stages(enc, g.root_refs, stage)
+    try:
+        for s, ks, refs in parts if borrowed else ():
+            if s & 1 and _stage_key(stages.encode(nodes, leaves, enc, stage, ks, refs, {}), gdev) not in cache.CACHE:
+                return False
+        for s, ks, refs in parts:
+            roots = [nodes[r // 4096].outs[r % 4096] for r in refs]
+            sn = [nodes[k] for k in ks]
+            if not s & 1:  # a stage of changing nodes: on the host if it may
+                uploaded = host.on_host(sn, cut, roots, gdev, whole)
+                if uploaded is not None:
+                    for o, d in zip(roots, uploaded):
+                        cut[id(o)] = d
+                    continue
+                if whole or borrowed:
+                    return False
+            sl, senc, srefs = stages.encode(nodes, leaves, enc, stage, ks, refs, cut)
+            data = [v for v in sl if type(v) is Data]
+            packed, kinds = pack(sl)
+            req = CompileRequest(_stage_key((sl, senc, srefs), gdev), sn, sl, kinds, srefs, data, packed, (), gdev, (),
+                                 cut, None, not s & 1)  # fmt: skip
+            exe = executable(req, timed)
+            check_memory(exe, gdev)
+            record.add_sample("TensorsGraphSize", len(sn))
+            cache.touch(exe)
+            with timed("ExecuteDispatchTime"):
+                outs = exe.compiled([d.array for d in data], packed)
+            if exe.checks is not None:
+                if checks.failure(exe.checks.rows, outs[-1], checks.where(exe.checks.rows, sn)) is not None:
+                    return False
+                outs = outs[:-1]
+            for o, arr in zip(roots, outs):
+                cut[id(o)] = Data(arr, o.aval, gdev)
+    except Exception:
+        return False
+    COUNTERS["GraphOnHost" if whole else "StagedSync"] += 1
+    with uninterrupted():
+        _commit(step, [cut[id(st.value)].array for st in step.storages], t_run)
+    return True
+
+
+def _stage_key(encoded, gdev) -> tuple:
+    """A stage's executable-cache key, from ``stages.encode``: no donation, no kept data."""
+    sl, senc, srefs = encoded
+    return (tuple(senc), srefs, tuple(v.sig for v in sl), (), gdev, (), None)
+
+
+def _commit(step: Step, outs, t_run) -> None:
+    """Give each storage its result: they are no longer pending."""
+    gdev = step.storages[0].dev
+    for st, arr in zip(step.storages, outs):
+        st.set(Data(arr, st.value.aval, gdev))
+        st.prev = None
+    if step.everything:
+        PENDING.clear()
+        CHECKED_SINCE_SYNC.clear()
+    else:
+        for st in step.storages:
+            PENDING.pop(st.sid, None)
+    _last[:] = outs
+    EXECUTIONS.started(outs, t_run)
+
+
+def _run_and_commit(exe, step: Step, packed) -> None:
+    """Execute, then give each storage its result. With on-device checks, their rows are
+    read now (``XLATORCH_CHECKS=sync``, a graph run for several devices) or when the
+    results are next needed (``settle.settle``); a row that is set undoes the step and
+    raises. Raises (after failing the step's tensors) if the execution fails."""
+    storages, gdev, kept = step.storages, step.storages[0].dev, step.keep
+    try:
+        t_run = time.perf_counter_ns()
+        with step.timed("ExecuteDispatchTime"):
+            arrays = [d.array for d in step.data]
+            if exe.threads:
+                outs = run_replicated(exe, gdev, arrays, packed)
+            else:
+                outs = exe.compiled(arrays, packed)
+    except Exception as e:
+        faults.fail_storages(storages, e)
+        raise
+    if exe.checks is None:
+        _commit(step, outs, t_run)
+        return
+    table = exe.checks
+    # Per root: the data from before the step a failed check gives back, kept by the sync
+    prevs = [None if k is None else st.prev for st, k in zip(storages, kept)] if kept else [None] * len(storages)
+    _commit(step, outs[:-1], t_run)
+    names = checks.where(table.rows, step.graph.nodes)
+    news = [st.value for st in storages]
+    if table.in_graph:  # or its committed data, which holds it when its rows fired (the graph undid it)
+        prevs = [d if back and kept[i][0] >= 0 else prevs[i] for i, (d, back) in enumerate(zip(news, table.undo))]
+    u = settle.Unsettled(table, outs[-1], names, storages, news, prevs, kept.between if kept else ())
+    if config.CHECKS_DEFER and not exe.threads and not ir._multi and settle.deferrable(storages):
+        settle.defer(u)  # the host goes on tracing while this runs
+    else:
+        settle.undo(u)  # reading the rows waits for this execution
+
+
+_last_sync = 0
+_last: list = []  # the newest execution's outputs, for wait()
+
+
+def wait() -> None:
+    """Block until the newest execution (and so every earlier one) has finished."""
+    jax.block_until_ready(list(_last))
+    EXECUTIONS.flush()
+    settle.settle()

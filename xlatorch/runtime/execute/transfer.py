@@ -1,0 +1,91 @@
+"""Moving data between host (PyTorch CPU tensors) and the device (``jax.Array``): uploads
+(``to_device``) and downloads of device data (``from_array``). Reading a tensor, which may
+first need its graph run, is ``materialize.py``."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import torch
+
+from xlatorch.runtime.base import record, topology
+from xlatorch.runtime.base.dtypes import EXACT, TORCH_TO_JAX, to_jax
+from xlatorch.runtime.base.topology import current_device, jax_device
+from xlatorch.runtime.execute import settle
+from xlatorch.runtime.ir.values import Data
+from xlatorch.runtime.multi import sharding
+
+__all__ = ["to_device", "from_array"]
+
+
+def _to_numpy(t: torch.Tensor, private: bool = False) -> np.ndarray:
+    """The host array the device stores for ``t``, in its storage dtype (``private``: never
+    sharing ``t``'s memory).
+
+    A precision mode rounds float32/float64 here, on the host, so only the narrow data is
+    transferred; with numpy (ml_dtypes): round to nearest even like PyTorch, but NaN keeps
+    its sign (PyTorch's vectorised float -> bfloat16 makes every NaN negative).
+    """
+    t = t.detach().contiguous()
+    a = t.view(torch.int16).numpy().view(EXACT[torch.bfloat16]) if t.dtype == torch.bfloat16 else t.numpy()
+    want = TORCH_TO_JAX[t.dtype]
+    if a.dtype != want:
+        return a.astype(want)
+    return a.copy() if private else a
+
+
+_SINGLE: dict = {}  # jax device -> (its SingleDeviceSharding, [device])
+
+
+def _put(a: np.ndarray, jdev):
+    """``jax.device_put(a, jdev)`` without its Python wrapping (pytree flattening, dtype and
+    sharding checks: ~25 us of ~30 for a small array on CPU), through the call it ends in;
+    ``jax.device_put`` itself where that internal call is missing or refuses."""
+    one = _SINGLE.get(jdev)
+    if one is None:
+        from jax.sharding import SingleDeviceSharding
+
+        one = _SINGLE[jdev] = (SingleDeviceSharding(jdev), [jdev])
+    if _FAST is not None and a.dtype in _FAST_DTYPES:
+        try:
+            return _FAST(_ShapedArray(a.shape, a.dtype), one[0], [a], one[1])
+        except Exception:
+            pass
+    return jax.device_put(a, jdev)
+
+
+try:
+    from jax._src.core import ShapedArray as _ShapedArray
+    from jax._src.interpreters.pxla import batched_device_put as _FAST
+except ImportError:  # another jax: the public call
+    _FAST = _ShapedArray = None
+# Dtypes the device stores as they are (device_put would canonicalise others).
+_FAST_DTYPES = frozenset(np.dtype(d) for d in TORCH_TO_JAX.values())
+
+
+def to_device(t: torch.Tensor, dev: int | None = None) -> Data:
+    """Upload a CPU tensor (to local device ``dev``, default: this thread's), stored in the
+    device's dtype for it; counted in ``TransferToDeviceTime``."""
+    to_jax(t.dtype)  # a clear error for unsupported dtypes
+    if dev is None:
+        dev = current_device()
+    jdev = jax_device(dev)  # first: starting the runtime is not a transfer (and may start a capture)
+    with record.TIMED("TransferToDeviceTime"):
+        # jax.device_put on CPU may alias an aligned numpy array: the device value must not
+        # change when the host tensor is later written in place (other platforms copy anyway).
+        a = _to_numpy(t.cpu(), private=jdev.platform == "cpu")
+        arr = jax.device_put(a, sharding.placement()) if topology.SPMD[0] else _put(a, jdev)
+    record.COUNTERS["TensorToData"] += 1
+    return Data(arr, (tuple(t.shape), t.dtype), dev)
+
+
+def from_array(arr, dtype: torch.dtype) -> torch.Tensor:
+    """A new CPU tensor of ``dtype`` from device data (widened if a precision mode narrowed it)."""
+    settle.settle()  # the data may come from a step whose on-device checks are not read yet
+    a = np.asarray(arr if arr.is_fully_addressable else sharding.host_value(arr))
+    want = EXACT[dtype]
+    # Always a new host array: never alias a device buffer that may be donated later.
+    a = a.astype(want) if a.dtype != want else a.copy()
+    if dtype == torch.bfloat16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)

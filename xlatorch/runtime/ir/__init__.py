@@ -1,0 +1,1 @@
+"""The runtime's ir stage (see README.md)."""

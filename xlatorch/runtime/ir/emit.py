@@ -1,0 +1,91 @@
+"""Applying one node's lowering while a graph is traced by JAX.
+
+The generic part of every lowering lives here, once: promoting arguments are cast
+to the computation dtype PyTorch would use, and results are cast to (and checked
+against) the avals PyTorch's meta kernels gave when the node was created.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from xlatorch.runtime.base import record
+from xlatorch.runtime.base.dtypes import to_jax
+from xlatorch.runtime.base.source import fmt_src
+
+__all__ = ["emit_node", "hlo_scopes"]
+
+
+def _op_name(spec) -> str:
+    name = spec.name[:-8] if spec.name.endswith(".default") else spec.name
+    return name if "::" in name else "aten::" + name
+
+
+def hlo_scopes(nodes) -> list[str] | None:
+    """Per-node ``aten::<op>(file.py:12)`` names for the HLO metadata under ``XLA_HLO_DEBUG``, else None.
+
+    (Not ``@``: XLA cuts an ``op_name`` at ``@`` when it converts StableHLO to HLO.)
+    """
+    if not record.HLO_DEBUG:
+        return None
+    out = []
+    for n in nodes:
+        src = getattr(n, "src", None)
+        out.append(_op_name(n.spec) + (f"({fmt_src(src)})" if src is not None else ""))
+    return out
+
+
+def _aval_struct(aval):
+    return None if aval is None else jax.ShapeDtypeStruct(aval[0], to_jax(aval[1]))
+
+
+def emit_node(spec, args, info, scope=None, checks=None):
+    """The JAX values of a node's outputs, given its arguments' JAX values; ``scope`` names the
+    node in the HLO metadata (default: its ATen op; ``XLA_HLO_DEBUG`` adds the source line).
+    A checked node (``info.checked``) appends its ``L.checks`` results to ``checks``."""
+    # Every HLO op carries the ATen op it lowers (op_name metadata "jit(...)/aten::mm/dot_general"):
+    # profiles and HLO dumps name PyTorch's ops. Lowering only; keys and the disk cache ignore it.
+    if scope is None:
+        scope = _op_name(spec)
+    with jax.named_scope(scope):
+        return _emit(spec, args, info, checks)
+
+
+def _emit(spec, args, info, checks=None):
+    if info.cdtype is not None:
+        cd = to_jax(info.cdtype)
+        args = list(args)
+        for i in spec.promote_idx:
+            a = args[i]
+            if a is not None and hasattr(a, "dtype") and a.dtype != cd:
+                args[i] = a.astype(cd)
+    avals = info.avals
+    out = [_aval_struct(a) for a in avals]
+    first = out[0] if len(out) == 1 and spec.returns == 0 else tuple(out)
+    if info.checked and checks is not None:
+        found = spec.check(first, *args)
+        checks.extend(found if isinstance(found, list) else [found])
+    res = spec.emit(first, *args)
+    if not isinstance(res, (tuple, list)):
+        res = (res,)
+    if len(res) != len(avals):
+        raise AssertionError(f"lowering of aten::{spec.name} returned {len(res)} values, expected {len(avals)}")
+    fixed = []
+    for r, s in zip(res, out):
+        if s is None:  # an output PyTorch leaves undefined
+            fixed.append(None)
+            continue
+        r = jnp.asarray(r)
+        if r.dtype != s.dtype:
+            r = r.astype(s.dtype)
+        if r.shape != s.shape:
+            # Lowerings may return a scalar or a lower-rank value that broadcasts.
+            if r.size == 1 or r.ndim < len(s.shape):
+                r = jnp.broadcast_to(r.reshape(()) if r.size == 1 else r, s.shape)
+            else:
+                raise AssertionError(
+                    f"lowering of aten::{spec.name} produced shape {r.shape}, PyTorch expects {s.shape}"
+                )
+        fixed.append(r)
+    return fixed

@@ -1,0 +1,102 @@
+"""What the runtime knows about an op: its ``OpSpec`` (from ops.yaml and the ATen schema), the
+argument kinds, a node's ``Info``, argument signatures, and the table of every lowered op.
+
+The generated table (``generated/dispatch.py``) builds one ``OpSpec`` per ops.yaml entry;
+``SPECS`` holds them by name (filled when xlatorch is imported, ``runtime/device.py``).
+"""
+
+from __future__ import annotations
+
+from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND
+
+from xlatorch.runtime.ir.values import VALUE_TYPES
+
+__all__ = ["OpSpec", "Info", "signature", "SPECS", "TENSOR", "OPT_TENSOR", "TENSOR_LIST", "SCALAR", "SCALAR_LIST",
+           "STATIC", "GENERATOR", "ONE", "TUPLE", "LIST", "PROMOTION"]  # fmt: skip
+
+# Argument kinds, from the schema's types (codegen decides; see codegen/schema.py).
+# GENERATOR is a synthetic trailing argument of random ops: a fresh seed per call.
+TENSOR, OPT_TENSOR, TENSOR_LIST, SCALAR, SCALAR_LIST, STATIC, GENERATOR = range(7)
+# Return kinds.
+ONE, TUPLE, LIST = range(3)
+
+PROMOTION = {k.name.lower(): k for k in ELEMENTWISE_TYPE_PROMOTION_KIND}
+
+SPECS: dict = {}  # ops.yaml name ('add.Tensor') -> OpSpec, every lowered op
+
+
+class Info:
+    """What a node's signature determines: output avals, computation dtype, and whether
+    the node carries an on-device check (``runtime/lower/checks.py``)."""
+
+    __slots__ = ("avals", "cdtype", "checked")
+
+    def __init__(self, avals, cdtype, checked=False):
+        self.avals = avals
+        self.cdtype = cdtype
+        self.checked = checked
+
+
+class OpSpec:
+    """One lowered ATen overload: everything the runtime needs, from ops.yaml + schema."""
+
+    __slots__ = (
+        "name", "overload", "emit", "arg_names", "kinds", "kwarg_only", "returns",
+        "promote", "promote_idx", "view", "scatter", "cache", "meta_overload", "check", "check_integral",
+        "counter", "mutates", "born",
+    )  # fmt: skip
+
+    def __init__(self, name, overload, emit, arg_names, kinds, kwarg_only, returns,
+                 promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+                 check=None, check_integral=False, mutates=()):  # fmt: skip
+        self.name = name
+        self.overload = overload
+        self.emit = emit
+        self.arg_names = arg_names
+        self.kinds = kinds
+        self.kwarg_only = kwarg_only
+        self.returns = returns
+        self.promote = PROMOTION[promote] if promote else None
+        names = promote_args or [n for n, k in zip(arg_names, kinds) if k in (TENSOR, OPT_TENSOR, SCALAR)]
+        self.promote_idx = tuple(arg_names.index(n) for n in names)
+        self.view = view
+        self.scatter = scatter
+        self.cache: dict = {}
+        # The overload whose meta kernel gives this spec's avals (an in-place variant
+        # uses its own, so PyTorch's in-place casting rules and errors apply).
+        self.meta_overload = meta_overload or overload
+        # The on-device check (ops.yaml ``check``): called like ``emit``, gives L.checks results.
+        self.check = check
+        self.check_integral = check_integral  # check only when the computation dtype is integral
+        # torch_xla's per-op counter: how many times the op was recorded for the device
+        self.counter = "xla::" + (name.split("::")[-1].split(".")[0])
+        # An in-place op writing several arguments (``_amp_update_scale_``): their positions, in
+        # schema order; the node's outputs are their new values, a list argument's one per tensor.
+        self.mutates = mutates
+        # A constant op (``zeros_like``, ``full``): its node records the storage its result
+        # starts (runtime/plan/births.py, which sets this).
+        self.born = False
+
+    def __repr__(self):
+        return f"OpSpec({self.name})"
+
+
+def signature(vals: tuple) -> tuple:
+    """Arguments' signatures: avals (and scalar kinds) of values, static arguments themselves."""
+    return tuple(_sig(a) for a in vals)
+
+
+def _sig(a):
+    if isinstance(a, VALUE_TYPES):
+        return a.sig
+    if type(a) is tuple:
+        return tuple(_sig(x) for x in a)
+    if type(a) is float or type(a) is bool:
+        return _static_sig(a)
+    return a
+
+
+def _static_sig(a):
+    """A float or bool static argument's signature: ``4 == 4.0 == True`` and ``-0.0 == 0.0``,
+    but ``arange(4)`` is int64 and ``arange(4.0)`` float32, ``full(s, True)`` is bool."""
+    return (bool, a) if type(a) is bool else (float, a.hex())

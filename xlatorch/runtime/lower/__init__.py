@@ -1,0 +1,1 @@
+"""The runtime's lower stage (see README.md)."""

@@ -1,0 +1,104 @@
+"""Options handed to XLA's compiler with the graphs xlatorch compiles.
+
+A graph that will run once or a few times should compile fast; a training step's graph runs
+thousands of times and should run fast. Two kinds of graph are the first kind: the stages of
+a staged sync whose nodes changed shape (``runtime/plan/stages.py``: a growing ``generate()``
+loop compiles one per length) and the graph computing an optimizer's new state before its
+first step (``runtime/plan/births.py``). On CPU they compile at XLA's lowest optimization level
+with its classic fusion emitters, in one LLVM module: the first two options alone cut a fifth
+each, together a half, the third a fifth more (``bench.generate``, dynamic cache: first call
+8.0 -> 4.3 -> 3.8 s, no slower per token). Every other graph gets XLA's defaults: the
+classic emitters alone would cut the first step of small Hugging Face models by 20-40%
+(``bench.first_steps``), but they make the steady MNIST step 15% slower (``bench.bench``);
+the lowest level makes a step 2-3x slower.
+
+A graph compiled this way that is run again and again after all (a shape that keeps coming
+back) is compiled once more, with the defaults, at its ``RUNS_BEFORE_OPTIMIZING``-th cache
+hit (counter ``OptimizedRecompile``): a fixed point, so the same program gives the same
+numbers run after run. Only a graph with enough work for the defaults to pay back a compile
+is (``worth_optimizing``: XLA's own cost analysis, so the choice is the same every run): a
+``generate()`` loop's per-length attention stages (22 nodes, 2e4 flops) run in 0.046 ms at
+either level, and recompiling their 30 lengths stalled the dynamic-cache loop's ninth call
+5 s (0.24 s before and after); a 256x1024 MLP layer (5e8 flops) runs 1 ms faster per call.
+
+``XLATORCH_XLA_OPTIONS="name=value,..."`` gives every graph these options instead
+(``XLATORCH_XLA_OPTIONS=``, empty: XLA's defaults everywhere); names are fields of XLA's
+``DebugOptions``, e.g. ``xla_cpu_use_fusion_emitters=false``. Options are part of the
+persistent cache's key.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["options", "compile", "worth_optimizing"]
+
+RUNS_BEFORE_OPTIMIZING = 16
+# Flops plus bytes accessed (XLA's cost analysis) below which a fast-compiled graph is kept.
+MIN_WORK_TO_OPTIMIZE = 10**7
+_FAST_COMPILE = {
+    "cpu": {
+        "xla_cpu_use_fusion_emitters": False,
+        "xla_backend_optimization_level": 0,
+        "xla_cpu_parallel_codegen_split_count": 1,  # one LLVM module: a small graph gains nothing from more
+    }
+}
+
+
+def _parse(text: str) -> dict:
+    out = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        name, eq, value = (s.strip() for s in item.partition("="))
+        if not eq or not name:
+            raise ValueError(f"XLATORCH_XLA_OPTIONS: {item!r} is not name=value")
+        if value.lower() in ("true", "false"):
+            out[name] = value.lower() == "true"
+        else:
+            try:
+                out[name] = int(value)
+            except ValueError:
+                out[name] = value
+    return out
+
+
+def options(once: bool = False, platform: str | None = None) -> dict | None:
+    """The compiler options for a graph on ``platform`` (default: JAX's default backend), or
+    None; ``once``: the graph is expected to run once or a few times."""
+    text = os.environ.get("XLATORCH_XLA_OPTIONS")
+    if text is not None:
+        return _parse(text) or None
+    if not once:
+        return None
+    if platform is None:
+        import jax
+
+        platform = jax.default_backend()
+    return dict(_FAST_COMPILE.get(platform, {})) or None
+
+
+def compile(lowered, once: bool = False):
+    """``lowered.compile()`` (a ``jax.stages.Lowered``) with ``options(once)``; an error
+    caused by options the user set says where they came from."""
+    opts = options(once)
+    try:
+        return lowered.compile(compiler_options=opts)
+    except Exception as e:
+        text = os.environ.get("XLATORCH_XLA_OPTIONS")
+        if text:
+            e.add_note(f"xlatorch: compiled with XLATORCH_XLA_OPTIONS={text!r} (unset it for the defaults)")
+        raise
+
+
+def worth_optimizing(compiled) -> bool:
+    """Whether a graph compiled to compile fast (a ``jax.stages.Compiled``) has work enough
+    for XLA's defaults to pay back a second compile: ``MIN_WORK_TO_OPTIMIZE`` flops plus
+    bytes accessed, by XLA's cost analysis (True where there is none)."""
+    try:
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        if "flops" not in cost and "bytes accessed" not in cost:
+            return True
+        work = float(cost.get("flops", 0.0)) + float(cost.get("bytes accessed", 0.0))
+    except Exception:
+        return True
+    return work >= MIN_WORK_TO_OPTIMIZE

@@ -1,0 +1,1 @@
+"""The runtime's multi stage (see README.md)."""

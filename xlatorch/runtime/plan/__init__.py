@@ -1,0 +1,1 @@
+"""The runtime's plan stage (see README.md)."""

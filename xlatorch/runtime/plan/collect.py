@@ -1,0 +1,93 @@
+"""A sync's pending values as a graph: its nodes in order with its cache encoding
+(``collect``), and its host scalars packed by dtype (``pack``).
+
+``cut`` (``{id(out): Data}``) reads those pending outputs as device data instead: a later
+stage of a graph split by ``stages.py`` reads what earlier stages computed. The graph is
+lowered by runtime/lower/function.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from xlatorch.runtime.base.dtypes import PY_SCALAR_JAX, to_jax
+from xlatorch.runtime.ir import failed as failure
+from xlatorch.runtime.ir.values import Data, Out, operands
+
+__all__ = ["Graph", "collect", "pack"]
+
+
+class Graph:
+    """A collected graph: ``nodes`` in post-order (operands first), ``leaves`` (device data
+    and host scalars) in first-use order, ``enc`` (per node: its key and its operands'
+    positions, the structure the cache key hashes), ``root_refs`` (per root: ``node * 4096 +
+    output``, or ``-1 - leaf``) and whether a failed value is among the nodes (``failed``)."""
+
+    __slots__ = ("nodes", "leaves", "enc", "root_refs", "failed")
+
+    def __init__(self, nodes, leaves, enc, root_refs, failed=False):
+        self.nodes, self.leaves, self.enc, self.root_refs, self.failed = nodes, leaves, enc, root_refs, failed
+
+
+def collect(roots, cut=None) -> Graph:
+    """The graph computing ``roots``. Runs at every sync over the whole graph: kept tight."""
+    order: dict[int, int] = {}  # id(node) -> position
+    nodes = []
+    leaf_pos: dict[int, int] = {}
+    leaves = []
+    enc = []
+    failed = False
+    failed_spec = failure._SPEC  # None until some value has failed
+
+    def leaf(v) -> int:
+        i = leaf_pos.get(id(v))
+        if i is None:
+            i = leaf_pos[id(v)] = len(leaves)
+            leaves.append(v)
+        return -1 - i
+
+    for root in roots:
+        if id(root.node) in order:
+            continue
+        stack = [(root.node, None)]
+        while stack:
+            n, ops = stack.pop()
+            if id(n) in order:
+                continue
+            if ops is None:  # first visit: operands first
+                ops = operands(n.args)
+                if cut:  # values computed by an earlier stage are device data here
+                    ops = [cut.get(id(v), v) for v in ops]
+                stack.append((n, ops))
+                for v in reversed(ops):
+                    if type(v) is Out and id(v.node) not in order:
+                        stack.append((v.node, None))
+                continue
+            refs = tuple(order[id(v.node)] * 4096 + v.idx if type(v) is Out else leaf(v) for v in ops)
+            enc.append((n.key, refs))
+            order[id(n)] = len(nodes)
+            nodes.append(n)
+            if n.spec is failed_spec:
+                failed = True
+    root_refs = tuple(order[id(r.node)] * 4096 + r.idx if type(r) is Out else leaf(r) for r in roots)
+    return Graph(nodes, leaves, enc, root_refs, failed)
+
+
+def pack(leaves):
+    """Host scalars grouped by dtype into one array each: one transfer per dtype, not per scalar."""
+    groups: dict = {}  # packed dtype -> (group index, values)
+    kinds = []
+    nd = 0
+    for v in leaves:
+        if type(v) is Data:
+            kinds.append(("d", nd))
+            nd += 1
+        else:
+            # Python numbers are weakly typed, as in PyTorch: 2.5 * float32 stays float32.
+            # A precision mode may pack them wider than 0-d tensors of their dtype.
+            dt = to_jax(v.aval[1]) if v.tensor else PY_SCALAR_JAX[v.aval[1]]
+            gi, vals = groups.setdefault(dt, (len(groups), []))
+            kinds.append((gi, len(vals), not v.tensor))
+            vals.append(v.value)
+    packed = [np.asarray(vals, dtype=dt) for dt, (_, vals) in groups.items()]
+    return packed, kinds

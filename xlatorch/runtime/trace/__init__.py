@@ -1,0 +1,1 @@
+"""The runtime's trace stage (see README.md)."""

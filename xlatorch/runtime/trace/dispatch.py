@@ -1,0 +1,205 @@
+"""From an ATen call to an IR node: argument conversion and the op's variants.
+
+The generated table (``generated/dispatch.py``) maps each lowered ``OpOverload`` to a
+shim whose Python signature mirrors the ATen schema; the shim calls ``call`` (or
+``call_inplace`` / ``call_out``) with the arguments in schema order; ``nodes.py`` makes the
+node (output avals and computation dtype from PyTorch's meta kernels, once per signature).
+"""
+
+from __future__ import annotations
+
+from weakref import ref as _weakref
+
+import torch
+
+from xlatorch.runtime.base.record import COUNTERS
+from xlatorch.runtime.base.threads import _in_backward
+from xlatorch.runtime.ir.ops import (
+    LIST,
+    ONE,
+    OPT_TENSOR,
+    SCALAR,
+    SCALAR_LIST,
+    STATIC,
+    TENSOR,
+    TENSOR_LIST,
+    OpSpec,
+    _sig,
+    _static_sig,
+)
+from xlatorch.runtime.ir.rng import next_key
+from xlatorch.runtime.ir.values import Node, Scalar
+from xlatorch.runtime.trace import tensor as _tensor_module
+from xlatorch.runtime.trace.nodes import _node, convert_value, scalar
+from xlatorch.runtime.trace.tensor import XlaTensor, value_of, wrap, write
+
+__all__ = ["dispatch", "call", "call_inplace", "call_out", "SHIMS", "RUNTIME_OPS", "DECOMPS", "FALLBACK"]
+
+SHIMS: dict = {}  # OpOverload -> shim, filled by generated/dispatch.py
+RUNTIME_OPS: dict = {}  # OpOverload -> hand-written handler (copies, transfers, aliases)
+DECOMPS: dict = {}  # OpOverload -> PyTorch decomposition into ops that are lowered
+
+
+def _no_fallback(func, args, kwargs):
+    raise NotImplementedError(f"xlatorch: aten::{func._schema.name} has no lowering and no CPU fallback is installed")
+
+
+# Ops with no lowering: xlatorch.fallback installs its CPU fallback here when imported (it
+# sits above the runtime and calls down into it).
+FALLBACK = [_no_fallback]
+
+
+def dispatch(func, args, kwargs):
+    """``__torch_dispatch__`` body: lowered shim, runtime handler, decomposition, or CPU fallback."""
+    shim = SHIMS.get(func)
+    if shim is not None:
+        return shim(*args, **kwargs)
+    handler = RUNTIME_OPS.get(func) or DECOMPS.get(func)
+    if handler is not None:
+        return handler(*args, **kwargs)
+    # A composite op (aten::to, aten::flatten) reaches dispatch when a decomposition calls
+    # it: run its CompositeImplicitAutograd kernel, which calls ops we lower.
+    res = func.decompose(*args, **kwargs)
+    if res is not NotImplemented:
+        return res
+    return FALLBACK[0](func, args, kwargs)
+
+
+def _not_xla(spec, t) -> RuntimeError:
+    return RuntimeError(
+        f"Input tensor is not an XLA tensor: {t.type()} (aten::{spec.name} got a tensor on "
+        f"'{t.device}' together with tensors on 'xla:0'; move it with .to('xla'), or the module "
+        f"with module.to(xm.xla_device()))"
+    )
+
+
+def _tensor_value(spec, t):
+    if type(t) is XlaTensor:
+        return value_of(t)
+    if isinstance(t, torch.Tensor):
+        if t.dim() == 0 and t.device.type == "cpu":
+            return Scalar(t.item(), t.dtype, tensor=True)
+        raise _not_xla(spec, t)
+    if t is None:
+        return None
+    return scalar(t)  # a wrapped Python number
+
+
+def _prepare(spec, args):
+    """The converted arguments and their signature, in one pass: the per-op hot path."""
+    vals = []
+    sig = []
+    for a, kind in zip(args, spec.kinds):
+        if kind is TENSOR or kind is OPT_TENSOR:
+            if type(a) is XlaTensor:
+                v = a._st.value if a._vw is None else value_of(a)
+                s = v.sig
+            else:
+                v = _tensor_value(spec, a)
+                s = None if v is None else v.sig
+        elif kind is STATIC:
+            v = s = tuple(a) if type(a) is list else a
+            if type(a) is float or type(a) is bool:
+                s = _static_sig(a)
+        elif kind is SCALAR:
+            v = a if a is None else scalar(a)
+            s = None if v is None else v.sig
+        else:
+            if kind is TENSOR_LIST:
+                v = tuple(_tensor_value(spec, x) for x in a)
+            elif kind is SCALAR_LIST:
+                v = tuple(scalar(x) for x in a)
+            else:  # GENERATOR
+                v = next_key()
+            s = _sig(v)
+        vals.append(v)
+        sig.append(s)
+    return tuple(vals), tuple(sig)
+
+
+def _outputs(spec, n: Node):
+    if spec.returns is ONE:
+        return wrap(n.outs[0])
+    res = [None if o is None else wrap(o) for o in n.outs]
+    return res if spec.returns is LIST else tuple(res)
+
+
+def call(spec: OpSpec, args: tuple):
+    """A functional op: one new node, new tensors for its outputs (views alias their base)."""
+    n = _node(spec, *_prepare(spec, args))
+    if spec.view:
+        base = args[0]
+        rest = n.args[1:]
+        outs = [_view_of(base, (spec, rest, i), o) for i, o in enumerate(n.outs)]
+        if spec.returns is ONE:
+            return outs[0]
+        return outs if spec.returns is LIST else tuple(outs)
+    out = _outputs(spec, n)
+    if spec.born and _in_backward() == -1:  # gradients are made anew every step: never births
+        n.born = _weakref(out._st)
+    return out
+
+
+def _view_of(base: XlaTensor, step, value) -> XlaTensor:
+    chain = (base._vw or ()) + (step,)
+    return wrap(value, base._st, chain)
+
+
+def call_inplace(spec: OpSpec, args: tuple):
+    """An in-place op: the lowering's result (cast to ``self``'s dtype) becomes ``self``'s value."""
+    self = args[0]
+    if spec.mutates:
+        return _call_mutating(spec, args)
+    if spec.kinds[0] is TENSOR_LIST:  # _foreach_*_: one result per tensor of the list
+        n = _node(spec, *_prepare(spec, args))
+        for t, v in zip(self, n.outs):
+            write(t, v if v.aval[1] == t.dtype else convert_value(v, t.dtype))
+        return None
+    if type(self) is not XlaTensor:
+        raise _not_xla(spec, self)
+    n = _node(spec, *_prepare(spec, args))
+    write(self, n.outs[0])
+    return self
+
+
+def _call_mutating(spec: OpSpec, args: tuple):
+    """An in-place op writing several arguments: each gets its part of the node's outputs."""
+    targets = []
+    for i in spec.mutates:
+        a = args[i]
+        targets += list(a) if spec.kinds[i] is TENSOR_LIST else [a]
+    for t in targets:
+        if type(t) is not XlaTensor:
+            raise _not_xla(spec, t)
+    n = _node(spec, *_prepare(spec, args))
+    for t, v in zip(targets, n.outs, strict=True):
+        write(t, v if v.aval[1] == t.dtype else convert_value(v, t.dtype))
+    return args[0] if spec.returns is ONE else None
+
+
+def call_out(spec: OpSpec, args: tuple, outs: tuple, returns: bool = True):
+    """An ``out=`` op: compute functionally, then write each result into its ``out`` tensor.
+
+    ``returns=False`` for the out= overloads that take a list of tensors and return nothing
+    (``unbind_copy.int_out``, ``split_copy.Tensor_out``).
+    """
+    n = _node(spec, *_prepare(spec, args))
+    for t, v in zip(outs, n.outs):
+        if type(t) is not XlaTensor:
+            raise _not_xla(spec, t)
+        if t.dtype != v.aval[1]:
+            v = convert_value(v, t.dtype)
+        if tuple(t.shape) != v.aval[0]:
+            t.data = wrap(v)  # out= resizes, as in PyTorch
+        else:
+            write(t, v)
+    if not returns:
+        return None
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def count(name: str) -> None:
+    COUNTERS[name] += 1
+
+
+_tensor_module.DISPATCH = dispatch

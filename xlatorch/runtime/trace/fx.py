@@ -1,0 +1,229 @@
+"""An ATen FX graph (from AOTAutograd, behind ``torch.compile``) as one IR node.
+
+``FxProgram(gm)`` checks once that every node of ``gm`` has a lowering in ops.yaml, then each
+call records ONE node for the whole graph: no per-op Python dispatch, and the node's lowering
+emits the graph's ops with the same emitters a lazily traced program uses. Inputs and
+outputs are device tensors; the node joins the step's lazy graph, so a compiled forward, its
+backward and the optimizer's ops still compile into the step's one XLA program (cached like
+any other). Random ops get a fresh seed per call (graph inputs, never constants); on-device
+checks (index bounds ...) are computed inside the node and raised at the sync, as in the lazy
+path. A graph with an op that has no lowering (or symbolic shapes) raises ``Unlowerable``:
+the caller runs it op by op instead.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+
+import jax.numpy as jnp
+import torch
+
+from xlatorch.runtime.base import config
+from xlatorch.runtime.base.dtypes import PY_SCALAR_DTYPE, PY_SCALAR_JAX, to_jax, weak
+from xlatorch.runtime.base.record import COUNTERS
+from xlatorch.runtime.base.source import user_frame
+from xlatorch.runtime.base.threads import TICKS, owner
+from xlatorch.runtime.ir.emit import emit_node
+from xlatorch.runtime.ir.ops import GENERATOR, SCALAR, SCALAR_LIST, STATIC, TENSOR_LIST, TUPLE, Info, OpSpec, signature
+from xlatorch.runtime.ir.rng import next_key
+from xlatorch.runtime.ir.values import Node
+from xlatorch.runtime.trace.nodes import info_of
+from xlatorch.runtime.trace.tensor import XlaTensor, value_of, wrap
+
+__all__ = ["FxProgram", "Unlowerable", "HANDLED", "SPECS"]
+
+aten = torch.ops.aten
+_ids = itertools.count()
+SPECS: dict = {}  # OpOverload -> OpSpec, filled at import of xlatorch (from the generated table)
+# Ops a functional graph holds that need no lowering of their own.
+_IDENTITY = {aten.detach.default, aten.alias.default, aten.lift_fresh.default, aten.lift_fresh_copy.default}
+HANDLED = _IDENTITY | {aten._to_copy.default}  # what FxProgram lowers without an ops.yaml entry
+
+
+class _Seed:
+    """Where a random op's seed goes: the node's ``i``-th seed input."""
+
+    __slots__ = ("i",)
+
+    def __init__(self, i: int):
+        self.i = i
+
+
+class _Num:
+    """A Python number argument: a weakly typed constant of the graph, as the lazy path's
+    scalars are weakly typed parameters (2.5 * a float32 tensor stays float32)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def jax(self):
+        return weak(jnp.asarray(self.value, PY_SCALAR_JAX[PY_SCALAR_DTYPE[type(self.value)]]))
+
+
+def _number(a):
+    return _Num(a) if type(a) in PY_SCALAR_DTYPE else a
+
+
+class Unlowerable(Exception):
+    """The graph has an op (or a shape) this path cannot lower as one node."""
+
+
+def _aval(v):
+    if not isinstance(v, torch.Tensor):
+        raise Unlowerable(f"a non-tensor value {type(v).__name__}")
+    shape = tuple(v.shape)
+    if not all(type(d) is int for d in shape):
+        raise Unlowerable("symbolic shapes")
+    return shape, v.dtype
+
+
+def _schema_args(op, args, kwargs) -> dict:
+    """The op's arguments by schema name, defaults filled in."""
+    out = {}
+    for i, a in enumerate(op._schema.arguments):
+        if i < len(args):
+            out[a.name] = args[i]
+        elif a.name in kwargs:
+            out[a.name] = kwargs[a.name]
+        elif a.has_default_value():
+            out[a.name] = a.default_value
+        else:
+            out[a.name] = None
+    return out
+
+
+def _meta(a):
+    """What PyTorch's promotion sees for an argument: the node's fake value, or the number."""
+    if isinstance(a, torch.fx.Node):
+        return a.meta.get("val")
+    return a
+
+
+class FxProgram:
+    """One FX graph of ATen ops, callable on device tensors as one IR node."""
+
+    def __init__(self, gm: torch.fx.GraphModule, name: str = "graph"):
+        self.gm = gm
+        self.steps = []  # (kind, fx node, spec, arg template, info)
+        self.inputs = []
+        self.random = 0
+        checked = False
+        for n in gm.graph.nodes:
+            if n.op == "placeholder":
+                _aval(n.meta.get("val"))
+                self.inputs.append(n)
+            elif n.op == "call_function":
+                checked |= self._plan(n)
+            elif n.op == "output":
+                outs = n.args[0]
+                self.outputs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+            elif n.op != "get_attr":
+                raise Unlowerable(f"FX node kind {n.op}")
+            else:
+                raise Unlowerable("graph constants (get_attr)")
+        self.avals = tuple(None if o is None else _aval(o.meta.get("val")) for o in self.outputs)
+        self.spec = OpSpec(f"xlatorch::compiled_{name}_{next(_ids)}", None, self._emit, ("inputs",),
+                           (TENSOR_LIST,), (False,), TUPLE)  # fmt: skip
+        self.spec.check = self._check if checked and config.CHECKS else None
+        self.info = Info(self.avals, None, self.spec.check is not None)
+        self._stash: dict = {}
+
+    def _plan(self, n) -> bool:
+        op = n.target
+        if op is operator.getitem:
+            self.steps.append(("getitem", n, None, n.args, None))
+            return False
+        if op in _IDENTITY:
+            self.steps.append(("identity", n, None, n.args[0], None))
+            return False
+        if op is aten._to_copy.default:  # a cast on the device
+            dev = n.kwargs.get("device")
+            if dev is not None and torch.device(dev).type != "xla":
+                raise Unlowerable("a copy to another device")
+            self.steps.append(("convert", n, None, n.args[0], _aval(n.meta.get("val"))[1]))
+            return False
+        spec = SPECS.get(op)
+        if spec is None:
+            raise Unlowerable(f"aten::{getattr(op, '__name__', op)} has no lowering")
+        named = _schema_args(op, n.args, n.kwargs)
+        args, margs = [], []
+        for name, kind in zip(spec.arg_names, spec.kinds):
+            if kind is GENERATOR:
+                args.append(_Seed(self.random))
+                self.random += 1
+                margs.append(None)
+                continue
+            a = named.get(name)
+            if kind is STATIC and type(a) is list:
+                a = tuple(a)
+            margs.append(_meta(a))
+            if kind is SCALAR:
+                a = _number(a)
+            elif kind is SCALAR_LIST and a is not None:
+                a = tuple(_number(x) for x in a)
+            args.append(a)
+        val = n.meta.get("val")
+        vals = val if isinstance(val, (tuple, list)) else (val,)
+        info = info_of(spec, margs, tuple(None if v is None else _aval(v) for v in vals))
+        self.steps.append(("op", n, spec, tuple(args), info))
+        return info.checked
+
+    def __call__(self, args):
+        """Record the graph applied to ``args`` (device tensors, in placeholder order); returns
+        the outputs as new device tensors (None where the graph returns None)."""
+        vals = []
+        for a in args:
+            if type(a) is not XlaTensor:
+                raise TypeError(f"xlatorch: a compiled graph got a {type(a).__name__} on "
+                                f"'{getattr(a, 'device', '?')}' where it expects an xla tensor")  # fmt: skip
+            vals.append(value_of(a))
+        vals += [next_key() for _ in range(self.random)]
+        vals = (tuple(vals),)
+        COUNTERS[self.spec.name] += 1
+        node = Node(self.spec, vals, self.info, (self.spec, signature(vals)))
+        if self.info.checked:
+            node.tick = (next(TICKS), owner())
+            node.src = user_frame()
+        return [None if o is None else wrap(o) for o in node.outs]
+
+    def _lower(self, inputs, found=None):
+        env = {}
+        n_in = len(self.inputs)
+        for p, v in zip(self.inputs, inputs[:n_in]):
+            env[p] = v
+        seeds = inputs[n_in:]
+
+        def get(a):
+            if isinstance(a, torch.fx.Node):
+                return env[a]
+            if type(a) is _Seed:
+                return seeds[a.i]
+            if type(a) is _Num:
+                return a.jax()
+            if isinstance(a, (tuple, list)):
+                return tuple(get(x) for x in a)
+            return a
+
+        for kind, n, spec, args, info in self.steps:
+            if kind == "getitem":
+                env[n] = env[args[0]][args[1]]
+            elif kind == "identity":
+                env[n] = env[args]
+            elif kind == "convert":
+                env[n] = env[args].astype(to_jax(info))
+            else:
+                res = emit_node(spec, tuple(get(a) for a in args), info, None, found if info.checked else None)
+                env[n] = res[0] if len(res) == 1 and not isinstance(n.meta.get("val"), (tuple, list)) else res
+        return tuple(None if o is None else env[o] for o in self.outputs)
+
+    def _check(self, out, inputs):
+        found: list = []
+        self._stash[id(inputs)] = self._lower(inputs, found)
+        return found
+
+    def _emit(self, out, inputs):
+        res = self._stash.pop(id(inputs), None)
+        return res if res is not None else self._lower(inputs)

@@ -1,0 +1,119 @@
+"""How PyTorch's module and autograd machinery meets the device: tied parameters stay tied,
+and a backward pass that cannot run on the device says why.
+
+Shared (tied) parameters and buffers stay shared when a module moves to or from the device.
+
+``nn.Module._apply`` (behind ``.to()``, ``.cpu()``, ``.half()``, ``.float()`` ...) keeps a
+parameter's identity only when ``torch._has_compatible_shallow_copy_type(old, new)``
+holds; between a CPU tensor and a device tensor (a wrapper subclass) it does not, so each
+module that holds the parameter gets a new ``Parameter`` of its own: a tied embedding and
+output layer become two parameters, each receiving half the gradient, and the model
+trains differently from CPU without any error.
+
+xlatorch wraps ``nn.Module._apply`` once: the outermost call notes which parameter and
+buffer slots (across every submodule) hold the same tensor, and after the conversion
+points all of them at the first slot's new tensor (with its gradient). Programs whose
+parameters keep their identity anyway (CPU-only, same-device dtype changes) see no change.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch.nn as nn
+
+from xlatorch.runtime.base.threads import CALLERS, DEFERRED, _get_ident, _in_backward
+from xlatorch.runtime.ir import values as ir
+from xlatorch.runtime.trace.tensor import XlaTensor
+
+__all__ = ["install"]
+
+_IMPORT_ORDER = (
+    "xlatorch: the autograd engine started before `import xlatorch` (a backward pass ran on CPU "
+    "first) and sized its device queues without the xla device, so it cannot run a backward "
+    "pass on the device in this process. Import xlatorch at the top of the program, before "
+    "any backward pass (or in the process's first lines: `import torch, xlatorch`)."
+)
+
+_tls = threading.local()
+_BACKWARD = threading.Lock()
+_original = None
+
+
+def _shared_slots(module: nn.Module) -> list[list]:
+    """Groups of ``(submodule, table, name)`` slots that hold the same tensor (groups of 2+)."""
+    groups: dict[int, list] = {}
+    held = []  # keeps the tensors alive, so their ids stay unique while grouping
+    for m in module.modules():
+        for table in ("_parameters", "_buffers"):
+            for name, t in getattr(m, table).items():
+                if t is not None:
+                    groups.setdefault(id(t), []).append((m, table, name))
+                    held.append(t)
+    return [g for g in groups.values() if len(g) > 1]
+
+
+def _apply(self, fn, recurse=True):
+    if getattr(_tls, "active", False) or not recurse:
+        return _original(self, fn, recurse)
+    shared = _shared_slots(self)
+    if not shared:
+        return _original(self, fn, recurse)
+    _tls.active = True
+    try:
+        result = _original(self, fn, recurse)
+    finally:
+        _tls.active = False
+    for group in shared:
+        m0, table0, name0 = group[0]
+        tied = getattr(m0, table0)[name0]
+        for m, table, name in group[1:]:
+            getattr(m, table)[name] = tied
+    return result
+
+
+def _checked_backward(run):
+    """``torch.autograd``'s engine entry. Records the thread that calls a device backward pass
+    (the device ops autograd runs on its own thread work for it), raises there the errors that
+    thread could not raise, and turns the engine's internal assert about its device queues
+    (a backward ran before xlatorch was imported) into an error that says what to do."""
+
+    def engine_run_backward(t_outputs, *args, **kwargs):
+        mine = _in_backward() == -1 and not ir._multi and any(type(t) is XlaTensor for t in t_outputs)
+        if mine:
+            # One user thread's device backward pass at a time, so that autograd's device
+            # thread knows whom its ops work for (tensor.owner). Its ops are serialised by
+            # tensor.LOCK anyway. Not from autograd's thread (a backward inside a backward)
+            # nor under dp.DataParallel, whose threads meet in replicated executions.
+            _BACKWARD.acquire()
+            me = _get_ident()
+            CALLERS[me] = 1
+        try:
+            result = run(t_outputs, *args, **kwargs)
+        except RuntimeError as e:
+            if "device_ready_queues_" in str(e):
+                raise RuntimeError(_IMPORT_ORDER) from None
+            raise
+        finally:
+            if mine:
+                del CALLERS[me]
+                _BACKWARD.release()
+        if mine and DEFERRED:  # an error autograd's device thread could not raise (tensor.defer_to_owners)
+            error = DEFERRED.pop(me, None)
+            if error is not None:
+                raise error
+        return result
+
+    return engine_run_backward
+
+
+def install() -> None:
+    """Wrap ``nn.Module._apply`` and autograd's engine entry (once)."""
+    global _original
+    if _original is None:
+        _original = nn.Module._apply
+        nn.Module._apply = _apply
+        import torch.autograd as autograd
+
+        # torch.autograd.backward and .grad call the name bound in torch.autograd.
+        autograd._engine_run_backward = _checked_backward(autograd._engine_run_backward)

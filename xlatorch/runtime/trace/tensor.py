@@ -1,0 +1,371 @@
+"""``XlaTensor``: the device tensor, and the storage cells that make aliasing work.
+
+A tensor reads its value through ``value_of`` and changes it through ``write``.
+Tensors that alias (``detach``, ``.data``, views) share one ``Storage``; a view also
+carries the chain of view ops that derives it from the storage's value, replayed
+lazily when the storage changes and inverted (scatter) when the view is written.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import sys
+import threading
+import traceback
+import weakref
+
+import torch
+import torch._guards
+
+from xlatorch.runtime.base.record import COUNTERS
+from xlatorch.runtime.base.record import cause as _cause
+from xlatorch.runtime.base.threads import (
+    CHECKED_SINCE_SYNC,
+    DEFERRED,
+    LOCK,
+    TICKS,
+    _get_ident,
+    _in_backward,
+    defer_to_owners,
+    owner,
+)
+from xlatorch.runtime.ir import values as ir
+from xlatorch.runtime.ir.failed import FailedValueError, cause, failed_value
+from xlatorch.runtime.ir.values import Data
+from xlatorch.runtime.trace.nodes import apply_scatter, apply_view, convert_value
+
+__all__ = ["XlaTensor", "Storage", "wrap", "value_of", "write", "PENDING", "pending_storages", "reroot_lone_views"]
+
+DEVICE = torch.device("xla", 0)
+
+# Storages whose value is pending: storage id -> weak reference. A plain dict of weak
+# references without callbacks (a storage's ``__del__`` removes its entry) costs a
+# fraction of a WeakValueDictionary on the per-op path.
+PENDING: dict[int, weakref.ref] = {}
+_ids = itertools.count()
+_weakref = weakref.ref
+# Filled by the modules above that own them (they import this one): the ATen call's
+# dispatch (trace/dispatch.py), a tensor's download (execute/materialize.py), its pickling
+# (execute/serialization.py).
+DISPATCH = None
+TO_CPU = None
+REDUCE = None
+
+
+def pending_storages() -> list:
+    """The live storages whose value is pending, by creation order (``sid``)."""
+    live = [st for st in (r() for r in PENDING.values()) if st is not None and type(st.value) is ir.Out]
+    live.sort(key=_sid)
+    return live
+
+
+def _sid(st) -> int:
+    return st.sid
+
+
+class Storage:
+    """The mutable cell shared by a tensor and all its aliases and views.
+
+    ``refs`` holds weak references to the tensors made on it (some may have died or
+    moved to another storage since): a sync asks it whether one view alone can still
+    read the storage (``reroot_lone_views``).
+    """
+
+    __slots__ = ("value", "gen", "sid", "dev", "refs", "prev", "first", "owner", "sharding", "__weakref__")
+
+    def __init__(self, value):
+        self.refs = []
+        # The user thread that made it (errors of its value are raised there): this one,
+        # unless autograd's device thread is running a backward pass for another (owner()).
+        self.owner = _get_ident() if _in_backward() == -1 else owner()
+        self.gen = next(TICKS)
+        # The device data this storage held when the step began writing it: a step whose
+        # on-device check fails gives it back (runtime/lower/checks.py). Reset at each commit.
+        self.prev = None
+        self.first = 0  # the tick of the step's first write of it (when ``prev`` was set)
+        self.sharding = None  # SPMD: the sharding mark_sharding gave it (runtime/multi/sharding.py)
+        self.sid = sid = next(_ids)
+        self.dev = value.dev if ir._multi else 0  # the local device index (see ir.current_device)
+        self.value = value
+        if type(value) is Data:
+            value.holders += 1
+        else:
+            PENDING[sid] = _weakref(self)
+
+    def set(self, value) -> None:
+        old = self.value
+        first = False
+        if type(old) is Data:
+            old.holders -= 1
+            if self.prev is None:
+                self.prev = first = old
+        self.value = value
+        self.gen = next(TICKS)
+        if first:
+            self.first = self.gen
+        if type(value) is Data:
+            value.holders += 1
+        elif self.sid not in PENDING:
+            PENDING[self.sid] = _weakref(self)
+
+    def __del__(self):
+        if type(self.value) is Data:
+            self.value.holders -= 1
+        else:
+            PENDING.pop(self.sid, None)
+
+
+class XlaTensor(torch.Tensor):
+    """A tensor on the ``xla`` device: lazy, with PyTorch's shape, dtype and autograd."""
+
+    _st: Storage
+    _vw: tuple | None  # view steps from the storage's value, or None
+    _vc: tuple | None  # (storage gen, value) cache of a view's value
+
+    @staticmethod
+    def __new__(cls, *args, **kwargs):
+        raise TypeError("XlaTensor is created by ops on the xla device, not directly")
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        lock = None if ir._multi else LOCK
+        if lock is not None:
+            lock.acquire()
+        try:
+            if DEFERRED and _in_backward() == -1:
+                error = DEFERRED.pop(_get_ident(), None)
+                if error is not None:
+                    raise error
+            return DISPATCH(func, args, kwargs or {})
+        except Exception as e:
+            if _in_backward() == -1:
+                raise
+            # In a backward pass (autograd's device thread) an exception would abort the
+            # process (torch's Python device guard terminates while unwinding): defer it to
+            # the next sync.
+            try:
+                return defer_error(func, args, kwargs or {}, e)
+            except Exception:
+                sys.stderr.write(f"xlatorch: {func._schema.name} failed in a backward pass:\n")
+                traceback.print_exc()
+                sys.stderr.flush()
+                raise
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def __repr__(self, *, tensor_contents=None):
+        # PyTorch prints subclasses as "XlaTensor(...)"; device tensors print as "tensor(...)".
+        with _cause("print"):
+            text = torch._tensor_str._str(self, tensor_contents=tensor_contents)
+        pad = len("XlaTensor(") - len("tensor(")
+        first, *rest = text.split("\n")
+        return "\n".join(["tensor(" + first[len("XlaTensor(") :]] + [line[pad:] for line in rest])
+
+    def tolist(self):
+        """The values as nested Python lists (a graph cut if pending)."""
+        return TO_CPU(self, ".tolist()").tolist()
+
+    def numpy(self, *, force: bool = False):
+        if self.requires_grad and not force:
+            raise RuntimeError("Can't call numpy() on Tensor that requires grad. Use tensor.detach().numpy() instead.")
+        return TO_CPU(self, ".numpy()").numpy()
+
+    @property
+    def is_xla(self) -> bool:  # type: ignore[override]
+        return True
+
+    def __reduce_ex__(self, proto):
+        # The storage's CPU data (once per pickle) plus this tensor's view steps: loads
+        # back onto the xla device, aliasing what it aliased (runtime/execute/serialization.py).
+        return REDUCE(self)
+
+    def __deepcopy__(self, memo):
+        # A new storage holding a (lazy) clone; Python attributes (``_is_param``, the
+        # user's own) are deep-copied, the aliasing fields are not.
+        if id(self) in memo:
+            return memo[id(self)]
+        with torch.no_grad():
+            new = torch.ops.aten.clone.default(self)
+        new.requires_grad_(self.requires_grad)
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            if k not in ("_st", "_vw", "_vc"):
+                setattr(new, k, copy.deepcopy(v, memo))
+        return new
+
+    def __coerce_same_metadata_as_tangent__(self, expected_metadata, expected_type=None):
+        # torch.compile's backward (AOTAutograd) takes gradients of plain-tensor outputs:
+        # an xla tensor is one, to the lowering of that backward graph.
+        return self
+
+    def untyped_storage(self):  # type: ignore[override]
+        if torch._guards.TracingContext.try_get() is not None:
+            # torch.compile making a fake tensor of this one: the wrapper's empty storage.
+            return torch.Tensor.untyped_storage(self)
+        raise RuntimeError(
+            "xla tensors have no storage: their data lives on the device. Move the tensor "
+            "to CPU (t.cpu()) to reach its storage"
+        )
+
+    def storage(self):  # type: ignore[override]
+        return self.untyped_storage()
+
+    @property
+    def data(self):  # type: ignore[override]
+        return self.detach()
+
+    @data.setter
+    def data(self, new):
+        if not isinstance(new, XlaTensor):
+            raise RuntimeError(
+                f"Attempted to set the data of an xla tensor to a tensor on {new.device}; move it to xla first"
+            )
+        torch._C.TensorBase.data.__set__(self, new)
+        self._st, self._vw, self._vc = new._st, new._vw, new._vc
+        new._st.refs.append(weakref.ref(self))
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+
+# Where ``torch.load`` puts saved device tensors: None (the device, as saved) or a device
+# resolved from its ``map_location`` (set around each call; see serialization.load_target).
+LOAD_TARGET = threading.local()
+
+
+def _rebuild_xla(cpu, requires_grad):
+    # A saved device tensor's CPU data, moved to the device unless torch.load's map_location
+    # sends it elsewhere. Also loads files written before view steps were saved.
+    target = getattr(LOAD_TARGET, "device", None)
+    t = cpu.to(DEVICE) if target is None or target.type == "xla" else cpu.to(target)
+    if requires_grad:
+        t.requires_grad_()
+    return t
+
+
+_new = torch.Tensor._make_wrapper_subclass
+
+
+def wrap(value, st: Storage | None = None, view=None) -> XlaTensor:
+    """A new device tensor holding ``value`` (a fresh storage unless ``st`` is given)."""
+    shape, dtype = value.aval
+    t = _new(XlaTensor, shape, dtype=dtype, device=DEVICE)
+    COUNTERS["CreateXlaTensor"] += 1
+    if st is None:
+        st = Storage(value)
+        t._st, t._vw, t._vc = st, None, None
+    else:
+        t._st, t._vw, t._vc = st, view, (st.gen, value)
+        if len(st.refs) >= 16:  # a long-lived storage (a weight read through .t() every step)
+            st.refs = [r for r in st.refs if _reads(r(), st)]
+    st.refs.append(_weakref(t))
+    return t
+
+
+def _reads(t, st) -> bool:
+    return t is not None and t._st is st
+
+
+def reroot_lone_views(storages) -> None:
+    """Before a sync: a pending storage that only one view tensor can still read takes that
+    view's value, and the view becomes a plain tensor on it.
+
+    Nothing else can observe the rest of the base, so this changes no result; it lets XLA
+    compute the view directly instead of the base plus a copy. The case that matters: an
+    ``nn.Linear`` weight's gradient is ``t()`` of an ``mm`` (autograd's ``TBackward``), and
+    storing the ``mm`` would make XLA transpose a weight-sized buffer every step.
+    """
+    for st in storages:
+        lone = None
+        for r in st.refs:
+            t = r()
+            if _reads(t, st) and t is not lone:
+                if lone is not None:
+                    lone = None
+                    break
+                lone = t
+        if lone is not None and lone._vw is not None:
+            v = value_of(lone)
+            st.set(v)
+            lone._vw = lone._vc = None
+            st.refs = [_weakref(lone)]
+
+
+def value_of(t: XlaTensor):
+    """The tensor's current value (device data or a pending IR value)."""
+    vw = t._vw
+    if vw is None:
+        return t._st.value
+    st = t._st
+    gen, v = t._vc
+    if gen != st.gen:
+        v = st.value
+        for step in vw:
+            v = apply_view(step, v)
+        t._vc = (st.gen, v)
+    return v
+
+
+def write(t: XlaTensor, v) -> None:
+    """Make ``v`` the tensor's new value, updating its base and every alias."""
+    if type(v) is Data and CHECKED_SINCE_SYNC and _get_ident() in CHECKED_SINCE_SYNC:
+        v = convert_value(v, v.aval[1])
+    vw = t._vw
+    st = t._st
+    if vw is None:
+        st.set(v)
+        return
+    bases = [st.value]
+    for step in vw[:-1]:
+        bases.append(apply_view(step, bases[-1]))
+    new = v
+    for step, base in zip(reversed(vw), reversed(bases)):
+        new = apply_scatter(step, base, new)
+    st.set(new)
+    t._vc = (st.gen, v)
+
+
+_PLACEHOLDER = {True: float("nan")}  # what a failed .item() gives a backward pass that will raise
+
+
+def defer_error(func, args, kwargs, error: Exception):
+    """The outputs of an op that failed on autograd's device thread, carrying the error.
+
+    An exception cannot leave ``__torch_dispatch__`` there (torch 2.13's Python device
+    guard aborts the process while unwinding), so the outputs (shapes from the meta
+    kernel) and any arguments the op writes hold a failed value instead, and the error
+    is raised by the sync that reads them. An op with no tensor result to carry it
+    (``.item()``) returns a placeholder and the thread that called ``backward`` raises the
+    error when the backward pass returns (``runtime/trace/modules.py``).
+    """
+    from torch.utils._pytree import tree_map
+
+    if isinstance(error, FailedValueError):  # an input had already failed: keep that cause
+        err = cause(error)
+    else:
+        err = RuntimeError(f"{func._schema.name} failed in a backward pass: {type(error).__name__}: {error}")
+    if func is torch.ops.aten._local_scalar_dense.default:
+        defer_to_owners(error if isinstance(error, FailedValueError) else err, (owner(),))
+        return _PLACEHOLDER.get(args[0].dtype.is_floating_point or args[0].dtype.is_complex, 0)
+
+    def meta(a):
+        if isinstance(a, torch.Tensor):
+            return torch.empty(a.shape, dtype=a.dtype, device="meta")
+        return "meta" if isinstance(a, torch.device) and a.type == "xla" else a
+
+    mkwargs = tree_map(meta, kwargs)
+    if isinstance(mkwargs.get("device"), (str, torch.device)):
+        mkwargs["device"] = "meta"
+    res = func(*tree_map(meta, args), **mkwargs)
+    written = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            dst = args[i] if i < len(args) else kwargs.get(arg.name)
+            if type(dst) is XlaTensor:
+                write(dst, failed_value((tuple(dst.shape), dst.dtype), err))
+                written.append(dst)
+    if written and isinstance(res, torch.Tensor):
+        return written[0]
+    return tree_map(lambda r: wrap(failed_value((tuple(r.shape), r.dtype), err)) if isinstance(r, torch.Tensor)
+                    else r, res)  # fmt: skip
