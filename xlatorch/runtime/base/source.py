@@ -25,7 +25,9 @@ def _skip_prefixes() -> tuple[str, ...]:
     if _skip is None:
         import torch
 
-        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the xlatorch package
+        here = os.path.abspath(__file__)
+        for _ in range(__name__.count(".")):  # up to the xlatorch package, wherever this module lives
+            here = os.path.dirname(here)
         dirs = {sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")}
         dirs |= {os.path.dirname(torch.__file__), here}
         gen = sys.modules.get("xlatorch._generated")  # the generated shims live outside the package
