@@ -507,3 +507,22 @@ def test_a_full_disk_raises_enospc_and_keeps_the_previous_checkpoint(tmp_path):
         assert [p.name for p in mnt.iterdir()] == ["ckpt.pt"]  # no temporary left behind
     finally:
         subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+@pytest.mark.parametrize("weights_only", [True, False])
+def test_a_file_saved_before_the_runtime_was_split_into_stages_loads(weights_only):
+    """``tests/data/saved_by_flat_runtime.pt`` was written by ``torch.save`` under the flat
+    runtime (its pickle names ``xlatorch.runtime.serialization._rebuild`` and
+    ``xlatorch.runtime.tensor._rebuild_xla``): ``{"w": arange(12).reshape(3, 4), "row": w[1],
+    "t": w.t(), "p": Parameter(ones(2))}``, all on the device."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "saved_by_flat_runtime.pt")
+    s = torch.load(path, weights_only=weights_only)
+    w = torch.arange(12.0).reshape(3, 4)
+    assert {k: v.device.type for k, v in s.items()} == dict.fromkeys(("w", "row", "t", "p"), "xla")
+    torch.testing.assert_close(s["w"].cpu(), w, rtol=0, atol=0)
+    torch.testing.assert_close(s["t"].cpu(), w.t(), rtol=0, atol=0)
+    torch.testing.assert_close(s["p"].detach().cpu(), torch.ones(2), rtol=0, atol=0)
+    assert s["p"].requires_grad
+    s["row"].add_(100)  # the view still aliases its base, as when it was saved
+    torch.testing.assert_close(s["w"].cpu()[1], w[1] + 100, rtol=0, atol=0)
+    torch.testing.assert_close(s["t"].cpu()[:, 1], w[1] + 100, rtol=0, atol=0)

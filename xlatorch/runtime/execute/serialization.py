@@ -156,9 +156,28 @@ def _rebuild(base, steps, requires_grad, param=False):
     return replay(base, steps, requires_grad, param)
 
 
+# Files name the functions that rebuild device tensors by module path; files saved before the
+# runtime's stages were folders name them by their old paths.
+_SAVED_AS = {
+    ("xlatorch.runtime.serialization", "_rebuild"): _rebuild,
+    ("xlatorch.runtime.tensor", "_rebuild_xla"): _rebuild_xla,
+}
 # torch.load's default (weights_only=True) may rebuild device tensors: both functions
 # only build tensors (view steps are checked to be ATen view ops).
-torch.serialization.add_safe_globals([_rebuild_xla, _rebuild])
+torch.serialization.add_safe_globals([_rebuild_xla, _rebuild] + [(f, f"{m}.{n}") for (m, n), f in _SAVED_AS.items()])
+
+
+class _Unpickler(pickle.Unpickler):
+    """pickle's, finding the rebuild functions under the paths older files name them by."""
+
+    def find_class(self, module, name):
+        found = _SAVED_AS.get((module, name))
+        return found if found is not None else super().find_class(module, name)
+
+
+_PICKLE = types.ModuleType(f"{__name__}.unpickle")  # torch.load(weights_only=False)'s pickle_module
+_PICKLE.__dict__.update({k: v for k, v in vars(pickle).items() if not k.startswith("__")})
+_PICKLE.Unpickler = _Unpickler
 
 
 def load_target(map_location) -> torch.device | None:
@@ -240,6 +259,8 @@ def install_load() -> None:
                 kwargs["map_location"] = "cpu"
             target = None
         verify_checkpoint(kwargs.get("f", args[0] if args else None))
+        if kwargs.get("weights_only") is False and len(args) < 3 and kwargs.get("pickle_module") is None:
+            kwargs["pickle_module"] = _PICKLE  # files saved by older layouts load too
         prev = getattr(LOAD_TARGET, "device", None)
         LOAD_TARGET.device = target
         try:
