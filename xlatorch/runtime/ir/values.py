@@ -32,6 +32,8 @@ def _enable_multi_device() -> None:
 
 
 topology.MULTI_DEVICE_HOOKS.append(_enable_multi_device)
+if len(topology._devices) > 1:  # the devices were found before this module loaded
+    _enable_multi_device()
 
 
 def _node_device(args) -> int:
