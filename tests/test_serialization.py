@@ -1,9 +1,11 @@
 """Saving and loading: torch.save of device tensors (views included), xm.save, xser."""
 
 import collections
+import errno
 import io
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -489,24 +491,130 @@ def test_a_save_killed_midway_leaves_a_temporary_the_next_save_removes(tmp_path)
     torch.testing.assert_close(torch.load(path)["w"], torch.ones(3))
 
 
-def test_a_full_disk_raises_enospc_and_keeps_the_previous_checkpoint(tmp_path):
-    import errno
-    import subprocess
-
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 64 KB tmpfs (needs root): writes past that fail with ENOSPC."""
     mnt = tmp_path / "small"
     mnt.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True).returncode:
         pytest.skip("cannot mount a small tmpfs here")
     try:
-        path = mnt / "ckpt.pt"
-        xm.save({"w": torch.ones(100).to("xla")}, path)
-        with pytest.raises(OSError) as info:
-            xm.save({"w": torch.ones(100_000).to("xla")}, path)  # 400 KB: does not fit
-        assert info.value.errno == errno.ENOSPC and str(path) in str(info.value)
-        torch.testing.assert_close(torch.load(path)["w"], torch.ones(100))
-        assert [p.name for p in mnt.iterdir()] == ["ckpt.pt"]  # no temporary left behind
+        yield mnt
     finally:
         subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+def _files(root):
+    return sorted(os.path.relpath(os.path.join(d, n), root) for d, ds, fs in os.walk(root) for n in ds + fs)
+
+
+def test_a_full_disk_raises_enospc_and_keeps_the_previous_checkpoint(small_disk):
+    path = small_disk / "ckpt.pt"
+    xm.save({"w": torch.ones(100).to("xla")}, path)
+    with pytest.raises(OSError) as info:
+        xm.save({"w": torch.ones(100_000).to("xla")}, path)  # 400 KB: does not fit
+    assert info.value.errno == errno.ENOSPC and str(path) in str(info.value)
+    torch.testing.assert_close(torch.load(path)["w"], torch.ones(100))
+    assert [p.name for p in small_disk.iterdir()] == ["ckpt.pt"]  # no temporary left behind
+
+
+@pytest.mark.parametrize("previous", [True, False])
+def test_xser_save_on_a_full_disk_raises_enospc_naming_the_path_and_leaves_no_partial_files(small_disk, previous):
+    path = str(small_disk / "ckpt")
+    if previous:
+        xser.save({"w": torch.ones(100).to("xla")}, path)
+    before = _files(small_disk)
+    with pytest.raises(OSError) as info:  # not RuntimeError: "[enforce fail at inline_container.cc] unexpected pos"
+        xser.save({"w": torch.ones(100_000).to("xla"), "b": torch.ones(3).to("xla")}, path)  # 400 KB: does not fit
+    assert type(info.value) is OSError and info.value.errno == errno.ENOSPC
+    assert info.value.filename == path and path in str(info.value)
+    assert _files(small_disk) == before  # the new generation is gone; so is ckpt.tensors if this save made it
+    if previous:
+        torch.testing.assert_close(xser.load(path)["w"], torch.ones(100))
+
+
+# --- damaged files: one error class, naming the file and what is wrong ----------------------
+
+
+def _flip_all(raw: bytes, offsets) -> list[bytes]:
+    return [raw[:o] + bytes([raw[o] ^ 0x20]) + raw[o + 1 :] for o in offsets]
+
+
+def _damaged(raw: bytes) -> dict[str, bytes]:
+    return {
+        "empty": b"",
+        "header": _flip_all(raw, [0])[0],  # CPU PyTorch: UnicodeDecodeError or UnpicklingError
+        "header byte 2": _flip_all(raw, [2])[0],
+        "first 10 bytes": raw[:10],
+        "half": raw[: len(raw) // 2],
+        "all but the last byte": raw[:-1],
+        "garbage": b"\x00" * 64,
+    }
+
+
+_WRITERS = {"torch.save": torch.save, "xm.save": xm.save}
+_LOADERS = {"torch.load": torch.load, "xser.load": xser.load}
+
+
+@pytest.mark.parametrize("loader", list(_LOADERS))
+@pytest.mark.parametrize("writer", list(_WRITERS))
+def test_every_damaged_checkpoint_raises_checkpoint_corrupt_error_naming_the_file(tmp_path, writer, loader):
+    from xlatorch.runtime.execute.serialization import CheckpointCorruptError
+
+    path = str(tmp_path / "ckpt.pt")
+    w = torch.arange(10.0).to("xla")
+    _WRITERS[writer]({"w": w, "v": w[2:5]}, path)
+    raw = open(path, "rb").read()
+    load = _LOADERS[loader]
+    for what, bad in _damaged(raw).items():
+        open(path, "wb").write(bad)
+        with pytest.raises(CheckpointCorruptError, match=re.escape(path)) as info:
+            load(path)
+        if what == "empty":
+            assert "is empty (0 bytes)" in str(info.value)
+    # Every single flipped byte: an error naming the file, or (padding, timestamps) the same tensors.
+    for bad in _flip_all(raw, range(len(raw))):
+        open(path, "wb").write(bad)
+        try:
+            got = load(path)
+        except CheckpointCorruptError as e:
+            assert path in str(e)
+            continue
+        assert torch.equal(got["w"].cpu(), torch.arange(10.0)) and torch.equal(got["v"].cpu(), torch.arange(2.0, 5.0))
+    # One class, whoever loads: a RuntimeError, as PyTorch raises for nearly every damaged zip file.
+    assert xser.CheckpointError is CheckpointCorruptError and issubclass(CheckpointCorruptError, RuntimeError)
+
+
+def test_a_damaged_xser_checkpoint_raises_checkpoint_corrupt_error_naming_the_file(tmp_path):
+    from xlatorch.runtime.execute.serialization import CheckpointCorruptError
+
+    path, gdir = _small_checkpoint(tmp_path)
+    raw = open(path, "rb").read()
+    for what, bad in _damaged(raw).items():
+        open(path, "wb").write(bad)
+        with pytest.raises(CheckpointCorruptError, match=re.escape(path)) as info:
+            xser.load(path)
+        if what == "empty":
+            assert "is empty (0 bytes)" in str(info.value)
+    open(path, "wb").write(raw)
+    victim = os.path.join(gdir, "tensor_0.pt")
+    open(victim, "wb").close()
+    with pytest.raises(CheckpointCorruptError, match=re.escape(f"{victim}: tensor file is 0 bytes")):
+        xser.load(path)
+    with pytest.raises(CheckpointCorruptError, match=re.escape(f"{victim} is empty (0 bytes)")):
+        torch.load(victim)
+
+
+# --- a missing directory --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("save", [xm.save, xser.save], ids=["xm.save", "xser.save"])
+def test_saving_into_a_missing_directory_raises_file_not_found_naming_the_path(tmp_path, save):
+    path = str(tmp_path / "missing" / "ckpt.pt")
+    with pytest.raises(FileNotFoundError) as info:
+        save({"w": torch.ones(3).to("xla")}, path)
+    assert info.value.filename == path and str(info.value) == f"[Errno 2] No such file or directory: '{path}'"
+    assert os.listdir(tmp_path) == []  # nothing made: no directory, no temporary
 
 
 @pytest.mark.parametrize("weights_only", [True, False])

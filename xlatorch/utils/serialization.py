@@ -15,12 +15,14 @@ Layout::
 The structure file is the commit point. A save writes a new ``gen-<id>`` folder, then
 the structure file atomically (temporary file, fsync, rename), then deletes older
 generations; a crash at any point leaves ``path`` naming one complete generation,
-old or new, never a mix. ``load`` checks every file it reads against the manifest and
+old or new, never a mix; a failed save (a full disk: ``OSError`` ENOSPC naming ``path``)
+removes what it wrote. ``load`` checks every file it reads against the manifest and
 raises ``CheckpointError``, naming the file, for anything missing, truncated or changed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import io
 import os
@@ -33,7 +35,16 @@ import zlib
 import torch
 
 from xlatorch.runtime.execute.materialize import _base_to_cpu
-from xlatorch.runtime.execute.serialization import atomic_write, encode_view, fsync_dir, replay, tensor_pickle_module
+from xlatorch.runtime.execute.serialization import (
+    CheckpointCorruptError,
+    RecordingFile,
+    atomic_write,
+    encode_view,
+    fsync_dir,
+    replay,
+    tensor_pickle_module,
+    write_error,
+)
 from xlatorch.runtime.trace.tensor import XlaTensor
 
 __all__ = ["save", "load", "CheckpointError"]
@@ -45,8 +56,9 @@ _GEN = re.compile(r"gen-[0-9a-f]+\Z")
 _CHUNK = 1 << 20
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint file is missing, truncated or corrupt; the message names the file."""
+# A checkpoint file is missing, truncated or corrupt; the message names the file. One class
+# for every checkpoint xlatorch reads (torch.load raises it too), a RuntimeError.
+CheckpointError = CheckpointCorruptError
 
 
 def _tensors_dir(path: str) -> str:
@@ -62,7 +74,9 @@ def save(data, path, master_only: bool = True, global_master: bool = False) -> N
     tensor. Tensors that share a storage (views, ``detach``, tied weights) are written
     once and alias again after ``load``. Every process syncs what is pending (one graph
     cut); only the master ordinal writes unless ``master_only`` is False. Atomic as a
-    whole: see the module docstring.
+    whole: see the module docstring. A failure the OS reports (a missing directory, a full
+    disk) raises its ``OSError`` subclass naming ``path``, after removing what this save
+    wrote; the previous checkpoint at ``path`` stays loadable.
     """
     from xlatorch.core.xla_model import is_master_ordinal
     from xlatorch.runtime.execute.sync import sync
@@ -78,11 +92,18 @@ def save(data, path, master_only: bool = True, global_master: bool = False) -> N
 def _save(data, path) -> None:
     path = os.fspath(path)
     tdir = _tensors_dir(path)
-    os.makedirs(tdir, exist_ok=True)
     gen = f"gen-{secrets.token_hex(8)}"
     gdir = os.path.join(tdir, gen)
-    os.mkdir(gdir)
+    made_tdir = False
     try:
+        try:  # not makedirs: a missing directory is an error naming path, as for xm.save and open()
+            os.mkdir(tdir)
+            made_tdir = True
+        except FileExistsError:
+            pass
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, path) from None
+        os.mkdir(gdir)
         sources: list = []  # per file: a device Storage or a CPU tensor
         by_storage: dict[int, int] = {}
 
@@ -114,26 +135,34 @@ def _save(data, path) -> None:
         payload = manifest.getvalue()
         header = MAGIC + _HEADER.pack(VERSION, len(payload), zlib.crc32(payload))
         atomic_write(path, lambda f: (f.write(header), f.write(payload)))
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(gdir, ignore_errors=True)
+        if made_tdir:
+            with contextlib.suppress(OSError):
+                os.rmdir(tdir)
+        if isinstance(e, OSError) and e.filename == path:
+            raise  # atomic_write's, already naming path
+        err = write_error(path, e)
+        if err is not None:
+            raise err from e
         raise
     for name in os.listdir(tdir):  # older generations, and folders of interrupted saves
         if name != gen and _GEN.match(name):
             shutil.rmtree(os.path.join(tdir, name), ignore_errors=True)
 
 
-class _CrcWriter:
-    """A write-only file that keeps the CRC-32 and size of what passes through it."""
-
-    __slots__ = ("f", "crc", "size")
+class _CrcWriter(RecordingFile):
+    """A write-only file that keeps the CRC-32 and size of what passes through it (and the
+    first OSError a write raised)."""
 
     def __init__(self, f):
-        self.f, self.crc, self.size = f, 0, 0
+        super().__init__(f)
+        self.crc, self.size = 0, 0
 
     def write(self, b) -> int:
         self.crc = zlib.crc32(b, self.crc)
         self.size += memoryview(b).nbytes
-        return self.f.write(b)
+        return super().write(b)
 
     def flush(self) -> None:
         self.f.flush()
@@ -143,7 +172,12 @@ def _write_tensor(gdir: str, name: str, src) -> tuple[str, int, int]:
     cpu = src if isinstance(src, torch.Tensor) else _base_to_cpu(src)
     with open(os.path.join(gdir, name), "xb") as f:
         w = _CrcWriter(f)
-        torch.save(cpu, w)
+        try:
+            torch.save(cpu, w)
+        except RuntimeError:
+            if w.error is None:
+                raise
+            raise w.error from None  # torch's zip writer reports a failed write as "unexpected pos"
         f.flush()
         os.fsync(f.fileno())
     return (name, w.size, w.crc)
@@ -195,13 +229,14 @@ def load(path, weights_only: bool = True):
     nothing is returned. ``weights_only`` is passed to ``torch.load`` for the structure
     (the default, True, loads state dicts and plain containers; False allows any
     picklable object, so only load trusted files with it). A file written by
-    ``torch.save`` or ``xm.save`` is loaded with ``torch.load`` (errors name the file).
+    ``torch.save`` or ``xm.save`` is loaded with ``torch.load``, which checks it first
+    (a damaged file raises ``CheckpointError`` naming it).
     """
     path = os.fspath(path)
     with open(path, "rb") as f:
         blob = f.read()
     if not blob.startswith(MAGIC):
-        return _torch_load(path, path, weights_only)
+        return torch.load(path, map_location="cpu", weights_only=weights_only)
     head = blob[len(MAGIC) : len(MAGIC) + _HEADER.size]
     if len(head) < _HEADER.size:
         raise CheckpointError(f"{path}: truncated xser structure file ({len(blob)} bytes)")
@@ -213,7 +248,7 @@ def load(path, weights_only: bool = True):
         raise CheckpointError(f"{path}: corrupt xser structure file (CRC-32 mismatch)")
     if version != VERSION:
         raise CheckpointError(f"{path}: xser format version {version}; this xlatorch reads version {VERSION}")
-    manifest = _torch_load(io.BytesIO(payload), path, True)
+    manifest = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
     gdir = os.path.join(_tensors_dir(path), _component(manifest["dir"], path))
     token = _LOADING.set(_Loading(gdir, manifest["files"], weights_only))
     try:
@@ -231,19 +266,6 @@ def _component(name, where: str) -> str:
     return name
 
 
-def _torch_load(f, name: str, weights_only: bool):
-    # For files without a checksum of their own: a failure may be corruption.
-    try:
-        return torch.load(f, map_location="cpu", weights_only=weights_only)
-    except (CheckpointError, OSError):
-        raise
-    except Exception as e:
-        raise CheckpointError(
-            f"{name}: torch.load failed (corrupt or truncated file, or an object weights_only=True refuses): "
-            f"{type(e).__name__}: {e}"
-        ) from e
-
-
 def _read_tensor(fname: str, size: int, crc: int) -> torch.Tensor:
     try:
         f = open(fname, "rb")
@@ -259,7 +281,7 @@ def _read_tensor(fname: str, size: int, crc: int) -> torch.Tensor:
             got = zlib.crc32(view[:n], got)
     if got != crc:
         raise CheckpointError(f"{fname}: corrupt tensor file (CRC-32 mismatch)")
-    t = _torch_load(fname, fname, True)
+    t = torch.load(fname, map_location="cpu", weights_only=True)
     if not isinstance(t, torch.Tensor):
         raise CheckpointError(f"{fname}: holds {type(t).__name__}, not a tensor")
     return t

@@ -34,7 +34,8 @@ from xlatorch.runtime.trace.tensor import DEVICE, LOAD_TARGET, PENDING, XlaTenso
 
 __all__ = [
     "encode_view", "replay", "reduce_tensor", "tensor_pickle_module", "cpu_pickle_module",
-    "atomic_write", "temp_name", "fsync_dir",
+    "atomic_write", "temp_name", "fsync_dir", "RecordingFile", "write_error", "CheckpointCorruptError",
+    "verify_checkpoint",
 ]  # fmt: skip
 
 
@@ -198,14 +199,36 @@ def load_target(map_location) -> torch.device | None:
 
 
 class CheckpointCorruptError(RuntimeError):
-    """A checkpoint file is damaged: truncated, or a record's bytes do not match its CRC-32."""
+    """A checkpoint file is damaged or incomplete; the message names the file and what is wrong.
+
+    Raised by ``torch.load`` (with xlatorch imported) and ``xser.load`` for any checkpoint
+    xlatorch writes: empty, truncated, a damaged header or zip directory, a record whose
+    bytes do not match its CRC-32, a missing tensor file. A ``RuntimeError``, as PyTorch's
+    own reader raises for nearly every truncated or damaged zip checkpoint (the
+    ``EOFError``, ``UnicodeDecodeError`` or ``UnpicklingError`` it raises otherwise depend
+    on which byte was hit; ``UnpicklingError`` also means "weights_only refused an object",
+    which a damaged file is not). ``xser.CheckpointError`` is this class.
+    """
+
+
+# The pickled magic number a legacy (pre-zip) torch.save file starts with: pickle protocols
+# 2 and up write it as LONG1, 0 and 1 as text. Such files have no checksums.
+_LEGACY_MAGIC = (
+    pickle.dumps(torch.serialization.MAGIC_NUMBER, protocol=2)[2:-1],
+    b"L%dL\n" % torch.serialization.MAGIC_NUMBER,
+)
 
 
 def verify_checkpoint(f) -> None:
-    """Check a ``torch.save`` zip file's records against the CRC-32 the zip format keeps for
-    each (PyTorch's reader does not); raise ``CheckpointCorruptError`` naming the file and
-    the record. ``f``: a path or a seekable binary file (left where it was). Other formats
-    pass unchecked. Reads the file once (about as fast as the disk)."""
+    """Check that ``f`` is a whole checkpoint before ``torch.load`` reads it; raise
+    ``CheckpointCorruptError`` naming the file and what is wrong otherwise.
+
+    A ``torch.save`` zip file must open in Python's zip reader and in PyTorch's, and every
+    record must match the CRC-32 the zip format keeps for it (PyTorch's reader checks
+    none). Empty files and files that are neither a zip archive nor a legacy ``torch.save``
+    file are refused; legacy files pass unchecked. ``f``: a path or a seekable binary file
+    (left where it was); anything else passes. Reads the file once (about as fast as the
+    disk)."""
     if isinstance(f, (str, os.PathLike)):
         name = os.fspath(f)
         if not os.path.isfile(name):
@@ -224,19 +247,55 @@ def verify_checkpoint(f) -> None:
 
 def _verify(fh, name) -> None:
     start = fh.tell()
-    magic = fh.read(4)
+    head = fh.read(512)
     fh.seek(start)
-    if magic != b"PK\x03\x04":  # not a zip: a legacy or foreign format, left to torch.load
-        return
+    if not head:
+        raise CheckpointCorruptError(f"xlatorch: {name} is empty (0 bytes): not a checkpoint (its save did not "
+                                     f"finish, or the file was truncated)")  # fmt: skip
+    if not head.startswith(b"PK\x03\x04"):
+        if any(m in head[:32] for m in _LEGACY_MAGIC) or head[257:262] == b"ustar":  # legacy or tar format
+            return
+        if not zipfile.is_zipfile(fh):  # else a zip archive whose first bytes are damaged
+            raise CheckpointCorruptError(f"xlatorch: {name} is not a checkpoint: it starts with neither a zip "
+                                         f"archive nor a legacy torch.save header (damaged, or not written by "
+                                         f"torch.save)")  # fmt: skip
+        fh.seek(start)
+    # Damaged zip files make zipfile raise many kinds (BadZipFile, EOFError, OSError,
+    # UnicodeDecodeError, NotImplementedError, ValueError) and PyTorch's reader RuntimeError.
     try:
-        with zipfile.ZipFile(fh) as z:
-            bad = z.testzip()
-    except (zipfile.BadZipFile, EOFError, OSError) as e:
-        msg = f"xlatorch: {name} is not a complete checkpoint (truncated or damaged: {e})"
-        raise CheckpointCorruptError(msg) from None
-    if bad is not None:
-        raise CheckpointCorruptError(f"xlatorch: {name} is corrupt: record '{bad}' does not match its CRC-32 "
-                                     f"(the file was damaged after it was written)")  # fmt: skip
+        z = zipfile.ZipFile(fh)
+    except Exception as e:
+        raise _incomplete(name, e) from None
+    with z:
+        try:
+            infos = z.infolist()
+            first = min((i.header_offset for i in infos), default=start)
+            if first != start:
+                raise zipfile.BadZipFile(f"the zip archive starts {first - start} bytes into the file")
+        except Exception as e:
+            raise _incomplete(name, e) from None
+        for info in infos:
+            try:
+                with z.open(info) as r:
+                    while r.read(1 << 20):
+                        pass
+            except Exception as e:
+                if isinstance(e, zipfile.BadZipFile) and str(e).startswith("Bad CRC-32"):
+                    why = "does not match its CRC-32 (the file was damaged after it was written)"
+                else:
+                    why = f"is damaged ({type(e).__name__}: {e})"
+                raise CheckpointCorruptError(f"xlatorch: {name} is corrupt: record '{info.filename}' {why}") from None
+    fh.seek(start)
+    try:
+        torch._C.PyTorchFileReader(fh)  # the directory as torch.load's reader (miniz) sees it
+    except Exception as e:
+        raise _incomplete(name, e) from None
+
+
+def _incomplete(name, e: Exception) -> CheckpointCorruptError:
+    why = str(e).split(". This is an internal miniz error")[0]
+    return CheckpointCorruptError(f"xlatorch: {name} is not a complete checkpoint (truncated or damaged: "
+                                  f"{type(e).__name__}: {why})")  # fmt: skip
 
 
 def install_load() -> None:
@@ -376,9 +435,10 @@ def _remove_stale_temporaries(path: str) -> None:
             os.unlink(os.path.join(d, e))
 
 
-class _Recording:
-    """A binary file that remembers the ``OSError`` a write raised (torch's zip writer turns
-    it into ``unexpected pos``; the save then re-raises the real one: ENOSPC, EFBIG, EIO)."""
+class RecordingFile:
+    """A binary file that remembers the first ``OSError`` a write raised: torch's zip writer
+    turns it into ``RuntimeError: ... unexpected pos``, and ``write_error`` finds the real one
+    (ENOSPC, EFBIG, EIO) here."""
 
     def __init__(self, f):
         self.f = f
@@ -395,22 +455,39 @@ class _Recording:
         return getattr(self.f, name)
 
 
+def write_error(path: str, exc: BaseException, rec: RecordingFile | None = None) -> OSError | None:
+    """The error to raise when saving to ``path`` failed with ``exc``: the ``OSError`` behind
+    it (the one ``rec`` recorded, else ``exc`` itself), with its errno and naming ``path``, the
+    file the user named (not a temporary or tensor file beside it); None when no ``OSError``
+    with an errno caused the failure."""
+    err = rec.error if rec is not None and rec.error is not None else exc if isinstance(exc, OSError) else None
+    if err is None or err.errno is None:
+        return None
+    return OSError(err.errno, f"{os.strerror(err.errno)}: writing {path} (the previous file, if any, is unchanged)",
+                   path)  # fmt: skip
+
+
 def atomic_write(path, write) -> None:
     """Create or replace file ``path`` all at once: ``write(f)`` fills a temporary file.
 
     The temporary file sits beside ``path``; it is flushed, fsynced and renamed over
     ``path``, then the directory is fsynced. A crash at any point leaves either the old
     file or the new one at ``path``, never a partial one (at worst an orphaned
-    ``.<name>.*.tmp``). Permissions follow the umask, as for a plain ``open``.
+    ``.<name>.*.tmp``). Permissions follow the umask, as for a plain ``open``. A failure
+    the OS reports (a missing directory, a full disk) raises its ``OSError`` subclass
+    naming ``path``, never the temporary file, which is removed.
     """
     path = os.fspath(path)
     _remove_stale_temporaries(path)
     tmp = temp_name(path)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+    except OSError as e:  # as open(path) would say it: the temporary file is ours, not the user's
+        raise OSError(e.errno, e.strerror, path) from None
     rec = None
     try:
         with os.fdopen(fd, "wb") as f:
-            rec = _Recording(f)
+            rec = RecordingFile(f)
             write(rec)
             f.flush()
             os.fsync(f.fileno())
@@ -418,10 +495,9 @@ def atomic_write(path, write) -> None:
     except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        err = rec.error if rec is not None and rec.error is not None else e if isinstance(e, OSError) else None
-        if err is not None and err.errno is not None:
-            raise OSError(err.errno, f"{os.strerror(err.errno)}: writing {path} (the previous file, if any, is "
-                                     f"unchanged)", path) from e  # fmt: skip
+        err = write_error(path, e, rec)
+        if err is not None:
+            raise err from e
         raise
     fsync_dir(os.path.dirname(tmp))
 
