@@ -4,9 +4,9 @@ import threading
 
 import pytest
 import torch
+from xlatorch._generated import dispatch as table
 
 import xlatorch.core.xla_model as xm
-from xlatorch._generated import dispatch as table
 from xlatorch.runtime.ir.failed import FailedValueError
 from xlatorch.runtime.trace import dispatch as D
 from xlatorch.runtime.trace import tensor as T

@@ -154,9 +154,9 @@ def _sgd_reference(w0, x, lr):
 
 def test_a_failed_op_costs_only_what_depends_on_it(monkeypatch):
     import torch
+    from xlatorch._generated import dispatch as table
 
     import xlatorch.core.xla_model as xm
-    from xlatorch._generated import dispatch as table
     from xlatorch.runtime.ir.failed import FailedValueError
 
     w0, x = torch.randn(4, 3), torch.randn(3, 5)
@@ -179,6 +179,43 @@ def test_a_failed_op_costs_only_what_depends_on_it(monkeypatch):
     with pytest.raises(FailedValueError, match="this lowering exploded"):
         bad.cpu()
     torch.testing.assert_close((w * 2).detach().cpu(), _sgd_reference(w0, x, 0.1) * 2)  # training goes on
+
+
+def test_a_failed_lowering_in_a_step_that_hoists_optimizer_state_fails_only_what_depends_on_it(monkeypatch):
+    """Adam's first step computes its state's constants apart (runtime/plan/births.py), so the
+    graph that fails to lower is a new one: the node that failed is found in it, not at the
+    same position of the graph before (which failed an unrelated tensor)."""
+    import torch
+    from xlatorch._generated import dispatch as table
+
+    import xlatorch.core.xla_model as xm
+    from xlatorch.runtime.ir.failed import FailedValueError
+
+    w0, x = torch.randn(4, 3), torch.randn(3, 5)
+    w = w0.to("xla").requires_grad_()
+    opt = torch.optim.Adam([w], lr=0.1)
+    xd = x.to("xla")
+    xm.mark_step()
+
+    def broken(out, self):
+        raise ZeroDivisionError("this lowering exploded")
+
+    monkeypatch.setattr(table.S_sin, "emit", broken)
+    unrelated = xd.cos() + 1
+    (w @ xd).square().sum().backward()
+    opt.step()
+    bad = xd.sin() + 2
+    with pytest.raises(ZeroDivisionError, match="this lowering exploded"):
+        xm.mark_step()
+    monkeypatch.undo()
+    torch.testing.assert_close(unrelated.cpu(), x.cos() + 1)
+    with pytest.raises(FailedValueError, match="this lowering exploded"):
+        bad.cpu()
+    ref = w0.clone().requires_grad_()
+    ref_opt = torch.optim.Adam([ref], lr=0.1)
+    (ref @ x).square().sum().backward()
+    ref_opt.step()
+    torch.testing.assert_close(w.detach().cpu(), ref.detach())  # the update was committed
 
 
 def test_an_out_of_memory_graph_costs_only_its_part():
@@ -291,8 +328,9 @@ def _train_skipping(seed, skip, steps=12):
 def test_reading_a_failed_value_raises_in_any_thread(monkeypatch):
     import threading
 
-    import xlatorch.core.xla_model as xm
     from xlatorch._generated import dispatch as table
+
+    import xlatorch.core.xla_model as xm
     from xlatorch.runtime.ir.failed import FailedValueError
 
     def broken(out, self):

@@ -35,9 +35,10 @@ def op_status() -> dict[str, str]:
     or answered from metadata; ``decomposed``: PyTorch's decomposition into lowered ops;
     ``fallback``: a declared CPU fallback; ``unlisted``: not in ops.yaml (falls back).
     """
+    from xlatorch._generated import dispatch as table
+
     import xlatorch  # noqa: F401  (fills the dispatch tables)
     from codegen import registry, schema
-    from xlatorch._generated import dispatch as table
     from xlatorch.runtime.trace.dispatch import RUNTIME_OPS
 
     def name(op) -> str:
