@@ -56,6 +56,25 @@ def _params(args, extra_default: bool = False) -> str:
     return ", ".join(parts)
 
 
+def _tuple(items) -> str:
+    return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
+
+
+def _index_dtype(e: registry.Entry, args) -> str:
+    """Python source of the spec's ``index_dtype`` rules: ``((positions, dtypes, exception, message,
+    empty_ok), ...)``."""
+    if not e.index_dtype:
+        return "None"
+    names = [a.py for a in args]
+    rules = []
+    for r in e.index_dtype:
+        pos = tuple(names.index(a) for a in ([r["arg"]] if isinstance(r["arg"], str) else r["arg"]))
+        exc, _, msg = r["error"].partition(": ")
+        dtypes = _tuple([f"torch.{d}" for d in r["dtypes"]])
+        rules.append(_tuple([repr(pos), dtypes, exc, repr(msg), repr(bool(r.get("empty_ok")))]))
+    return _tuple(rules)
+
+
 def _kinds(e: registry.Entry, args) -> list[str]:
     return ["STATIC" if a.py in e.static else a.kind for a in args]
 
@@ -106,6 +125,7 @@ def build(entries):
             emit=f"E.{fn}",
             check=check,
             check_integral=e.check_if == "integral",
+            index_dtype=_index_dtype(e, fargs),
         )
         meta = "None"
         if s.inplace and len(s.mutated) > 1:
@@ -127,7 +147,7 @@ def build(entries):
                                kinds=", ".join(["TENSOR", "TENSOR"] + ["STATIC"] * len(fargs)),
                                kwarg_only=tuple([False] * (len(fargs) + 2)), returns="ONE", promote="None",
                                promote_args="None", view=False, scatter="None", meta="_scatter_meta",
-                               check="None", check_integral=False))  # fmt: skip
+                               check="None", check_integral=False, index_dtype="None"))  # fmt: skip
         specs.append(_Spec(var=var, name=e.name, overload=_aten(e.name), view=s.view, scatter=scatter_var,
                            meta=meta, **common))  # fmt: skip
         entry_shim = "call_inplace" if s.inplace else "call"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import string
 from dataclasses import dataclass, field
 
 import yaml
@@ -12,7 +13,7 @@ from codegen.schema import Schema
 
 KEYS = {
     "lower", "helper", "decompose", "fallback", "promote", "promote_args", "static", "random", "scatter",
-    "variants", "dispatch", "test", "note", "check", "check_if",
+    "variants", "dispatch", "test", "note", "check", "check_if", "index_dtype",
 }  # fmt: skip
 # How an entry is executed: exactly one of these fields, except for dispatch runtime/metadata.
 RULES = ("lower", "helper", "decompose", "fallback")
@@ -20,6 +21,10 @@ DISPATCH = {"shim", "runtime", "metadata"}
 TEST_KEYS = {"opinfo", "atol", "rtol", "grad_atol", "grad_rtol", "dtypes", "xfail", "compare"}
 TEST_TAGS = {"float32", "bfloat16", "int64", "bool", "grad", "inplace", "all"}
 CHECK_IF = {"integral"}
+INDEX_DTYPE_KEYS = {"arg", "dtypes", "error"}  # and optionally "empty_ok"
+# The exceptions an index_dtype error may raise, and the dtype names its message may use.
+INDEX_DTYPE_ERRORS = {"IndexError", "RuntimeError", "NotImplementedError"}
+INDEX_DTYPE_NAMES = {"scalar_type", "tensor_type"}
 PROMOTIONS = {"default", "int_to_float", "always_bool", "complex_to_float", "bool_to_long", "no_opmath"}
 # Names a lowering expression may use besides its schema's argument names.
 GLOBALS = {"jnp", "lax", "jax", "np", "math", "L", "out", "torch_dtype"}
@@ -52,6 +57,9 @@ class Entry:
     # giving L.checks results, computed inside the compiled graph (xlatorch/runtime/lower/checks.py).
     check: str | None = None
     check_if: str | None = None  # "integral": only when the computation dtype is integral
+    # The dtypes CPU PyTorch accepts for an index argument, and the error it raises otherwise,
+    # checked when the op is traced (once per signature): a list of {arg, dtypes, error}.
+    index_dtype: list = field(default_factory=list)
 
     @property
     def status(self) -> str:
@@ -133,6 +141,33 @@ def _check_test(name: str, t: dict) -> None:
         t["opinfo"] = [t["opinfo"]]
 
 
+def _check_index_dtype(name: str, e: Entry) -> None:
+    import torch
+
+    rules = e.index_dtype if isinstance(e.index_dtype, list) else [e.index_dtype]
+    tensors = {a.py for a in e.schema.args if not a.is_out and a.type in ("Tensor", "Tensor?", "Tensor?[]", "Tensor[]")}
+    for r in rules:
+        where = f"ops.yaml entry '{name}': index_dtype"
+        if not isinstance(r, dict) or not INDEX_DTYPE_KEYS <= set(r) <= INDEX_DTYPE_KEYS | {"empty_ok"}:
+            raise RegistryError(f"{where} is a mapping (or a list of them) with keys {sorted(INDEX_DTYPE_KEYS)} "
+                                f"and optionally empty_ok")  # fmt: skip
+        for a in [r["arg"]] if isinstance(r["arg"], str) else r["arg"]:
+            if a not in tensors:
+                raise RegistryError(f"{where} names '{a}', not a tensor argument (those are {sorted(tensors)})")
+        for d in r["dtypes"]:
+            if not isinstance(getattr(torch, str(d), None), torch.dtype):
+                raise RegistryError(f"{where}: '{d}' is not a torch dtype")
+        exc, _, msg = str(r["error"]).partition(": ")
+        if exc not in INDEX_DTYPE_ERRORS or not msg:
+            raise RegistryError(f"{where}: error is '<exception>: <message>', the exception one of "
+                                f"{sorted(INDEX_DTYPE_ERRORS)}")  # fmt: skip
+        fields = {f for _, f, _, _ in string.Formatter().parse(msg) if f is not None}
+        if fields - INDEX_DTYPE_NAMES:
+            raise RegistryError(f"{where}: the message may name the dtype as {sorted(INDEX_DTYPE_NAMES)}, "
+                                f"not {sorted(fields - INDEX_DTYPE_NAMES)}")  # fmt: skip
+    e.index_dtype = rules
+
+
 def load(path: str, schemas: dict) -> list[Entry]:
     """Parse ops.yaml; raise ``RegistryError`` naming the entry for any mistake."""
     with open(path) as f:
@@ -167,6 +202,8 @@ def load(path: str, schemas: dict) -> list[Entry]:
             _check_expr(f"ops.yaml entry '{name}' (check)", e.check, argnames | GLOBALS | extra)
         if e.check_if is not None and (e.check is None or e.check_if not in CHECK_IF):
             raise RegistryError(f"ops.yaml entry '{name}': check_if needs a check and is one of {sorted(CHECK_IF)}")
+        if e.index_dtype:
+            _check_index_dtype(name, e)
         if e.scatter is not None:
             if not s.view:
                 raise RegistryError(f"ops.yaml entry '{name}': 'scatter' is only for view ops")

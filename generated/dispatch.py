@@ -555,26 +555,31 @@ S_index_Tensor = OpSpec(
     "index.Tensor", aten.index.Tensor, E.index_Tensor, ('self', 'indices'), (TENSOR, TENSOR_LIST,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.index_Tensor__check, check_integral=False,
+    index_dtype=(((1,), (torch.int64, torch.int32, torch.uint8, torch.bool), IndexError, 'tensors used as indices must be long, int, byte or bool tensors', False),),
 )
 S_index_select = OpSpec(
     "index_select.default", aten.index_select.default, E.index_select, ('self', 'dim', 'index'), (TENSOR, STATIC, TENSOR,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.index_select__check, check_integral=False,
+    index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'index_select(): Expected dtype int32 or int64 for index', False),),
 )
 S_gather = OpSpec(
     "gather.default", aten.gather.default, E.gather, ('self', 'dim', 'index', 'sparse_grad'), (TENSOR, STATIC, TENSOR, STATIC,), (False, False, False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.gather__check, check_integral=False,
+    index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'gather(): Expected dtype int32/int64 for index', True),),
 )
 S_embedding = OpSpec(
     "embedding.default", aten.embedding.default, E.embedding, ('weight', 'indices', 'padding_idx', 'scale_grad_by_freq', 'sparse'), (TENSOR, TENSOR, STATIC, STATIC, STATIC,), (False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.embedding__check, check_integral=False,
+    index_dtype=(((1,), (torch.int64, torch.int32), RuntimeError, "Expected tensor for argument #1 'indices' to have one of the following scalar types: Long, Int; but got {tensor_type} instead (while checking arguments for embedding)", False),),
 )
 S_embedding_dense_backward = OpSpec(
     "embedding_dense_backward.default", aten.embedding_dense_backward.default, E.embedding_dense_backward, ('grad_output', 'indices', 'num_weights', 'padding_idx', 'scale_grad_by_freq'), (TENSOR, TENSOR, STATIC, STATIC, STATIC,), (False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.embedding_dense_backward__check, check_integral=False,
+    index_dtype=(((1,), (torch.int64, torch.int32), RuntimeError, "Expected tensor for argument #2 'indices' to have one of the following scalar types: Long, Int; but got {tensor_type} instead (while checking arguments for embedding_backward)", False),),
 )
 S_where_self = OpSpec(
     "where.self", aten.where.self, E.where_self, ('condition', 'self', 'other'), (TENSOR, TENSOR, TENSOR,), (False, False, False), ONE,
@@ -600,126 +605,151 @@ S_scatter_src = OpSpec(
     "scatter.src", aten.scatter.src, E.scatter_src, ('self', 'dim', 'index', 'src'), (TENSOR, STATIC, TENSOR, TENSOR,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.scatter_src__check, check_integral=False,
+    index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'scatter(): Expected dtype int32/int64 for index', True),),
 )
 S_scatter__src = OpSpec(
     "scatter_.src", aten.scatter_.src, E.scatter_src, ('self', 'dim', 'index', 'src'), (TENSOR, STATIC, TENSOR, TENSOR,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.scatter_src__check, check_integral=False,
+    index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'scatter(): Expected dtype int32/int64 for index', True),),
 )
 S_scatter_value = OpSpec(
     "scatter.value", aten.scatter.value, E.scatter_value, ('self', 'dim', 'index', 'value'), (TENSOR, STATIC, TENSOR, SCALAR,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.scatter_value__check, check_integral=False,
+    index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'scatter(): Expected dtype int32/int64 for index', True),),
 )
 S_scatter__value = OpSpec(
     "scatter_.value", aten.scatter_.value, E.scatter_value, ('self', 'dim', 'index', 'value'), (TENSOR, STATIC, TENSOR, SCALAR,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.scatter_value__check, check_integral=False,
+    index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'scatter(): Expected dtype int32/int64 for index', True),),
 )
 S_scatter_reduce = OpSpec(
     "scatter.reduce", aten.scatter.reduce, E.scatter_reduce, ('self', 'dim', 'index', 'src', 'reduce'), (TENSOR, STATIC, TENSOR, TENSOR, STATIC,), (False, False, False, False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.scatter_reduce__check, check_integral=False,
+    index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'scatter(): Expected dtype int32/int64 for index', True),),
 )
 S_scatter__reduce = OpSpec(
     "scatter_.reduce", aten.scatter_.reduce, E.scatter_reduce, ('self', 'dim', 'index', 'src', 'reduce'), (TENSOR, STATIC, TENSOR, TENSOR, STATIC,), (False, False, False, False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.scatter_reduce__check, check_integral=False,
+    index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'scatter(): Expected dtype int32/int64 for index', True),),
 )
 S_scatter_value_reduce = OpSpec(
     "scatter.value_reduce", aten.scatter.value_reduce, E.scatter_value_reduce, ('self', 'dim', 'index', 'value', 'reduce'), (TENSOR, STATIC, TENSOR, SCALAR, STATIC,), (False, False, False, False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.scatter_value_reduce__check, check_integral=False,
+    index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'scatter(): Expected dtype int32/int64 for index', True),),
 )
 S_scatter__value_reduce = OpSpec(
     "scatter_.value_reduce", aten.scatter_.value_reduce, E.scatter_value_reduce, ('self', 'dim', 'index', 'value', 'reduce'), (TENSOR, STATIC, TENSOR, SCALAR, STATIC,), (False, False, False, False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.scatter_value_reduce__check, check_integral=False,
+    index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'scatter(): Expected dtype int32/int64 for index', True),),
 )
 S_scatter_add = OpSpec(
     "scatter_add.default", aten.scatter_add.default, E.scatter_add, ('self', 'dim', 'index', 'src'), (TENSOR, STATIC, TENSOR, TENSOR,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.scatter_add__check, check_integral=False,
+    index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'scatter(): Expected dtype int32/int64 for index', True),),
 )
 S_scatter_add_ = OpSpec(
     "scatter_add_.default", aten.scatter_add_.default, E.scatter_add, ('self', 'dim', 'index', 'src'), (TENSOR, STATIC, TENSOR, TENSOR,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.scatter_add__check, check_integral=False,
+    index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'scatter(): Expected dtype int32/int64 for index', True),),
 )
 S_scatter_reduce_two = OpSpec(
     "scatter_reduce.two", aten.scatter_reduce.two, E.scatter_reduce_two, ('self', 'dim', 'index', 'src', 'reduce', 'include_self'), (TENSOR, STATIC, TENSOR, TENSOR, STATIC, STATIC,), (False, False, False, False, False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.scatter_reduce_two__check, check_integral=False,
+    index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'scatter(): Expected dtype int32/int64 for index', True),),
 )
 S_scatter_reduce__two = OpSpec(
     "scatter_reduce_.two", aten.scatter_reduce_.two, E.scatter_reduce_two, ('self', 'dim', 'index', 'src', 'reduce', 'include_self'), (TENSOR, STATIC, TENSOR, TENSOR, STATIC, STATIC,), (False, False, False, False, False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.scatter_reduce_two__check, check_integral=False,
+    index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'scatter(): Expected dtype int32/int64 for index', True),),
 )
 S_index_put = OpSpec(
     "index_put.default", aten.index_put.default, E.index_put, ('self', 'indices', 'values', 'accumulate'), (TENSOR, TENSOR_LIST, TENSOR, STATIC,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.index_put__check, check_integral=False,
+    index_dtype=(((1,), (torch.int64, torch.int32, torch.uint8, torch.bool), IndexError, 'tensors used as indices must be long, int, byte or bool tensors', False),),
 )
 S_index_put_ = OpSpec(
     "index_put_.default", aten.index_put_.default, E.index_put, ('self', 'indices', 'values', 'accumulate'), (TENSOR, TENSOR_LIST, TENSOR, STATIC,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.index_put__check, check_integral=False,
+    index_dtype=(((1,), (torch.int64, torch.int32, torch.uint8, torch.bool), IndexError, 'tensors used as indices must be long, int, byte or bool tensors', False),),
 )
 S__index_put_impl_ = OpSpec(
     "_index_put_impl_.default", aten._index_put_impl_.default, E._index_put_impl_, ('self', 'indices', 'values', 'accumulate', 'unsafe'), (TENSOR, TENSOR_LIST, TENSOR, STATIC, STATIC,), (False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E._index_put_impl___check, check_integral=False,
+    index_dtype=(((1,), (torch.int64, torch.int32, torch.uint8, torch.bool), IndexError, 'tensors used as indices must be long, int, byte or bool tensors', False),),
 )
 S_index_add = OpSpec(
     "index_add.default", aten.index_add.default, E.index_add, ('self', 'dim', 'index', 'source', 'alpha'), (TENSOR, STATIC, TENSOR, TENSOR, SCALAR,), (False, False, False, False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.index_add__check, check_integral=False,
+    index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'index_add_(): Expected dtype int32/int64 for index but got: {scalar_type}', False),),
 )
 S_index_add_ = OpSpec(
     "index_add_.default", aten.index_add_.default, E.index_add, ('self', 'dim', 'index', 'source', 'alpha'), (TENSOR, STATIC, TENSOR, TENSOR, SCALAR,), (False, False, False, False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.index_add__check, check_integral=False,
+    index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'index_add_(): Expected dtype int32/int64 for index but got: {scalar_type}', False),),
 )
 S_index_reduce = OpSpec(
     "index_reduce.default", aten.index_reduce.default, E.index_reduce, ('self', 'dim', 'index', 'source', 'reduce', 'include_self'), (TENSOR, STATIC, TENSOR, TENSOR, STATIC, STATIC,), (False, False, False, False, False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.index_reduce__check, check_integral=False,
+    index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'index_reduce_(): Expected dtype int32/int64 for index but got: {scalar_type}', False),),
 )
 S_index_reduce_ = OpSpec(
     "index_reduce_.default", aten.index_reduce_.default, E.index_reduce, ('self', 'dim', 'index', 'source', 'reduce', 'include_self'), (TENSOR, STATIC, TENSOR, TENSOR, STATIC, STATIC,), (False, False, False, False, False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.index_reduce__check, check_integral=False,
+    index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'index_reduce_(): Expected dtype int32/int64 for index but got: {scalar_type}', False),),
 )
 S_index_copy = OpSpec(
     "index_copy.default", aten.index_copy.default, E.index_copy, ('self', 'dim', 'index', 'source'), (TENSOR, STATIC, TENSOR, TENSOR,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.index_copy__check, check_integral=False,
+    index_dtype=(((2,), (torch.int64,), RuntimeError, 'index_copy_(): Expected a long tensor for index, but got {scalar_type}', False),),
 )
 S_index_copy_ = OpSpec(
     "index_copy_.default", aten.index_copy_.default, E.index_copy, ('self', 'dim', 'index', 'source'), (TENSOR, STATIC, TENSOR, TENSOR,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.index_copy__check, check_integral=False,
+    index_dtype=(((2,), (torch.int64,), RuntimeError, 'index_copy_(): Expected a long tensor for index, but got {scalar_type}', False),),
 )
 S_index_fill_int_Scalar = OpSpec(
     "index_fill.int_Scalar", aten.index_fill.int_Scalar, E.index_fill_int_Scalar, ('self', 'dim', 'index', 'value'), (TENSOR, STATIC, TENSOR, SCALAR,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.index_fill_int_Scalar__check, check_integral=False,
+    index_dtype=(((2,), (torch.int64,), IndexError, 'index_fill_(): Expected dtype int64 for index.', False),),
 )
 S_index_fill__int_Scalar = OpSpec(
     "index_fill_.int_Scalar", aten.index_fill_.int_Scalar, E.index_fill_int_Scalar, ('self', 'dim', 'index', 'value'), (TENSOR, STATIC, TENSOR, SCALAR,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.index_fill_int_Scalar__check, check_integral=False,
+    index_dtype=(((2,), (torch.int64,), IndexError, 'index_fill_(): Expected dtype int64 for index.', False),),
 )
 S_index_fill_int_Tensor = OpSpec(
     "index_fill.int_Tensor", aten.index_fill.int_Tensor, E.index_fill_int_Tensor, ('self', 'dim', 'index', 'value'), (TENSOR, STATIC, TENSOR, TENSOR,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.index_fill_int_Tensor__check, check_integral=False,
+    index_dtype=(((2,), (torch.int64,), IndexError, 'index_fill_(): Expected dtype int64 for index.', False),),
 )
 S_index_fill__int_Tensor = OpSpec(
     "index_fill_.int_Tensor", aten.index_fill_.int_Tensor, E.index_fill_int_Tensor, ('self', 'dim', 'index', 'value'), (TENSOR, STATIC, TENSOR, TENSOR,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.index_fill_int_Tensor__check, check_integral=False,
+    index_dtype=(((2,), (torch.int64,), IndexError, 'index_fill_(): Expected dtype int64 for index.', False),),
 )
 S_masked_scatter = OpSpec(
     "masked_scatter.default", aten.masked_scatter.default, E.masked_scatter, ('self', 'mask', 'source'), (TENSOR, TENSOR, TENSOR,), (False, False, False), ONE,
@@ -737,16 +767,19 @@ S_take = OpSpec(
     "take.default", aten.take.default, E.take, ('self', 'index'), (TENSOR, TENSOR,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.take__check, check_integral=False,
+    index_dtype=(((1,), (torch.int64,), RuntimeError, 'take(): Expected a long tensor for index, but got {scalar_type}', False),),
 )
 S_put = OpSpec(
     "put.default", aten.put.default, E.put, ('self', 'index', 'source', 'accumulate'), (TENSOR, TENSOR, TENSOR, STATIC,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.put__check, check_integral=False,
+    index_dtype=(((1,), (torch.int64,), RuntimeError, 'put_(): Expected a long tensor for index, but got {scalar_type}', False),),
 )
 S_put_ = OpSpec(
     "put_.default", aten.put_.default, E.put, ('self', 'index', 'source', 'accumulate'), (TENSOR, TENSOR, TENSOR, STATIC,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.put__check, check_integral=False,
+    index_dtype=(((1,), (torch.int64,), RuntimeError, 'put_(): Expected a long tensor for index, but got {scalar_type}', False),),
 )
 S_as_strided__scatter = OpSpec(
     "as_strided.default.scatter", None, E.as_strided__scatter, ('self', 'src', 'size', 'stride', 'storage_offset', 'idx'), (TENSOR, TENSOR, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False, False), ONE,
@@ -2169,6 +2202,7 @@ S_segment_reduce = OpSpec(
     "segment_reduce.default", aten.segment_reduce.default, E.segment_reduce, ('data', 'reduce', 'lengths', 'indices', 'offsets', 'axis', 'unsafe', 'initial'), (TENSOR, STATIC, OPT_TENSOR, OPT_TENSOR, OPT_TENSOR, STATIC, STATIC, SCALAR,), (False, False, True, True, True, True, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.segment_reduce__check, check_integral=False,
+    index_dtype=(((2,), (torch.int64, torch.int32), NotImplementedError, '"_segment_reduce_lengths_cpu_kernel1" not implemented for \'{scalar_type}\'', False), ((4,), (torch.int64, torch.int32), NotImplementedError, '"_segment_reduce_offsets_cpu_kernel1" not implemented for \'{scalar_type}\'', False)),
 )
 S__segment_reduce_backward = OpSpec(
     "_segment_reduce_backward.default", aten._segment_reduce_backward.default, E._segment_reduce_backward, ('grad', 'output', 'data', 'reduce', 'lengths', 'offsets', 'axis', 'initial'), (TENSOR, TENSOR, TENSOR, STATIC, OPT_TENSOR, OPT_TENSOR, STATIC, SCALAR,), (False, False, False, False, True, True, True, True), ONE,
@@ -2378,6 +2412,7 @@ S_max_pool2d_with_indices = OpSpec(
 S_max_pool2d_with_indices_backward = OpSpec(
     "max_pool2d_with_indices_backward.default", aten.max_pool2d_with_indices_backward.default, E.max_pool2d_with_indices_backward, ('grad_output', 'self', 'kernel_size', 'stride', 'padding', 'dilation', 'ceil_mode', 'indices'), (TENSOR, TENSOR, STATIC, STATIC, STATIC, STATIC, STATIC, TENSOR,), (False, False, False, False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    index_dtype=(((7,), (torch.int64,), RuntimeError, 'expected scalar type Long but found {scalar_type}', False),),
 )
 S__log_softmax = OpSpec(
     "_log_softmax.default", aten._log_softmax.default, E._log_softmax, ('self', 'dim', 'half_to_float'), (TENSOR, STATIC, STATIC,), (False, False, False), ONE,
@@ -2399,11 +2434,13 @@ S_nll_loss_forward = OpSpec(
     "nll_loss_forward.default", aten.nll_loss_forward.default, E.nll_loss_forward, ('self', 'target', 'weight', 'reduction', 'ignore_index'), (TENSOR, TENSOR, OPT_TENSOR, STATIC, STATIC,), (False, False, False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.nll_loss_forward__check, check_integral=False,
+    index_dtype=(((1,), (torch.int64, torch.uint8), RuntimeError, 'expected target dtype to be Long or Byte, but got {scalar_type}', False),),
 )
 S_nll_loss_backward = OpSpec(
     "nll_loss_backward.default", aten.nll_loss_backward.default, E.nll_loss_backward, ('grad_output', 'self', 'target', 'weight', 'reduction', 'ignore_index', 'total_weight'), (TENSOR, TENSOR, TENSOR, OPT_TENSOR, STATIC, STATIC, TENSOR,), (False, False, False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.nll_loss_backward__check, check_integral=False,
+    index_dtype=(((2,), (torch.int64, torch.uint8), RuntimeError, 'expected scalar type Long but found {scalar_type}', False),),
 )
 S_native_layer_norm = OpSpec(
     "native_layer_norm.default", aten.native_layer_norm.default, E.native_layer_norm, ('input', 'normalized_shape', 'weight', 'bias', 'eps'), (TENSOR, STATIC, OPT_TENSOR, OPT_TENSOR, STATIC,), (False, False, False, False, False), TUPLE,
@@ -2460,6 +2497,7 @@ S_adaptive_max_pool2d = OpSpec(
 S_adaptive_max_pool2d_backward = OpSpec(
     "adaptive_max_pool2d_backward.default", aten.adaptive_max_pool2d_backward.default, E.adaptive_max_pool2d_backward, ('grad_output', 'self', 'indices'), (TENSOR, TENSOR, TENSOR,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    index_dtype=(((2,), (torch.int64,), RuntimeError, 'expected scalar type Long but found {scalar_type}', False),),
 )
 S_adaptive_max_pool3d = OpSpec(
     "adaptive_max_pool3d.default", aten.adaptive_max_pool3d.default, E.adaptive_max_pool3d, ('self', 'output_size'), (TENSOR, STATIC,), (False, False), TUPLE,
@@ -2468,6 +2506,7 @@ S_adaptive_max_pool3d = OpSpec(
 S_adaptive_max_pool3d_backward = OpSpec(
     "adaptive_max_pool3d_backward.default", aten.adaptive_max_pool3d_backward.default, E.adaptive_max_pool3d_backward, ('grad_output', 'self', 'indices'), (TENSOR, TENSOR, TENSOR,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    index_dtype=(((2,), (torch.int64,), RuntimeError, 'expected scalar type Long but found {scalar_type}', False),),
 )
 S_max_pool3d_with_indices = OpSpec(
     "max_pool3d_with_indices.default", aten.max_pool3d_with_indices.default, E.max_pool3d_with_indices, ('self', 'kernel_size', 'stride', 'padding', 'dilation', 'ceil_mode'), (TENSOR, STATIC, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False, False), TUPLE,
@@ -2476,6 +2515,7 @@ S_max_pool3d_with_indices = OpSpec(
 S_max_pool3d_with_indices_backward = OpSpec(
     "max_pool3d_with_indices_backward.default", aten.max_pool3d_with_indices_backward.default, E.max_pool3d_with_indices_backward, ('grad_output', 'self', 'kernel_size', 'stride', 'padding', 'dilation', 'ceil_mode', 'indices'), (TENSOR, TENSOR, STATIC, STATIC, STATIC, STATIC, STATIC, TENSOR,), (False, False, False, False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    index_dtype=(((7,), (torch.int64,), RuntimeError, 'expected scalar type Long but found {scalar_type}', False),),
 )
 S_native_batch_norm_backward = OpSpec(
     "native_batch_norm_backward.default", aten.native_batch_norm_backward.default, E.native_batch_norm_backward, ('grad_out', 'input', 'weight', 'running_mean', 'running_var', 'save_mean', 'save_invstd', 'train', 'eps', 'output_mask'), (TENSOR, TENSOR, OPT_TENSOR, OPT_TENSOR, OPT_TENSOR, OPT_TENSOR, OPT_TENSOR, STATIC, SCALAR, STATIC,), (False, False, False, False, False, False, False, False, False, False), TUPLE,
@@ -2549,11 +2589,13 @@ S_nll_loss2d_forward = OpSpec(
     "nll_loss2d_forward.default", aten.nll_loss2d_forward.default, E.nll_loss2d_forward, ('self', 'target', 'weight', 'reduction', 'ignore_index'), (TENSOR, TENSOR, OPT_TENSOR, STATIC, STATIC,), (False, False, False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.nll_loss2d_forward__check, check_integral=False,
+    index_dtype=(((1,), (torch.int64, torch.uint8), RuntimeError, 'expected target dtype to be Long or Byte, but got {scalar_type}', False), ((1,), (torch.int64,), RuntimeError, 'expected scalar type Long but found {scalar_type}', False)),
 )
 S_nll_loss2d_backward = OpSpec(
     "nll_loss2d_backward.default", aten.nll_loss2d_backward.default, E.nll_loss2d_backward, ('grad_output', 'self', 'target', 'weight', 'reduction', 'ignore_index', 'total_weight'), (TENSOR, TENSOR, TENSOR, OPT_TENSOR, STATIC, STATIC, TENSOR,), (False, False, False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.nll_loss2d_backward__check, check_integral=False,
+    index_dtype=(((2,), (torch.int64, torch.uint8), RuntimeError, 'expected target dtype to be Long or Byte, but got {scalar_type}', False), ((2,), (torch.int64,), RuntimeError, 'expected scalar type Long but found {scalar_type}', False)),
 )
 S_reflection_pad1d = OpSpec(
     "reflection_pad1d.default", aten.reflection_pad1d.default, E.reflection_pad1d, ('self', 'padding'), (TENSOR, STATIC,), (False, False), ONE,
@@ -2751,19 +2793,23 @@ S__embedding_bag = OpSpec(
     "_embedding_bag.default", aten._embedding_bag.default, E._embedding_bag, ('weight', 'indices', 'offsets', 'scale_grad_by_freq', 'mode', 'sparse', 'per_sample_weights', 'include_last_offset', 'padding_idx'), (TENSOR, TENSOR, TENSOR, STATIC, STATIC, STATIC, OPT_TENSOR, STATIC, STATIC,), (False, False, False, False, False, False, False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E._embedding_bag__check, check_integral=False,
+    index_dtype=(((1, 2), (torch.int64, torch.int32), RuntimeError, "Expected tensor for argument #1 'indices' to have one of the following scalar types: Long, Int; but got {tensor_type} instead (while checking arguments for embedding_bag)", False),),
 )
 S__embedding_bag_forward_only = OpSpec(
     "_embedding_bag_forward_only.default", aten._embedding_bag_forward_only.default, E._embedding_bag_forward_only, ('weight', 'indices', 'offsets', 'scale_grad_by_freq', 'mode', 'sparse', 'per_sample_weights', 'include_last_offset', 'padding_idx'), (TENSOR, TENSOR, TENSOR, STATIC, STATIC, STATIC, OPT_TENSOR, STATIC, STATIC,), (False, False, False, False, False, False, False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E._embedding_bag_forward_only__check, check_integral=False,
+    index_dtype=(((1, 2), (torch.int64, torch.int32), RuntimeError, "Expected tensor for argument #1 'indices' to have one of the following scalar types: Long, Int; but got {tensor_type} instead (while checking arguments for embedding_bag)", False),),
 )
 S_embedding_renorm = OpSpec(
     "embedding_renorm.default", aten.embedding_renorm.default, E.embedding_renorm, ('self', 'indices', 'max_norm', 'norm_type'), (TENSOR, TENSOR, STATIC, STATIC,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    index_dtype=(((1,), (torch.int64, torch.int32), RuntimeError, "Expected tensor for argument #2 'indices' to have one of the following scalar types: Long, Int; but got {tensor_type} instead (while checking arguments for embedding_renorm_)", False),),
 )
 S_embedding_renorm_ = OpSpec(
     "embedding_renorm_.default", aten.embedding_renorm_.default, E.embedding_renorm, ('self', 'indices', 'max_norm', 'norm_type'), (TENSOR, TENSOR, STATIC, STATIC,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    index_dtype=(((1,), (torch.int64, torch.int32), RuntimeError, "Expected tensor for argument #2 'indices' to have one of the following scalar types: Long, Int; but got {tensor_type} instead (while checking arguments for embedding_renorm_)", False),),
 )
 S__embedding_bag_backward = OpSpec(
     "_embedding_bag_backward.default", aten._embedding_bag_backward.default, E._embedding_bag_backward, ('grad', 'indices', 'offsets', 'offset2bag', 'bag_size', 'maximum_indices', 'num_weights', 'scale_grad_by_freq', 'mode', 'sparse', 'per_sample_weights', 'padding_idx'), (TENSOR, TENSOR, TENSOR, TENSOR, TENSOR, TENSOR, STATIC, STATIC, STATIC, STATIC, OPT_TENSOR, STATIC,), (False, False, False, False, False, False, False, False, False, False, False, False), ONE,
@@ -2816,6 +2862,7 @@ S_upsample_bicubic2d_backward = OpSpec(
 S_max_unpool2d = OpSpec(
     "max_unpool2d.default", aten.max_unpool2d.default, E.max_unpool2d, ('self', 'indices', 'output_size'), (TENSOR, TENSOR, STATIC,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    index_dtype=(((1,), (torch.int64,), RuntimeError, 'elements in indices should be type int64 but got: {scalar_type}', False),),
 )
 S_max_unpool3d = OpSpec(
     "max_unpool3d.default", aten.max_unpool3d.default, E.max_unpool3d, ('self', 'indices', 'output_size', 'stride', 'padding'), (TENSOR, TENSOR, STATIC, STATIC, STATIC,), (False, False, False, False, False), ONE,

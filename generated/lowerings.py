@@ -556,7 +556,7 @@ def index_select(out, self, dim, index):
 
 
 def index_select__check(out, self, dim, index):
-    return L.checks.index_range(self, dim, index)
+    return L.checks.select_range(self, dim, index)
 
 
 def gather(out, self, dim, index, sparse_grad):
@@ -568,11 +568,11 @@ def gather__check(out, self, dim, index, sparse_grad):
 
 
 def embedding(out, weight, indices, padding_idx, scale_grad_by_freq, sparse):
-    return jnp.take(weight, indices, axis=0)
+    return L.index.index_select(out, weight, 0, indices)
 
 
 def embedding__check(out, weight, indices, padding_idx, scale_grad_by_freq, sparse):
-    return L.checks.index_out_of_range(indices, weight.shape[0])
+    return L.checks.select_range(weight, 0, indices)
 
 
 def embedding_dense_backward(out, grad_output, indices, num_weights, padding_idx, scale_grad_by_freq):
@@ -580,7 +580,7 @@ def embedding_dense_backward(out, grad_output, indices, num_weights, padding_idx
 
 
 def embedding_dense_backward__check(out, grad_output, indices, num_weights, padding_idx, scale_grad_by_freq):
-    return L.checks.index_out_of_range(indices, num_weights)
+    return L.checks.index_out_of_range(indices, num_weights, out)
 
 
 def where_self(out, condition, self, other):
@@ -664,7 +664,7 @@ def index_add(out, self, dim, index, source, alpha):
 
 
 def index_add__check(out, self, dim, index, source, alpha):
-    return L.checks.along_dim(self, dim, index)
+    return L.checks.index_add_range(self, dim, index)
 
 
 def index_reduce(out, self, dim, index, source, reduce, include_self):
@@ -680,7 +680,7 @@ def index_copy(out, self, dim, index, source):
 
 
 def index_copy__check(out, self, dim, index, source):
-    return L.checks.along_dim(self, dim, index, IndexError, prefix='index_copy_(): ')
+    return L.checks.along_dim(self, dim, index, IndexError, prefix='index_copy_(): ', slices=True)
 
 
 def index_fill_int_Scalar(out, self, dim, index, value):
@@ -688,7 +688,7 @@ def index_fill_int_Scalar(out, self, dim, index, value):
 
 
 def index_fill_int_Scalar__check(out, self, dim, index, value):
-    return L.checks.along_dim(self, dim, index, IndexError, negative=True)
+    return L.checks.along_dim(self, dim, index, IndexError, negative=True, slices=True)
 
 
 def index_fill_int_Tensor(out, self, dim, index, value):
@@ -696,7 +696,7 @@ def index_fill_int_Tensor(out, self, dim, index, value):
 
 
 def index_fill_int_Tensor__check(out, self, dim, index, value):
-    return L.checks.along_dim(self, dim, index, IndexError, negative=True)
+    return L.checks.along_dim(self, dim, index, IndexError, negative=True, slices=True)
 
 
 def masked_scatter(out, self, mask, source):
@@ -720,7 +720,7 @@ def put(out, self, index, source, accumulate):
 
 
 def put__check(out, self, index, source, accumulate):
-    return L.checks.flat(self, index)
+    return L.checks.flat(self, index, empty='put_(): Tried to put elements into an empty tensor')
 
 
 def as_strided(out, self, size, stride, storage_offset):
@@ -860,7 +860,7 @@ def div_Tensor_mode(out, self, other, rounding_mode):
 
 
 def div_Tensor_mode__check(out, self, other, rounding_mode):
-    return None if rounding_mode is None else L.checks.divisor(other)
+    return None if rounding_mode is None else L.checks.divisor(out, other)
 
 
 def neg(out, self):
@@ -1280,7 +1280,7 @@ def fmod_Tensor(out, self, other):
 
 
 def fmod_Tensor__check(out, self, other):
-    return L.checks.divisor(other)
+    return L.checks.divisor(out, other)
 
 
 def fmod_Scalar(out, self, other):
@@ -1288,7 +1288,7 @@ def fmod_Scalar(out, self, other):
 
 
 def fmod_Scalar__check(out, self, other):
-    return L.checks.divisor(other)
+    return L.checks.divisor(out, other)
 
 
 def remainder_Tensor(out, self, other):
@@ -1296,7 +1296,7 @@ def remainder_Tensor(out, self, other):
 
 
 def remainder_Tensor__check(out, self, other):
-    return L.checks.divisor(other)
+    return L.checks.divisor(out, other)
 
 
 def remainder_Scalar(out, self, other):
@@ -1304,7 +1304,7 @@ def remainder_Scalar(out, self, other):
 
 
 def remainder_Scalar__check(out, self, other):
-    return L.checks.divisor(other)
+    return L.checks.divisor(out, other)
 
 
 def remainder_Scalar_Tensor(out, self, other):
@@ -1312,7 +1312,7 @@ def remainder_Scalar_Tensor(out, self, other):
 
 
 def remainder_Scalar_Tensor__check(out, self, other):
-    return L.checks.divisor(other)
+    return L.checks.divisor(out, other)
 
 
 def div_Scalar_mode(out, self, other, rounding_mode):
@@ -1320,7 +1320,7 @@ def div_Scalar_mode(out, self, other, rounding_mode):
 
 
 def div_Scalar_mode__check(out, self, other, rounding_mode):
-    return None if rounding_mode is None else L.checks.divisor(other)
+    return None if rounding_mode is None else L.checks.divisor(out, other)
 
 
 def floor_divide(out, self, other):
@@ -1328,7 +1328,7 @@ def floor_divide(out, self, other):
 
 
 def floor_divide__check(out, self, other):
-    return L.checks.divisor(other)
+    return L.checks.divisor(out, other)
 
 
 def floor_divide_Scalar(out, self, other):
@@ -1336,7 +1336,7 @@ def floor_divide_Scalar(out, self, other):
 
 
 def floor_divide_Scalar__check(out, self, other):
-    return L.checks.divisor(other)
+    return L.checks.divisor(out, other)
 
 
 def hypot(out, self, other):

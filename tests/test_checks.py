@@ -41,6 +41,13 @@ def _ones(*s):
     return torch.ones(*s)
 
 
+def _zeros(d, *s, dtype=torch.float32):
+    return torch.zeros(s, dtype=dtype, device=d)
+
+
+N = (1 << 16) + 1  # elements: integer ops this large run on the device (smaller ones may run on the host)
+
+
 def _setitem(x, idx, v):
     y = x.clone()
     y[idx] = v
@@ -94,6 +101,18 @@ BAD = {
     "lu_unpack": lambda x, d: torch.lu_unpack(x[:, :3].to(d), I([1, 4, 3], dtype=torch.int32, device=d)),
     "lu_unpack_zero": lambda x, d: torch.lu_unpack(x[:, :3].to(d), I([0, 2, 3], dtype=torch.int32, device=d)),
     "segment_reduce_offsets": lambda x, d: torch.segment_reduce(x, "sum", offsets=I([0, 2, 1, 3], device=d)),
+    # Empty tensors: CPU raises all the same, with messages of its own.
+    "advanced_index_empty_dim": lambda x, d: _zeros(d, 0)[I([0], device=d)],
+    "index_put_empty_dim": lambda x, d: _zeros(d, 0, 3).index_put_((I([5], device=d),), I(1.0, device=d)),
+    "index_select_empty_self": lambda x, d: _zeros(d, 0, 3).index_select(1, I([3], device=d)),
+    "index_select_empty_dim": lambda x, d: _zeros(d, 3, 0).index_select(1, I([0], device=d)),
+    "index_select_1d_empty": lambda x, d: _zeros(d, 0).index_select(0, I([0], device=d)),
+    "embedding_empty_weight": lambda x, d: F.embedding(I([0], device=d), _zeros(d, 0, 3)),
+    "gather_empty_dim": lambda x, d: _zeros(d, 0, 3).gather(0, I([[0, 0, 0]], device=d)),
+    "index_add_1d": lambda x, d: _zeros(d, 3).index_add(0, I([5], device=d), _ones(1).to(d)),
+    "put_empty": lambda x, d: _zeros(d, 0).put_(I([0], device=d), _ones(1).to(d)),
+    "embedding_bag_empty_weight": lambda x, d: F.embedding_bag(I([[0]], device=d), _zeros(d, 0, 3)),
+    "cross_entropy_2d_no_classes": lambda x, d: F.cross_entropy(_zeros(d, 1, 0, 2, 2), I([[[0, 0], [0, 0]]], device=d)),
 }
 
 # Valid inputs of the same ops: same results as CPU, no error.
@@ -109,6 +128,35 @@ GOOD = {
     "float_floor_divide_by_zero": lambda x, d: x.to(d) // 0,
     "float_fmod_by_zero": lambda x, d: torch.fmod(x.to(d), 0.0),
     "div_no_rounding_by_zero": lambda x, d: torch.div(I([3], device=d), I([0], device=d), rounding_mode=None),
+    # Indices that select nothing: CPU reads none of them, so none is checked.
+    "advanced_index_broadcast_to_nothing": lambda x, d: _zeros(d, 0, 0, 10, 0)[
+        :, _zeros(d, 5, 5, 0, dtype=torch.long), :, _zeros(d, 5, 5, 1, dtype=torch.long)
+    ],
+    "advanced_index_bad_index_broadcast_to_nothing": lambda x, d: x.to(d)[
+        _zeros(d, 0, 1, dtype=torch.long), I([[7]], device=d)
+    ],
+    "advanced_index_empty_result": lambda x, d: _zeros(d, 3, 0)[I([5], device=d)],
+    "advanced_index_empty_result_dim1": lambda x, d: _zeros(d, 0, 3)[:, I([5], device=d)],
+    "index_put_broadcast_to_nothing": lambda x, d: _zeros(d, 3, 4).index_put_(
+        (_zeros(d, 0, 1, dtype=torch.long), I([[7]], device=d)), I(1.0, device=d)
+    ),
+    "index_put_empty_slices": lambda x, d: _zeros(d, 3, 0).index_put_((I([5], device=d),), I(1.0, device=d), True),
+    "index_add_empty_self": lambda x, d: _zeros(d, 0, 3).index_add(1, I([5], device=d), _zeros(d, 0, 1)),
+    "index_copy_empty_slices": lambda x, d: _zeros(d, 3, 0).index_copy(0, I([5], device=d), _zeros(d, 1, 0)),
+    "index_fill_empty_slices": lambda x, d: _zeros(d, 0, 3).index_fill(1, I([5], device=d), 1.0),
+    "embedding_dense_backward_no_weights": lambda x, d: torch.ops.aten.embedding_dense_backward(
+        _zeros(d, 1, 3), I([0], device=d), 0, -1, False
+    ),
+    "embedding_dense_backward_empty_rows": lambda x, d: torch.ops.aten.embedding_dense_backward(
+        _zeros(d, 1, 0), I([5], device=d), 3, -1, False
+    ),
+    # A zero divisor of no element computed.
+    "floor_divide_nothing": lambda x, d: _zeros(d, 0, N, dtype=torch.long) // _zeros(d, N, dtype=torch.long),
+    "remainder_nothing": lambda x, d: _zeros(d, 0, N, dtype=torch.long) % _zeros(d, N, dtype=torch.long),
+    "fmod_nothing": lambda x, d: torch.fmod(_zeros(d, 0, N, dtype=torch.long), _zeros(d, N, dtype=torch.long)),
+    "div_trunc_nothing": lambda x, d: torch.div(
+        _zeros(d, 0, N, dtype=torch.long), _zeros(d, N, dtype=torch.long), rounding_mode="trunc"
+    ),
 }
 
 
@@ -358,6 +406,21 @@ def test_once_a_second_thread_uses_the_device_each_step_reads_its_own_checks():
 def _script(code: str, checks: str):
     env = dict(os.environ, XLATORCH_CHECKS=checks)
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_a_failed_check_names_the_line_of_code_with_no_file():
+    """``python -c`` (or stdin, ``exec``, a notebook cell): its line, never ``?``."""
+    code = (
+        "import torch, xlatorch\n"
+        "x = torch.zeros(3, device='xla')\n"
+        "try:\n"
+        "    x[torch.tensor([5], device='xla')].cpu()\n"
+        "except IndexError as e:\n"
+        "    print(e)\n"
+    )
+    out = _script(code, "1")
+    assert out.returncode == 0, out.stderr
+    assert "index 5 is out of bounds for dimension 0 with size 3 (aten::index.Tensor at <string>:4," in out.stdout
 
 
 def test_checks_can_be_turned_off():

@@ -1,7 +1,9 @@
-"""Data-dependent shapes and resize_: exact results vs CPU, declared graph cuts counted, no fallbacks."""
+"""Data-dependent shapes and resize_: exact results vs CPU, declared graph cuts counted, no fallbacks.
+Index tensors of a dtype CPU rejects: CPU's error, at the call."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import xlatorch.debug.metrics as met
 
@@ -153,3 +155,123 @@ def test_copy_views_write_tensor_lists_out():
         for g, w in zip(got, want):
             assert torch.equal(g.cpu(), w)
     assert met.executed_fallback_ops() == []
+
+
+def _z(d, *s):
+    return torch.zeros(s, device=d)
+
+
+def _i(d, dtype, *s):
+    return torch.zeros(s, dtype=dtype, device=d)
+
+
+aten = torch.ops.aten
+F32, I16, I32, U8 = torch.float32, torch.int16, torch.int32, torch.uint8
+# name -> (op over (device, index dtype), the index dtypes to try): every one raises on CPU, at
+# the call, with an error naming the dtype CPU accepts for the op's index argument.
+INDEX_DTYPES = {
+    "index_select": (lambda d, t: _z(d, 3, 3).index_select(0, _i(d, t, 2)), [F32, I16, U8, torch.bool]),
+    "gather": (lambda d, t: _z(d, 3, 3).gather(0, _i(d, t, 2, 2)), [F32, I16]),
+    "scatter_src": (lambda d, t: _z(d, 3, 3).scatter(0, _i(d, t, 2, 2), _z(d, 2, 2)), [F32, U8]),
+    "scatter_value": (lambda d, t: _z(d, 3, 3).scatter(0, _i(d, t, 2, 2), 1.0), [F32]),
+    "scatter_reduce_legacy": (lambda d, t: _z(d, 3, 3).scatter(0, _i(d, t, 2, 2), _z(d, 2, 2), reduce="add"), [F32]),
+    "scatter_value_reduce": (lambda d, t: _z(d, 3, 3).scatter(0, _i(d, t, 2, 2), 1.0, reduce="add"), [F32]),
+    "scatter_": (lambda d, t: _z(d, 3, 3).scatter_(0, _i(d, t, 2, 2), 1.0), [F32]),
+    "scatter_add": (lambda d, t: _z(d, 3, 3).scatter_add(0, _i(d, t, 2, 2), _z(d, 2, 2)), [F32]),
+    "scatter_reduce": (lambda d, t: _z(d, 3, 3).scatter_reduce(0, _i(d, t, 2, 2), _z(d, 2, 2), "amax"), [F32]),
+    "getitem": (lambda d, t: _z(d, 3, 3)[:, _i(d, t, 2)], [F32, I16]),
+    "index_put_": (lambda d, t: _z(d, 3, 3).index_put_((_i(d, t, 2),), _z(d), accumulate=True), [F32]),
+    "_index_put_impl_": (lambda d, t: aten._index_put_impl_(_z(d, 3, 3), [_i(d, t, 2)], _z(d)), [F32, I16]),
+    "embedding": (lambda d, t: F.embedding(_i(d, t, 2), _z(d, 3, 3)), [F32, torch.bool]),
+    "embedding_dense_backward": (
+        lambda d, t: aten.embedding_dense_backward(_z(d, 2, 3), _i(d, t, 2), 3, -1, False),
+        [F32, I16],
+    ),
+    "embedding_bag": (lambda d, t: F.embedding_bag(_i(d, t, 1, 2), _z(d, 3, 3)), [F32, I16]),
+    "embedding_bag_offsets": (lambda d, t: F.embedding_bag(_i(d, torch.long, 2), _z(d, 3, 3), _i(d, t, 1)), [F32]),
+    "embedding_renorm_": (lambda d, t: aten.embedding_renorm_(_z(d, 3, 3), _i(d, t, 2), 1.0, 2.0), [F32]),
+    "take": (lambda d, t: _z(d, 3, 3).take(_i(d, t, 2)), [F32, I32]),
+    "put": (lambda d, t: _z(d, 3, 3).put(_i(d, t, 2), _z(d, 2)), [F32, I32]),
+    "put_": (lambda d, t: _z(d, 3, 3).put_(_i(d, t, 2), _z(d, 2), accumulate=True), [F32]),
+    "index_add": (lambda d, t: _z(d, 3, 3).index_add(0, _i(d, t, 2), _z(d, 2, 3)), [F32, U8]),
+    "index_add_": (lambda d, t: _z(d, 3, 3).index_add_(0, _i(d, t, 2), _z(d, 2, 3)), [F32]),
+    "index_copy": (lambda d, t: _z(d, 3, 3).index_copy(0, _i(d, t, 2), _z(d, 2, 3)), [F32, I32]),
+    "index_fill": (lambda d, t: _z(d, 3, 3).index_fill(0, _i(d, t, 2), 1.0), [F32, I32]),
+    "index_fill_tensor_": (lambda d, t: _z(d, 3, 3).index_fill_(0, _i(d, t, 2), _z(d)), [F32]),
+    "index_reduce": (lambda d, t: _z(d, 3, 3).index_reduce(0, _i(d, t, 2), _z(d, 2, 3), "amax"), [F32, torch.bool]),
+    "nll_loss": (lambda d, t: F.nll_loss(_z(d, 2, 3), _i(d, t, 2)), [F32, I32]),
+    "cross_entropy_2d": (lambda d, t: F.cross_entropy(_z(d, 2, 3, 2, 2), _i(d, t, 2, 2, 2)), [F32, U8]),
+    "nll_loss_backward": (
+        lambda d, t: aten.nll_loss_backward(_z(d), _z(d, 2, 3), _i(d, t, 2), None, 1, -100, _z(d)),
+        [F32, I32],
+    ),
+    "max_pool2d_backward": (
+        lambda d, t: aten.max_pool2d_with_indices_backward(
+            _z(d, 1, 1, 2, 2), _z(d, 1, 1, 4, 4), [2, 2], [2, 2], [0, 0], [1, 1], False, _i(d, t, 1, 1, 2, 2)
+        ),
+        [F32, I32],
+    ),
+    "adaptive_max_pool2d_backward": (
+        lambda d, t: aten.adaptive_max_pool2d_backward(_z(d, 1, 1, 2, 2), _z(d, 1, 1, 4, 4), _i(d, t, 1, 1, 2, 2)),
+        [F32],
+    ),
+    "max_unpool2d": (lambda d, t: F.max_unpool2d(_z(d, 1, 1, 2, 2), _i(d, t, 1, 1, 2, 2), 2), [F32, I32]),
+    "segment_reduce_lengths": (lambda d, t: torch.segment_reduce(_z(d, 4), "sum", lengths=_i(d, t, 2) + 2), [F32]),
+    "segment_reduce_offsets": (
+        lambda d, t: torch.segment_reduce(_z(d, 4), "sum", offsets=torch.tensor([0, 2, 4], dtype=t, device=d)),
+        [F32],
+    ),
+}
+
+
+def _error(fn, *args):
+    with pytest.raises(Exception) as info:
+        fn(*args)
+    return info.value
+
+
+@pytest.mark.parametrize("name, dtype", [(n, t) for n, (_, ts) in INDEX_DTYPES.items() for t in ts],
+                         ids=lambda v: str(v).removeprefix("torch."))  # fmt: skip
+def test_an_index_of_a_dtype_cpu_rejects_raises_at_the_call(name, dtype):
+    """The dtype is known when the op is traced: CPU's exception, CPU's message, at the call
+    (not at the next sync, with JAX's message)."""
+    fn = INDEX_DTYPES[name][0]
+    expected = _error(fn, "cpu", dtype)
+    got = _error(fn, "xla", dtype)  # no sync
+    assert type(got) is type(expected)
+    assert str(got) == str(expected)
+
+
+# Index dtypes CPU accepts: the same results on the device.
+ACCEPTED = {
+    "index_select_int32": lambda d: _z(d, 3, 3).index_select(0, _i(d, I32, 2)),
+    "embedding_int32": lambda d: F.embedding(_i(d, I32, 2), _z(d, 3, 3)),
+    "index_add_int32": lambda d: _z(d, 3, 3).index_add(0, _i(d, I32, 2), _z(d, 2, 3)),
+    "nll_loss_int64": lambda d: F.nll_loss(_z(d, 2, 3), _i(d, torch.long, 2)),
+    "gather_empty_float": lambda d: _z(d, 3).gather(0, _i(d, F32, 0)),  # no element to check
+    "scatter_add_empty_float": lambda d: _z(d, 3).scatter_add(0, _i(d, F32, 0), _z(d, 0)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ACCEPTED))
+def test_index_dtypes_cpu_accepts_are_accepted(name):
+    torch.testing.assert_close(ACCEPTED[name]("xla").cpu(), ACCEPTED[name]("cpu"))
+    assert met.executed_fallback_ops() == []
+
+
+def test_index_dtypes_are_checked_once_per_signature(monkeypatch):
+    """The check runs when a signature is first seen (with PyTorch's meta kernel), never again."""
+    from xlatorch.runtime.ir.ops import SPECS
+    from xlatorch.runtime.trace import nodes
+
+    calls = []
+    check = nodes._check_index_dtype
+    monkeypatch.setattr(nodes, "_check_index_dtype", lambda *a: calls.append(1) or check(*a))
+    monkeypatch.setattr(SPECS["index_select.default"], "cache", {})
+    x = torch.zeros(7, 5, device="xla")
+    for _ in range(3):
+        x.index_select(1, torch.tensor([4, 0], device="xla"))
+    assert len(calls) == 1
+    with pytest.raises(RuntimeError, match="Expected dtype int32 or int64 for index"):
+        x.index_select(1, torch.tensor([4.0], device="xla"))
+    assert len(calls) == 2

@@ -7,14 +7,22 @@ the first offending element and ``position`` its flat index (the message's ``{0}
 ``{1}``), or None when there is nothing to check. The
 runtime turns results into one extra output of the graph and raises at the sync
 (``xlatorch/runtime/lower/checks.py``). Messages are CPU PyTorch's own.
+
+CPU checks an index as its kernel reads it: where the kernel reads nothing (an index tensor
+with no elements, broadcast to none, or a result or slice with none), nothing is checked,
+and these conditions return None too. Conditions CPU raises on from the shapes alone are
+rows that always fire (``always``).
 """
 
 from __future__ import annotations
 
-import jax.numpy as jnp
+import math
 
-__all__ = ["in_range", "index_range", "along_dim", "advanced", "targets", "bag", "divisor", "index_out_of_range",
-           "flat", "segments", "lu_pivots"]  # fmt: skip
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["in_range", "always", "index_range", "select_range", "along_dim", "index_add_range", "advanced",
+           "targets", "bag", "divisor", "index_out_of_range", "flat", "segments", "lu_pivots"]  # fmt: skip
 
 
 def in_range(index, low, high, exc, msg):
@@ -27,42 +35,100 @@ def in_range(index, low, high, exc, msg):
     return jnp.any(bad), flat_index[pos], pos, exc, msg
 
 
+def always(exc, msg: str):
+    """A result that fires whenever the op runs: CPU raises on the shapes alone."""
+    return True, 0, 0, exc, msg
+
+
 def _size(x, dim: int) -> int:
     return x.shape[dim] if x.ndim else 1
 
 
-def index_out_of_range(index, size: int):
-    """``index_select`` / ``embedding``: IndexError, indices in ``[0, size)``."""
+def _empty(x) -> bool:
+    return math.prod(x.shape) == 0
+
+
+def index_out_of_range(index, size: int, out=None):
+    """IndexError, indices in ``[0, size)``; ``out``: the op's result, when CPU checks an index
+    only as it writes the result (``embedding_dense_backward``): an empty one, nothing checked."""
+    if out is not None and _empty(out):
+        return None
     return in_range(index, 0, size, IndexError, "index out of range in self")
 
 
 def index_range(self, dim: int, index):
-    """``index_select``: ``index`` along ``dim`` of ``self``."""
+    """``index_reduce``: ``index`` along ``dim`` of ``self``."""
     return index_out_of_range(index, _size(self, dim))
 
 
-def along_dim(self, dim: int, index, exc=RuntimeError, negative: bool = False, prefix: str = ""):
-    """``gather`` / ``scatter`` / ``index_add`` ...: CPU's "index {} is out of bounds for
-    dimension d with size n"; ``negative``: Python-style negative indices are valid."""
+def select_range(self, dim: int, index):
+    """``index_select`` / ``embedding``: as :func:`index_range`, but CPU checks a ``self`` of 2 or
+    more dims with no elements apart (RuntimeError), and its ``dim`` must not be empty."""
+    if self.ndim < 2 or not _empty(self) or index.size == 0:
+        return index_range(self, dim, index)
+    n = self.shape[dim % self.ndim]
+    if n == 0:
+        return always(RuntimeError, "index_select(): self indexing axis dim should be positive")
+    return in_range(index, 0, n, RuntimeError, f"INDICES element is out of DATA bounds, id={{0}} axis_dim={n}")
+
+
+def along_dim(self, dim: int, index, exc=RuntimeError, negative: bool = False, prefix: str = "",
+              slices: bool = False):  # fmt: skip
+    """``gather`` / ``scatter`` / ``index_copy`` ...: CPU's "index {} is out of bounds for
+    dimension d with size n"; ``negative``: Python-style negative indices are valid; ``slices``:
+    CPU walks ``self``'s slices across ``dim`` (``index_copy``, ``index_fill``), so when they
+    have no elements nothing is checked."""
     d = dim % max(self.ndim, 1)
     n = _size(self, d)
+    if slices and self.ndim and math.prod(self.shape[:d] + self.shape[d + 1 :]) == 0:
+        return None
     msg = f"{prefix}index {{0}} is out of bounds for dimension {d} with size {n}"
     return in_range(index, -n if negative else 0, n, exc, msg)
 
 
+def index_add_range(self, dim: int, index):
+    """``index_add``: a ``self`` of 0 or 1 dims is checked as ``index_select`` is; a larger one
+    as :func:`along_dim`, and not at all when it has no elements."""
+    if self.ndim < 2:
+        return index_range(self, dim, index)
+    if _empty(self):
+        return None
+    return along_dim(self, dim, index)
+
+
 def advanced(self, indices):
-    """``x[i, j]`` / ``index_put_``: one IndexError result per index tensor (negative indices valid)."""
-    res = []
-    for d, index in enumerate(indices):
-        # A boolean mask (lowered statically by index_put) has no bounds to check.
-        if index is not None and d < max(self.ndim, 1) and index.dtype not in (jnp.bool_, jnp.uint8):
-            res.append(along_dim(self, d, index, IndexError, negative=True))
-    return res
+    """``x[i, j]`` / ``index_put_``: one IndexError result per index tensor (negative indices valid).
+
+    CPU reads the indices while it walks the result (for ``index_put_``, the values it writes),
+    whose shape is the indices' broadcast shape and ``self``'s other dims: when that has no
+    elements, nothing is checked. An indexed dim of size 0 with a non-empty broadcast index is
+    an error from the shapes alone."""
+    ints = []  # (dim, index)
+    d = 0  # the dim of ``self`` the next index applies to
+    for index in indices:
+        if index is not None and index.dtype in (jnp.bool_, jnp.uint8):
+            d += index.ndim  # a boolean mask (lowered statically by index_put) has no bounds to check
+            continue
+        if index is not None and d < max(self.ndim, 1):
+            ints.append((d, index))
+        d += 1
+    if not ints:
+        return []
+    shape = np.broadcast_shapes(*(i.shape for _, i in ints))
+    if math.prod(shape) and any(_size(self, k) == 0 for k, _ in ints):
+        return [always(IndexError, "index is out of bounds for dimension with size 0")]
+    indexed = {k for k, _ in ints}
+    if math.prod(shape) * math.prod(n for k, n in enumerate(self.shape) if k not in indexed) == 0:
+        return []
+    return [along_dim(self, k, index, IndexError, negative=True) for k, index in ints]
 
 
-def flat(self, index):
-    """``take`` / ``put``: indices into the flattened tensor, negative ones valid."""
+def flat(self, index, empty: str | None = None):
+    """``take`` / ``put``: indices into the flattened tensor, negative ones valid; ``empty``: CPU's
+    message when ``self`` has no elements and ``index`` has some."""
     n = self.size
+    if empty is not None and n == 0 and index.size:
+        return always(IndexError, empty)
     return in_range(index, -n, n, IndexError, f"out of range: tried to access index {{0}} on a tensor of {n} elements.")
 
 
@@ -86,10 +152,11 @@ def bag(weight, indices):
     return in_range(indices, 0, n, RuntimeError, msg)
 
 
-def divisor(other):
-    """Integer ``//``, ``%``, ``fmod``, ``div(rounding_mode=...)``: CPU raises on a zero divisor."""
+def divisor(out, other):
+    """Integer ``//``, ``%``, ``fmod``, ``div(rounding_mode=...)``: CPU raises on a zero divisor
+    of an element it computes (none when ``out`` has no elements)."""
     other = jnp.asarray(other)
-    if other.size == 0:
+    if other.size == 0 or _empty(out):
         return None
     return jnp.any(other == 0), 0, 0, RuntimeError, "ZeroDivisionError"
 

@@ -256,12 +256,19 @@ def put(out, self, index, source, accumulate=False):
 
 def gather(out, self, dim, index):
     """aten.gather: ``index`` may be smaller than ``self`` in every dimension."""
-    if index.size == 0:
-        return jnp.zeros(out.shape, out.dtype)
     x, i = _flat0(self), _flat0(index)
+    if i.size == 0 or x.shape[dim % x.ndim] == 0:  # the second: every index fails its check
+        return jnp.zeros(out.shape, out.dtype)
     return x[_scatter_index(x, dim, i)].reshape(out.shape)
 
 
+def take_along(x, index, axis: int):
+    """``jnp.take`` along ``axis``; zeros from an empty axis (where every index fails its check)."""
+    if x.shape[axis] == 0:
+        return jnp.zeros(x.shape[:axis] + index.shape + x.shape[axis + 1 :], x.dtype)
+    return jnp.take(x, index, axis=axis)
+
+
 def index_select(out, self, dim, index):
-    """aten.index_select (a 0-d input behaves as 1-d)."""
-    return jnp.take(_flat0(self), index.reshape(-1), axis=dim % max(self.ndim, 1)).reshape(out.shape)
+    """aten.index_select (a 0-d input behaves as 1-d); also ``embedding`` (``weight``, dim 0)."""
+    return take_along(_flat0(self), index.reshape(-1), dim % max(self.ndim, 1)).reshape(out.shape)

@@ -126,7 +126,7 @@ def soft_margin_loss_backward(out, grad_output, self, target, reduction):
 
 def _flat_classes(self, target):
     """(N, C, d1, ...) scores and (N, d1, ...) targets as (N*d1*..., C) and (N*d1*...)."""
-    x = jnp.moveaxis(self, 1, -1).reshape((-1, self.shape[1]))
+    x = jnp.moveaxis(self, 1, -1).reshape((target.size, self.shape[1]))
     return x, target.reshape(-1)
 
 

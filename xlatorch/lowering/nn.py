@@ -205,7 +205,7 @@ def gelu_backward(out, grad_output, self, approximate):
 def embedding_dense_backward(out, grad_output, indices, num_weights, padding_idx, scale_grad_by_freq):
     d = grad_output.shape[-1]
     ix = indices.reshape(-1)
-    g = grad_output.reshape(-1, d)
+    g = grad_output.reshape(ix.shape[0], d)
     if padding_idx >= 0:
         g = jnp.where((ix == padding_idx)[:, None], 0, g)
     if scale_grad_by_freq:

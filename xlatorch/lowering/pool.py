@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from xlatorch.lowering.index import take_along
+
 _IDX_PAD = np.iinfo(np.int64).max  # the index of padding: loses every tie against real data
 
 
@@ -329,7 +331,7 @@ def embedding_bag(out, weight, indices, offsets, scale_grad_by_freq, mode, spars
     n_bags, d = out[0].shape
     bag, valid, count = _bag_layout(indices, offsets, include_last_offset, padding_idx, n_bags)
     rows = _acc_dtype(weight.dtype)
-    vals = jnp.take(weight, indices, axis=0).astype(rows)
+    vals = take_along(weight, indices, 0).astype(rows)
     if per_sample_weights is not None:
         vals = vals * per_sample_weights.astype(rows)[:, None]
     bag_size = jnp.zeros(out[2].shape, jnp.int64).at[: count.shape[0]].set(count)

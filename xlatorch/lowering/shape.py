@@ -133,6 +133,8 @@ def cat(out, tensors, dim):
 
 
 def index_tensor(out, self, indices):
+    if self.size == 0:  # nothing to read: an empty result, or indices that fail their check
+        return jnp.zeros(out.shape, out.dtype)
     idx = []
     for i in indices:
         if i is None:

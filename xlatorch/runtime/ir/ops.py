@@ -43,12 +43,12 @@ class OpSpec:
     __slots__ = (
         "name", "overload", "emit", "arg_names", "kinds", "kwarg_only", "returns",
         "promote", "promote_idx", "view", "scatter", "cache", "meta_overload", "check", "check_integral",
-        "counter", "mutates", "born",
+        "counter", "mutates", "born", "index_dtype",
     )  # fmt: skip
 
     def __init__(self, name, overload, emit, arg_names, kinds, kwarg_only, returns,
                  promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-                 check=None, check_integral=False, mutates=()):  # fmt: skip
+                 check=None, check_integral=False, mutates=(), index_dtype=None):  # fmt: skip
         self.name = name
         self.overload = overload
         self.emit = emit
@@ -68,6 +68,10 @@ class OpSpec:
         # The on-device check (ops.yaml ``check``): called like ``emit``, gives L.checks results.
         self.check = check
         self.check_integral = check_integral  # check only when the computation dtype is integral
+        # ops.yaml ``index_dtype``: ``((argument positions, dtypes CPU accepts, exception, message,
+        # empty_ok), ...)``, checked when a signature is first seen (``trace/nodes.py``), so a bad
+        # dtype raises at the call.
+        self.index_dtype = index_dtype
         # torch_xla's per-op counter: how many times the op was recorded for the device
         self.counter = "xla::" + (name.split("::")[-1].split(".")[0])
         # An in-place op writing several arguments (``_amp_update_scale_``): their positions, in

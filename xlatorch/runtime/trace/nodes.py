@@ -5,6 +5,9 @@ replays on its base (``apply_view``), writes through (``apply_scatter``) or runs
 
 from __future__ import annotations
 
+import functools
+import sys
+
 import torch
 from torch._prims_common import elementwise_dtypes
 
@@ -39,8 +42,21 @@ def _node(spec: OpSpec, vals: tuple, sig: tuple) -> Node:
         n.tick = (next(TICKS), owner())  # this thread's later updates are undone if it fails (runtime/lower/checks.py)
         CHECKED_SINCE_SYNC.add(n.tick[1])
         if getattr(n, "src", None) is None:
-            n.src = user_frame()  # a failed check names the user's line
+            n.src = user_frame() or _frame()  # a failed check names the user's line
     return n
+
+
+def _frame() -> tuple:
+    """Where the op was called from when no frame is the user's file: the innermost code with
+    no file (``python -c``, stdin, ``exec``, a notebook cell), else the outermost frame."""
+    f = sys._getframe(2)
+    while True:
+        fn = f.f_code.co_filename
+        if fn.startswith("<") and not fn.startswith("<frozen"):
+            return fn, f.f_lineno
+        if f.f_back is None:
+            return fn, f.f_lineno
+        f = f.f_back
 
 
 def _to_meta(a):
@@ -55,6 +71,8 @@ def _to_meta(a):
 
 def _infer(spec: OpSpec, vals: tuple) -> Info:
     meta = [_to_meta(a) for a in vals]
+    if spec.index_dtype is not None:
+        _check_index_dtype(spec.index_dtype, meta)
     args, kwargs = [], {}
     for n, m, ko, k in zip(spec.arg_names, meta, spec.kwarg_only, spec.kinds):
         if k is GENERATOR:
@@ -72,6 +90,36 @@ def _infer(spec: OpSpec, vals: tuple) -> Info:
     # None: an output PyTorch leaves undefined (e.g. a gradient masked out by output_mask).
     avals = tuple(None if r is None else (tuple(r.shape), r.dtype) for r in res)
     return info_of(spec, meta, avals)
+
+
+# c10's names of the dtypes, as CPU's messages print them: ScalarType ("Float") and, for the
+# classic types, the legacy tensor type ("torch.FloatTensor"; others print as "CPUBoolType").
+_SCALAR_TYPE = {
+    torch.uint8: "Byte", torch.int8: "Char", torch.int16: "Short", torch.int32: "Int", torch.int64: "Long",
+    torch.float16: "Half", torch.float32: "Float", torch.float64: "Double", torch.bool: "Bool",
+    torch.bfloat16: "BFloat16", torch.complex32: "ComplexHalf", torch.complex64: "ComplexFloat",
+    torch.complex128: "ComplexDouble", torch.uint16: "UInt16", torch.uint32: "UInt32", torch.uint64: "UInt64",
+}  # fmt: skip
+_LEGACY = ("Byte", "Char", "Short", "Int", "Long", "Half", "Float", "Double")
+
+
+def _dtype_names(dtype: torch.dtype) -> dict:
+    name = _SCALAR_TYPE.get(dtype) or str(dtype).removeprefix("torch.").capitalize()
+    return {"scalar_type": name, "tensor_type": f"torch.{name}Tensor" if name in _LEGACY else f"CPU{name}Type"}
+
+
+def _check_index_dtype(rules, meta) -> None:
+    """Raise CPU's error for an index argument of a dtype CPU rejects (ops.yaml ``index_dtype``):
+    each tensor of a list is checked; several arguments are checked as the dtype they promote to
+    (``embedding_bag``'s indices and offsets); ``empty_ok``: an index with no elements is not."""
+    for pos, dtypes, exc, msg, empty_ok in rules:
+        got = [t.dtype for p in pos for t in (meta[p] if type(meta[p]) is list else (meta[p],))
+               if isinstance(t, torch.Tensor) and not (empty_ok and t.numel() == 0)]  # fmt: skip
+        if len(pos) > 1 and got:
+            got = [functools.reduce(torch.promote_types, got)]
+        for dt in got:
+            if dt not in dtypes:
+                raise exc(msg.format(**_dtype_names(dt)))
 
 
 def info_of(spec: OpSpec, meta: list, avals: tuple) -> Info:
