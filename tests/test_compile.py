@@ -150,3 +150,70 @@ def test_the_gpt_program_compiled_equals_the_lazy_path():
     assert run(True) == lazy  # the same emitters, the same program: bit for bit
     assert met.counter_value("CompiledGraphOpByOp") is None and _compiled_nodes() == 6
     assert not torch._dynamo.utils.counters["graph_break"]
+
+
+def test_a_python_float_argument_is_an_input_of_one_program():
+    # A learning-rate schedule: a new Python float every call. dynamic=False (these backends'
+    # default) made Dynamo bake each value into a new graph: 5 values, 5 XLA programs.
+    def f(x, lr):
+        return x * lr + lr
+
+    fn = torch.compile(f, backend="openxla")
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+    met.clear_counters()
+    for lr in (0.1, 0.05, 0.025, 0.0125, 3.0):
+        got = fn(x.to("xla"), lr)
+        xm.mark_step()
+        torch.testing.assert_close(got.cpu(), f(x, lr), rtol=1e-6, atol=0)
+    assert met.counter_value("DynamoCompile") == 1 and met.counter_value("UncachedCompile") == 1
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert met.counter_value("CompiledGraphOpByOp") is None and met.executed_fallback_ops() == []
+
+
+def test_training_with_a_changing_float_argument_compiles_once():
+    cpu, dev = _pair(_mlp)
+
+    def loss_fn(model, x, y, temperature):
+        return nn.functional.cross_entropy(model(x) / temperature, y)
+
+    step = torch.compile(loss_fn, backend="openxla")
+    opt_c = torch.optim.SGD(cpu.parameters(), lr=0.1)
+    opt_d = torch.optim.SGD(dev.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    compiles = []
+    met.clear_counters()
+    for i in range(5):
+        x, y = torch.randn(8, 6, generator=g), torch.randint(0, 4, (8,), generator=g)
+        temperature = 1.0 + 0.25 * i  # a new float, in the forward and the backward graph
+        loss_c = loss_fn(cpu, x, y, temperature)
+        loss_c.backward()
+        opt_c.step()
+        opt_c.zero_grad()
+        loss_d = step(dev, x.to("xla"), y.to("xla"), temperature)
+        loss_d.backward()
+        opt_d.step()
+        opt_d.zero_grad()
+        xm.mark_step()
+        torch.testing.assert_close(loss_d.item(), loss_c.item(), rtol=1e-5, atol=1e-6)
+        compiles.append(met.counter_value("UncachedCompile"))
+    for (k, v), w in zip(dev.state_dict().items(), cpu.state_dict().values()):
+        torch.testing.assert_close(v.cpu(), w, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+    assert met.counter_value("DynamoCompile") == 2  # its forward and its backward, once
+    assert _compiled_nodes() == 10 and met.counter_value("CompiledGraphOpByOp") is None
+    assert compiles[-1] == compiles[1], compiles  # nothing compiles after the first steps
+
+
+def test_a_0d_cpu_tensor_argument_enters_as_a_scalar_and_cpu_results_stay_on_the_cpu():
+    def f(x, s):
+        return x * s, s + 1  # s + 1 is computed from a CPU input alone: a CPU tensor, as in eager
+
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+    fn = torch.compile(f, backend="openxla")
+    met.clear_counters()
+    for s in (0.5, 0.25):
+        got = fn(x.to("xla"), torch.tensor(s))
+        want = f(x, torch.tensor(s))
+        assert got[0].device.type == "xla" and got[1].device.type == "cpu"
+        torch.testing.assert_close(got[0].cpu(), want[0], rtol=1e-6, atol=0)
+        assert torch.equal(got[1], want[1])
+    assert met.counter_value("CompiledGraphOpByOp") is None and met.counter_value("UncachedCompile") == 1

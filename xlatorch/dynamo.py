@@ -9,6 +9,20 @@ lazy path instead (counted as ``CompiledGraphOpByOp``); Dynamo's graph breaks ru
 path too. Dynamo's recompiles show in ``torch._dynamo.utils.counters`` and here as
 ``DynamoCompile`` (graphs handed to this backend).
 
+A Python float passed as an argument (``step(x, lr)``, also inside a list or dict argument) is
+an input of the graph, as the lazy path makes Python numbers parameters: a learning-rate
+schedule reuses one graph and one XLA program. ``torch._dynamo.config.specialize_float`` is
+False by default, but ``dynamic=False`` (these backends' default: XLA wants static shapes)
+makes Dynamo bake every float into the graph and guard on its value (a new graph, and a new
+XLA program, per value, up to ``recompile_limit``, then eager). For these backends a float
+argument is wrapped as under ``dynamic=True`` instead: Dynamo passes it as a float64 0-d CPU
+tensor, cast where it is used, and guards only on its type. Floats that are attributes of a
+module stay constants (as Dynamo keeps a module's int attributes static), as does every
+float under ``specialize_float=True``. Dynamo itself still specializes a float that an op
+takes as a plain number (``torch.full``'s value, ``clamp``'s bounds, ``x ** p``) or that the
+function returns as a number (a graph per value, as before), and a float that decides
+control flow gives a graph per branch taken.
+
 Importing this module (``torch.compile`` does it on its first call once xlatorch is imported)
 teaches Dynamo that xla tensors are tensors, keeps it out of xlatorch's own code, and
 registers the backends (replacing PyTorch's built-in ``openxla``, which needs torch_xla).
@@ -75,10 +89,48 @@ def _decompositions() -> dict:
 xlatorch_backend = aot_autograd(fw_compiler=_forward, bw_compiler=_backward, decompositions=_decompositions())
 
 
+def _for_xla(compiler_fn) -> bool:
+    """Whether Dynamo compiles for this backend: ``compiler_fn`` is it, or wraps it (Dynamo's
+    debug wrapper, ``torch.compile``'s wrapper)."""
+    for _ in range(4):
+        if compiler_fn is xlatorch_backend:
+            return True
+        inner = getattr(compiler_fn, "_torchdynamo_orig_backend", None)
+        compiler_fn = inner if inner is not None else getattr(compiler_fn, "compiler_fn", None)
+    return False
+
+
+def _argument(source) -> bool:
+    """Whether ``source`` is an argument of the compiled function, or an item of one."""
+    from torch._dynamo.source import DictGetItemSource, GetItemSource, LocalSource
+
+    while isinstance(source, (GetItemSource, DictGetItemSource)):
+        source = source.base
+    return isinstance(source, LocalSource) and source.is_input
+
+
+def _float_arguments_are_inputs(wrap_symfloat):
+    """``VariableBuilder.wrap_symfloat``, wrapping a float argument as an input of the graph
+    for this backend even though its ``dynamic=False`` assumes static values."""
+
+    def wrap(self, value):
+        if _for_xla(self.tx.output.compiler_fn) and _argument(self.get_source()):
+            with torch._dynamo.config.patch(assume_static_by_default=False):
+                return wrap_symfloat(self, value)
+        return wrap_symfloat(self, value)
+
+    wrap._xlatorch = True
+    return wrap
+
+
 def _install() -> None:
     # Dynamo models tensor subclasses that override __torch_dispatch__ as opaque objects
     # (every call a graph break); xla tensors are plain tensors to it, faked on the xla device.
     VariableBuilder._type_dispatch()[XlaTensor] = VariableBuilder.wrap_tensor
+    # A float argument is an input of the graph, not a constant (a learning-rate schedule
+    # compiles once). Other backends keep Dynamo's behaviour.
+    if not getattr(VariableBuilder.wrap_symfloat, "_xlatorch", False):
+        VariableBuilder.wrap_symfloat = _float_arguments_are_inputs(VariableBuilder.wrap_symfloat)
     torch._dynamo.trace_rules.add("xlatorch")  # never trace xlatorch's own Python
     _lazy_import()  # PyTorch's built-in backends, its openxla among them, are registered now
     for name in ("openxla", "xlatorch"):

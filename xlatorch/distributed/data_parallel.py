@@ -99,6 +99,8 @@ class DataParallel:
             except BaseException as e:  # noqa: BLE001 (re-raised by the calling thread)
                 errors.append((i, e))
                 replication.abort(e)
+            else:
+                replication.leave(self._devices[i].index or 0)
 
         threads = [threading.Thread(target=run, args=(i,), name=f"xlatorch-replica-{i}")
                    for i in range(len(self._devices))]  # fmt: skip

@@ -2,8 +2,11 @@
 
 ``FxProgram(gm)`` checks once that every node of ``gm`` has a lowering in ops.yaml, then each
 call records ONE node for the whole graph: no per-op Python dispatch, and the node's lowering
-emits the graph's ops with the same emitters a lazily traced program uses. Inputs and
-outputs are device tensors; the node joins the step's lazy graph, so a compiled forward, its
+emits the graph's ops with the same emitters a lazily traced program uses. Inputs are device
+tensors and 0-d CPU tensors (Python float arguments, ``xlatorch/dynamo.py``), which enter as
+parameters like the lazy path's host scalars. Outputs are device tensors, and CPU values
+computed from CPU inputs alone (a float argument a forward saves for its backward), computed
+on the host at each call. The node joins the step's lazy graph, so a compiled forward, its
 backward and the optimizer's ops still compile into the step's one XLA program (cached like
 any other). Random ops get a fresh seed per call (graph inputs, never constants); on-device
 checks (index bounds ...) are computed inside the node and raised at the sync, as in the lazy
@@ -18,6 +21,7 @@ import operator
 
 import jax.numpy as jnp
 import torch
+from torch.fx.node import map_arg
 
 from xlatorch.runtime.base import config
 from xlatorch.runtime.base.dtypes import PY_SCALAR_DTYPE, PY_SCALAR_JAX, to_jax, weak
@@ -27,7 +31,7 @@ from xlatorch.runtime.base.threads import TICKS, owner
 from xlatorch.runtime.ir.emit import emit_node
 from xlatorch.runtime.ir.ops import GENERATOR, SCALAR, SCALAR_LIST, STATIC, TENSOR_LIST, TUPLE, Info, OpSpec, signature
 from xlatorch.runtime.ir.rng import next_key
-from xlatorch.runtime.ir.values import Node
+from xlatorch.runtime.ir.values import Node, Scalar
 from xlatorch.runtime.trace.nodes import info_of
 from xlatorch.runtime.trace.tensor import XlaTensor, value_of, wrap
 
@@ -38,7 +42,10 @@ _ids = itertools.count()
 SPECS: dict = {}  # OpOverload -> OpSpec, filled at import of xlatorch (from the generated table)
 # Ops a functional graph holds that need no lowering of their own.
 _IDENTITY = {aten.detach.default, aten.alias.default, aten.lift_fresh.default, aten.lift_fresh_copy.default}
-HANDLED = _IDENTITY | {aten._to_copy.default}  # what FxProgram lowers without an ops.yaml entry
+# Casts: _to_copy, and the prims cast that casts a float argument (a 0-d float64 tensor, see
+# xlatorch/dynamo.py) to the dtype it computes with.
+_CASTS = {aten._to_copy.default, torch.ops.prims.convert_element_type.default}
+HANDLED = _IDENTITY | _CASTS  # what FxProgram lowers without an ops.yaml entry
 
 
 class _Seed:
@@ -102,6 +109,31 @@ def _meta(a):
     return a
 
 
+def _on_device(n) -> bool:
+    """Whether FX node ``n`` computes a value on the xla device."""
+    val = n.meta.get("val")
+    return any(
+        isinstance(v, torch.Tensor) and v.device.type == "xla"
+        for v in (val if isinstance(val, (tuple, list)) else (val,))
+    )
+
+
+def _host_steps(gm, outputs) -> list:
+    """The nodes computing ``outputs`` (values on the CPU), in graph order, run eagerly on the
+    host at each call; raises ``Unlowerable`` if one reads a device value."""
+    need: set = set()
+    stack = list(outputs)
+    while stack:
+        n = stack.pop()
+        if n in need:
+            continue
+        if _on_device(n):
+            raise Unlowerable("an output on the CPU computed from device values")
+        need.add(n)
+        stack.extend(n.all_input_nodes)
+    return [n for n in gm.graph.nodes if n in need and n.op == "call_function"]
+
+
 class FxProgram:
     """One FX graph of ATen ops, callable on device tensors as one IR node."""
 
@@ -124,7 +156,11 @@ class FxProgram:
                 raise Unlowerable(f"FX node kind {n.op}")
             else:
                 raise Unlowerable("graph constants (get_attr)")
-        self.avals = tuple(None if o is None else _aval(o.meta.get("val")) for o in self.outputs)
+        # Outputs on the CPU (computed from float arguments alone: a forward saves them for its
+        # backward, Dynamo reads a returned one back as a number) are computed on the host.
+        self.on_device = [o if o is not None and _on_device(o) else None for o in self.outputs]
+        self.host = _host_steps(gm, [o for o, d in zip(self.outputs, self.on_device) if o is not None and d is None])
+        self.avals = tuple(None if o is None else _aval(o.meta.get("val")) for o in self.on_device)
         self.spec = OpSpec(f"xlatorch::compiled_{name}_{next(_ids)}", None, self._emit, ("inputs",),
                            (TENSOR_LIST,), (False,), TUPLE)  # fmt: skip
         self.spec.check = self._check if checked and config.CHECKS else None
@@ -139,7 +175,7 @@ class FxProgram:
         if op in _IDENTITY:
             self.steps.append(("identity", n, None, n.args[0], None))
             return False
-        if op is aten._to_copy.default:  # a cast on the device
+        if op in _CASTS:  # a cast on the device
             dev = n.kwargs.get("device")
             if dev is not None and torch.device(dev).type != "xla":
                 raise Unlowerable("a copy to another device")
@@ -172,14 +208,20 @@ class FxProgram:
         return info.checked
 
     def __call__(self, args):
-        """Record the graph applied to ``args`` (device tensors, in placeholder order); returns
-        the outputs as new device tensors (None where the graph returns None)."""
+        """Record the graph applied to ``args`` (device tensors and 0-d CPU tensors, in
+        placeholder order); returns the outputs as new device tensors, CPU tensors where the
+        graph computes one on the CPU (computed now), None where it returns None."""
         vals = []
         for a in args:
-            if type(a) is not XlaTensor:
+            if type(a) is XlaTensor:
+                vals.append(value_of(a))
+            elif isinstance(a, torch.Tensor) and a.dim() == 0 and a.device.type == "cpu":
+                # A Python float argument (Dynamo passes it as a 0-d tensor) or a 0-d CPU
+                # tensor: a parameter, never a constant, as on the lazy path.
+                vals.append(Scalar(a.item(), a.dtype, tensor=True))
+            else:
                 raise TypeError(f"xlatorch: a compiled graph got a {type(a).__name__} on "
                                 f"'{getattr(a, 'device', '?')}' where it expects an xla tensor")  # fmt: skip
-            vals.append(value_of(a))
         vals += [next_key() for _ in range(self.random)]
         vals = (tuple(vals),)
         COUNTERS[self.spec.name] += 1
@@ -187,7 +229,13 @@ class FxProgram:
         if self.info.checked:
             node.tick = (next(TICKS), owner())
             node.src = user_frame()
-        return [None if o is None else wrap(o) for o in node.outs]
+        outs = [None if o is None else wrap(o) for o in node.outs]
+        if self.host:
+            env = dict(zip(self.inputs, args))
+            for n in self.host:
+                env[n] = n.target(*map_arg(n.args, env.__getitem__), **map_arg(n.kwargs, env.__getitem__))
+            outs = [env[o] if o is not None and d is None else t for o, d, t in zip(self.outputs, self.on_device, outs)]
+        return outs
 
     def _lower(self, inputs, found=None):
         env = {}
@@ -217,7 +265,7 @@ class FxProgram:
             else:
                 res = emit_node(spec, tuple(get(a) for a in args), info, None, found if info.checked else None)
                 env[n] = res[0] if len(res) == 1 and not isinstance(n.meta.get("val"), (tuple, list)) else res
-        return tuple(None if o is None else env[o] for o in self.outputs)
+        return tuple(None if o is None else env[o] for o in self.on_device)
 
     def _check(self, out, inputs):
         found: list = []

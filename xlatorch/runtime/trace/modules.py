@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import threading
 
+import torch
 import torch.nn as nn
 
 from xlatorch.runtime.base.threads import CALLERS, DEFERRED, _get_ident, _in_backward
+from xlatorch.runtime.base.topology import thread_replicas
 from xlatorch.runtime.ir import values as ir
 from xlatorch.runtime.trace.tensor import XlaTensor
 
@@ -89,7 +91,21 @@ def _checked_backward(run):
             me = _get_ident()
             CALLERS[me] = 1
         try:
-            result = run(t_outputs, *args, **kwargs)
+            if thread_replicas() and _in_backward() == -1:
+                # dp.DataParallel: autograd's one device thread would run every replica's device
+                # ops, but it has no replica device of its own, and ``xla:0`` (every device
+                # tensor reports it) means "this thread's device": a gradient's cast back
+                # (ToCopyBackward: ``grad.to(xla:0, dtype)``) moved replica 1's gradient to
+                # device 0, its all_reduce joined device 0's step, and replica 0 waited forever
+                # for replica 1's. Run the pass on the replica's thread (its ops trace there
+                # as they would on autograd's thread): new values go to the replica's device,
+                # and a collective a backward pass syncs meets the other replicas' threads
+                # instead of blocking the one thread they all need. Replica threads are never
+                # the main thread, so Ctrl-C cannot unwind through the engine there.
+                with torch.autograd.set_multithreading_enabled(False):
+                    result = run(t_outputs, *args, **kwargs)
+            else:
+                result = run(t_outputs, *args, **kwargs)
         except RuntimeError as e:
             if "device_ready_queues_" in str(e):
                 raise RuntimeError(_IMPORT_ORDER) from None
