@@ -209,10 +209,30 @@ _devices: list = []
 # track which device they live on).
 MULTI_DEVICE_HOOKS: list = []
 _thread = threading.local()
+# CLOSED[0]: the process is exiting (``close``); read where work for the device starts.
+CLOSED = [False]
+
+
+def close() -> None:
+    """The process is exiting (runtime/execute/settle.py): from now on a thread other than the
+    main one that comes for the device waits for the process to end (``park``)."""
+    CLOSED[0] = True
+
+
+def park() -> None:
+    """After ``close``, outside the main thread: wait, without the GIL, until the process ends.
+
+    Such a thread must not enter jaxlib any more: coming back from a call that released the
+    GIL while Python finalizes aborts the process (runtime/execute/settle.py, ``_at_exit``).
+    """
+    if CLOSED[0] and threading.current_thread() is not threading.main_thread():
+        threading.Event().wait()
 
 
 def jax_device(dev: int = 0):
     """The JAX device backing local device ``dev`` (``xla:0`` is the first local device)."""
+    if CLOSED[0]:  # every upload asks for its device first
+        park()
     if not _devices:
         import jax
 
