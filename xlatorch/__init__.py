@@ -55,6 +55,7 @@ import xlatorch.debug  # noqa: E402,F401  (the compile explainer, sync report an
 from xlatorch.amp import autocast_mode as _autocast  # noqa: E402
 from xlatorch.debug import profiler as _profiler  # noqa: E402
 from xlatorch.fallback import cpu as _fallback  # noqa: E402,F401  (ops with no lowering run on CPU)
+from xlatorch.runtime.base import config as _config  # noqa: E402
 from xlatorch.runtime.base import interrupts as _interrupts  # noqa: E402
 from xlatorch.runtime.execute import serialization as _serialization  # noqa: E402,F401  (torch.load of device tensors)
 
@@ -82,7 +83,7 @@ _profiler._from_environment()  # XLATORCH_PROFILE=<dir>: capture the first steps
 # garbage collector's view: otherwise each full collection walks them all, and tracing
 # and lowering a program's first step trigger several (measured: GPT's first trace
 # 0.25 -> 0.07 s). XLATORCH_GC_FREEZE=0 keeps them collectable.
-if os.environ.get("XLATORCH_GC_FREEZE", "1") != "0":
+if _config.env("XLATORCH_GC_FREEZE"):
     gc.freeze()
 
 __version__ = "0.1.0"
@@ -116,7 +117,7 @@ def launch(fn, args=(), start_method: str = "spawn", debug_single_process: bool 
     from xlatorch.distributed import xla_multiprocessing as xmp
     from xlatorch.runtime.base import topology as distributed
 
-    if "XLATORCH_RANK" in os.environ or {"RANK", "WORLD_SIZE", "MASTER_ADDR"} <= set(os.environ):
+    if _config.env("XLATORCH_RANK") is not None or {"RANK", "WORLD_SIZE", "MASTER_ADDR"} <= set(os.environ):
         distributed.initialize()
         fn(distributed.global_ordinal(), *args)
         return

@@ -6,14 +6,16 @@ step's graph: the tensors it was given are device data by then, so reading them 
 Closures run in the order they were queued, each thread's at its own ``mark_step``.
 Asynchronous ones (``run_async=True``) run on one background thread, in order, so the
 training loop does not wait for them; an exception there is raised in the training thread
-at its next ``add_step_closure`` or ``mark_step``.
+at its next ``add_step_closure`` or ``mark_step``. At exit the ones still queued run, before
+the device closes; an exception there is the process's exit status.
 """
 
 from __future__ import annotations
 
-import atexit
 import queue
 import threading
+
+from xlatorch.runtime.execute import settle
 
 __all__ = ["add", "run", "wait"]
 
@@ -60,7 +62,6 @@ def _async() -> queue.Queue:
         if _async_queue is None:
             _async_queue = queue.Queue()
             threading.Thread(target=_worker, args=(_async_queue,), name="xlatorch-step-closures", daemon=True).start()
-            atexit.register(_async_queue.join)  # the last step's closures still run
     return _async_queue
 
 
@@ -85,3 +86,6 @@ def wait() -> None:
 def _raise_async_error() -> None:
     if _async_errors:
         raise _async_errors.pop(0)
+
+
+settle.EXIT_HOOKS.append(wait)  # the last steps' closures still run, and their errors are reported

@@ -24,40 +24,25 @@ unless the program configured handlers of its own.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
-from xlatorch.runtime.base import record
+from xlatorch.runtime.base import config, record
 
 __all__ = ["get_level", "set_level", "level", "LOG", "source_lines", "hlo_debug"]
 
 LOG = logging.getLogger("xlatorch")
 
 
-def _int(v: str) -> int:
-    """A level from the environment: a number, else a truthy word (``true``, ``on``) means 1."""
-    try:
-        return max(0, int(v))
-    except ValueError:
-        return 0 if v.lower() in ("false", "off", "no") else 1
-
-
 def _env_level() -> int:
-    v = os.environ.get("XLATORCH_DEBUG", "").strip()
-    if v:
-        return _int(v)
-    if os.environ.get("PT_XLA_DEBUG", "").strip() not in ("", "0"):
-        return _int(os.environ.get("PT_XLA_DEBUG_LEVEL", "").strip() or "1")
-    return 0
-
-
-def _flag(name: str) -> bool:
-    return os.environ.get(name, "").strip() not in ("", "0")
+    level = config.env("XLATORCH_DEBUG")
+    if level is not None:
+        return level
+    return config.env("PT_XLA_DEBUG_LEVEL") if config.env("PT_XLA_DEBUG") else 0
 
 
 LEVEL = _env_level()
-_IR_DEBUG = _flag("XLA_IR_DEBUG")
-_HLO_DEBUG = _flag("XLA_HLO_DEBUG")
+_IR_DEBUG = config.env("XLA_IR_DEBUG")
+_HLO_DEBUG = config.env("XLA_HLO_DEBUG")
 
 
 class _Stderr(logging.Handler):

@@ -8,10 +8,9 @@ both in ``xlatorch.runtime.base.record``; this module reports them.
 
 from __future__ import annotations
 
-import os
 import time
 
-from xlatorch.runtime.base import record
+from xlatorch.runtime.base import config, record
 from xlatorch.runtime.base.record import COUNTERS, add_sample, timed
 from xlatorch.runtime.base.record import METRICS as _METRICS
 
@@ -120,7 +119,7 @@ def short_metrics_report(counter_names: list[str] | None = None, metric_names: l
 
 def write_step_metrics() -> None:
     """Append the report to ``$XLA_METRICS_FILE`` (called at each step when it is set)."""
-    path = os.environ.get("XLA_METRICS_FILE")
+    path = config.env("XLA_METRICS_FILE")
     if path:
         with open(path, "a") as f:
             f.write(f"[MetricsData; step={COUNTERS['MarkStep']}]\n{metrics_report()}\n")

@@ -40,12 +40,14 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import sys
+import tempfile
 import threading
 import time
 
 import jax
 
-from xlatorch.runtime.base import record
+from xlatorch.runtime.base import config, record
 
 __all__ = [
     "start_trace", "stop_trace", "trace", "trace_detached", "trace_steps", "Trace", "StepTrace",
@@ -243,9 +245,11 @@ def start_trace(log_dir: str | os.PathLike, *, create_perfetto_trace: bool = Tru
 
     Raises:
       RuntimeError: if a capture is already running.
+      OSError: if ``log_dir`` cannot be written (JAX would find out only when the capture stops).
     """
     from xlatorch.runtime.base.topology import jax_device
 
+    _writable(log_dir)
     jax_device()  # join the job the environment describes before JAX's backend starts
     opts = jax.profiler.ProfileOptions()
     opts.python_tracer_level = python_tracer_level
@@ -259,12 +263,30 @@ def start_trace(log_dir: str | os.PathLike, *, create_perfetto_trace: bool = Tru
         _open_window()
 
 
+def _writable(log_dir) -> None:
+    """Raise ``OSError`` naming ``log_dir`` unless a capture can be written there (creating it)."""
+    try:
+        os.makedirs(log_dir, exist_ok=True)
+        with tempfile.TemporaryFile(dir=log_dir):
+            pass
+    except OSError as e:
+        raise OSError(e.errno, f"xlatorch: a profile cannot be written to {str(log_dir)!r}: {e.strerror or e}") from e
+
+
+def _warn(what: str, error: BaseException) -> None:
+    """A scheduled capture failed: say so and let the program go on (a diagnostic never stops it)."""
+    why = (error.strerror if isinstance(error, OSError) and error.strerror else str(error)).removeprefix("xlatorch: ")
+    sys.stderr.write(f"xlatorch: {what}: {why}; the program goes on without a profile\n")
+    sys.stderr.flush()
+
+
 def stop_trace() -> str:
     """Stop the capture and write it, after the computations already dispatched finish (so
     their device time is in it). Returns the directory the capture was written to.
 
     Raises:
       RuntimeError: if no capture is running.
+      JaxRuntimeError: if JAX cannot write the capture.
     """
     from xlatorch.runtime.execute.sync import wait
 
@@ -364,9 +386,14 @@ def trace_steps(log_dir: str | os.PathLike, start: int = 0, stop: int = 5, **opt
       start: the first step captured.
       stop: the step before which the capture ends.
       **options: ``start_trace`` options.
+
+    Raises:
+      ValueError: unless ``0 <= start < stop``.
+      OSError: if ``log_dir`` cannot be written.
     """
     if not 0 <= start < stop:
         raise ValueError(f"xlatorch: trace_steps needs 0 <= start < stop, got {start}:{stop}")
+    _writable(log_dir)
     with _lock:
         _state.schedule = (str(log_dir), start, stop, options)
         _state.steps = 0
@@ -391,22 +418,37 @@ record.DEVICE_HOOKS.append(devices_ready)
 
 
 def _advance_schedule() -> None:
+    """Start or stop ``trace_steps``' capture at its step. It is a diagnostic: when it fails,
+    it says so and the program goes on, without it."""
     log_dir, start, stop, options = _state.schedule
     if _state.steps == start and _state.log_dir is None:
         from xlatorch import runtime as xr
 
         if xr.world_size() > 1:
             log_dir = os.path.join(log_dir, f"process_{xr.global_ordinal()}")
-        start_trace(log_dir, **options)
+        try:
+            start_trace(log_dir, **options)
+        except Exception as e:  # noqa: BLE001 - see above
+            _state.schedule = None
+            _refresh()
+            _warn(f"the profile of steps {start}:{stop} could not start", e)
     elif _state.steps >= stop and _state.log_dir is not None:
         _state.schedule = None
+        _stop_scheduled()
+
+
+def _stop_scheduled() -> None:
+    log_dir = _state.log_dir
+    try:
         stop_trace()
+    except Exception as e:  # noqa: BLE001 - see _advance_schedule
+        _warn(f"the profile could not be written to {log_dir}", e)
 
 
 def _stop_at_exit() -> None:
     _state.schedule = None
     if _state.log_dir is not None:
-        stop_trace()
+        _stop_scheduled()
 
 
 def start_server(port: int, only_on_master: bool = True):
@@ -443,13 +485,13 @@ def stop_server() -> None:
 
 
 def _from_environment() -> None:
-    """``XLATORCH_PROFILE=<dir>`` [``XLATORCH_PROFILE_STEPS=start:stop``, default 0:5]."""
-    log_dir = os.environ.get("XLATORCH_PROFILE")
+    """``XLATORCH_PROFILE=<dir>`` [``XLATORCH_PROFILE_STEPS=start:stop``, default 0:5]: a
+    directory that cannot be written is reported, and the program runs unprofiled."""
+    log_dir = config.env("XLATORCH_PROFILE")
     if not log_dir:
         return
-    steps = os.environ.get("XLATORCH_PROFILE_STEPS", "0:5")
+    start, stop = config.env("XLATORCH_PROFILE_STEPS")
     try:
-        start, stop = (int(s) for s in steps.split(":"))
-    except ValueError:
-        raise ValueError(f"xlatorch: XLATORCH_PROFILE_STEPS must be START:STOP (e.g. 0:5), got {steps!r}") from None
-    trace_steps(log_dir, start, stop)
+        trace_steps(log_dir, start, stop)
+    except OSError as e:
+        _warn(f"XLATORCH_PROFILE={log_dir}", e)

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import atexit
 import json
-import os
 
 import torch
 from torch.utils._pytree import tree_map
 
+from xlatorch.runtime.base import config
 from xlatorch.runtime.base.record import COUNTERS, cause
 from xlatorch.runtime.base.source import user_line as user_frame
 from xlatorch.runtime.base.topology import device_index
@@ -33,8 +33,8 @@ def _write_report(path: str) -> None:
         f.write(json.dumps(recs) + "\n")
 
 
-if os.environ.get("XLATORCH_FALLBACK_REPORT"):
-    atexit.register(_write_report, os.environ["XLATORCH_FALLBACK_REPORT"])
+if config.env("XLATORCH_FALLBACK_REPORT"):
+    atexit.register(_write_report, config.env("XLATORCH_FALLBACK_REPORT"))
 
 
 def _is_xla_device(d) -> bool:

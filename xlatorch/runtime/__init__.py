@@ -82,10 +82,11 @@ def is_spmd() -> bool:
 _PLATFORMS = {"CPU": "cpu", "GPU": "cuda", "CUDA": "cuda", "ROCM": "rocm", "TPU": "tpu"}
 
 
-def set_device_type(pjrt_device: str) -> None:
+def set_device_type(pjrt_device: str, _source: str | None = None) -> None:
     """Choose the platform behind the xla device ('CPU', 'GPU', 'TPU'), before its first use.
 
-    Raises ``RuntimeError`` once the device has been used with another platform, and
+    Raises ``RuntimeError`` once the device has been used with another platform, or when the
+    platform cannot start here (``GPU`` without a CUDA GPU or JAX's CUDA plugin), and
     ``ValueError`` for a name that is not a platform.
     """
     name = pjrt_device.upper()
@@ -99,16 +100,40 @@ def set_device_type(pjrt_device: str) -> None:
             raise RuntimeError(f"xlatorch: the xla device already runs on {current}; set_device_type({pjrt_device!r}) "
                                "must come before the device's first use (or set PJRT_DEVICE)")  # fmt: skip
         return
+    if _PLATFORMS[name] == "cuda":
+        _check_cuda(_source or f"set_device_type({pjrt_device!r})")
     jax.config.update("jax_platforms", _PLATFORMS[name])
+
+
+def _check_cuda(source: str) -> None:
+    """Raise a clear error now where JAX would start no CUDA backend: it skips the platform
+    without a visible NVIDIA GPU, and every device op then fails a bare ``assert``."""
+    try:
+        from jax._src import hardware_utils, xla_bridge
+
+        xla_bridge._discover_and_register_pjrt_plugins()  # what JAX does when its backend first starts
+        plugin = "cuda" in xla_bridge._backend_factories
+        gpu = hardware_utils.has_visible_nvidia_gpu()
+    except Exception:  # noqa: BLE001 - another jax: it reports the platform itself
+        return
+    missing = [m for m, ok in (("JAX's CUDA plugin is not installed", plugin),
+                               ("no NVIDIA GPU is visible to this process", gpu)) if not ok]  # fmt: skip
+    if not missing:
+        return
+    raise RuntimeError(
+        f"xlatorch: {source} asks for a CUDA device, but none is available: {' and '.join(missing)}. "
+        "On a machine with an NVIDIA GPU and its driver, install xlatorch's cuda extra "
+        "(pip install -e '.[cuda]' in its checkout: jax[cuda12]); otherwise set PJRT_DEVICE=CPU, or unset it"
+    )
 
 
 def _from_environment() -> None:
     """``PJRT_DEVICE`` (torch_xla's variable) picks the platform, as ``set_device_type``."""
-    import os
+    from xlatorch.runtime.base import config
 
-    name = os.environ.get("PJRT_DEVICE")
+    name = config.env("PJRT_DEVICE")
     if name:
-        set_device_type(name)
+        set_device_type(name, f"PJRT_DEVICE={name}")
 
 
 __all__ = ["device_type", "set_device_type", "world_size", "global_ordinal", "local_ordinal", "process_index",

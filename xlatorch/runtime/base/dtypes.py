@@ -15,12 +15,11 @@ transfers convert between the two.
 
 from __future__ import annotations
 
-import os
-import re
-
 import jax.numpy as jnp
 import numpy as np
 import torch
+
+from xlatorch.runtime.base import config
 
 # The dtype that represents each PyTorch dtype exactly (host arrays, CPU tensors).
 EXACT: dict[torch.dtype, np.dtype] = {
@@ -43,18 +42,7 @@ JAX_TO_TORCH = {v: k for k, v in EXACT.items()}
 def env_flag(*names: str) -> bool:
     """Whether any of the environment variables is set true: "true" or "false" (any case),
     else C's ``atoi(value) != 0``, as torch_xla's ``sys_util::GetEnvBool`` reads them."""
-    for name in names:
-        v = os.environ.get(name)
-        if v is None:
-            continue
-        if v.lower() == "true":
-            return True
-        if v.lower() == "false":
-            continue
-        m = re.match(r"\s*([+-]?\d+)", v)
-        if m and int(m.group(1)) != 0:
-            return True
-    return False
+    return any(config.env(name) for name in names)
 
 
 def storage_map(use_bf16: bool, downcast_bf16: bool) -> dict[torch.dtype, torch.dtype]:

@@ -20,12 +20,12 @@ itself is left alone.
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import threading
 import time
 
+from xlatorch.runtime.base import config
 from xlatorch.runtime.base.source import is_user_code
 
 __all__ = ["install", "handler"]
@@ -76,7 +76,7 @@ def handler(sig, frame):
 
 def install() -> None:
     """Use the deferring handler if SIGINT still has Python's default one (main thread only)."""
-    if os.environ.get("XLATORCH_DEFER_SIGINT", "1") == "0":
+    if not config.env("XLATORCH_DEFER_SIGINT"):
         return
     if threading.current_thread() is not threading.main_thread():
         return

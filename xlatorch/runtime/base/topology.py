@@ -25,7 +25,7 @@ import os
 import pickle
 import threading
 
-from xlatorch.runtime.base import record
+from xlatorch.runtime.base import config, record
 
 __all__ = [
     "initialize", "shutdown", "is_initialized", "coordinator_address", "world_size", "global_ordinal",
@@ -41,11 +41,6 @@ _world = {"size": 1, "rank": 0, "local_rank": 0, "local_size": 1, "joined": Fals
 _rdv_counts: dict[str, int] = {}
 
 
-def _env_int(name: str, default: int) -> int:
-    v = os.environ.get(name)
-    return default if v in (None, "") else int(v)
-
-
 def initialize() -> None:
     """Join the job described by the environment (a no-op in a one-process job).
 
@@ -55,18 +50,22 @@ def initialize() -> None:
     if _world["joined"]:
         return
     _from_torchrun()
-    size = _env_int("XLATORCH_WORLD_SIZE", 1)
-    rank = _env_int("XLATORCH_RANK", 0)
-    _world.update(size=size, rank=rank, local_rank=_env_int("XLATORCH_LOCAL_RANK", rank),
-                  local_size=_env_int("XLATORCH_LOCAL_WORLD_SIZE", size), joined=True)  # fmt: skip
+    size = config.env("XLATORCH_WORLD_SIZE") or 1
+    rank = config.env("XLATORCH_RANK") or 0
+    local_rank, local_size = config.env("XLATORCH_LOCAL_RANK"), config.env("XLATORCH_LOCAL_WORLD_SIZE")
+    _world.update(size=size, rank=rank, local_rank=rank if local_rank is None else local_rank,
+                  local_size=local_size or size, joined=True)  # fmt: skip
     if size == 1:
         return
     import jax
 
     if jax.config.jax_platforms in (None, "", "cpu") or os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    coordinator = os.environ["XLATORCH_COORDINATOR"]
-    timeout = _env_int("XLATORCH_INIT_TIMEOUT", 120)
+    coordinator = config.env("XLATORCH_COORDINATOR")
+    if coordinator is None:
+        raise RuntimeError(f"xlatorch: XLATORCH_WORLD_SIZE={size} needs XLATORCH_COORDINATOR=HOST:PORT "
+                           "(process 0's coordination service)")  # fmt: skip
+    timeout = config.env("XLATORCH_INIT_TIMEOUT")
     jax.distributed.initialize(coordinator, num_processes=size, process_id=rank, initialization_timeout=timeout)
 
 
@@ -74,7 +73,8 @@ def _from_torchrun() -> None:
     """Processes started by ``torchrun`` join through its variables; the coordinator listens on
     ``MASTER_PORT + 1`` (``MASTER_PORT`` itself is torch.distributed's store)."""
     env = os.environ
-    if "XLATORCH_WORLD_SIZE" in env or not {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"} <= set(env):
+    described = config.env("XLATORCH_WORLD_SIZE") is not None  # by xmp.spawn or the user
+    if described or not {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"} <= set(env):
         return
     env["XLATORCH_COORDINATOR"] = f"{env['MASTER_ADDR']}:{int(env['MASTER_PORT']) + 1}"
     env["XLATORCH_WORLD_SIZE"] = env["WORLD_SIZE"]
@@ -85,7 +85,7 @@ def _from_torchrun() -> None:
 
 def coordinator_address() -> tuple[str, int]:
     """(host, port) of the job's coordination service (``127.0.0.1`` and a free port alone)."""
-    addr = os.environ.get("XLATORCH_COORDINATOR")
+    addr = config.env("XLATORCH_COORDINATOR")
     if not addr:
         import socket
 
@@ -178,7 +178,7 @@ def rendezvous(tag: str, payload: bytes = b"", replicas=None, timeout: float | N
     if n == 1:
         return [payload]
     if timeout is None:
-        timeout = float(os.environ.get("XLATORCH_RENDEZVOUS_TIMEOUT", 300))
+        timeout = config.env("XLATORCH_RENDEZVOUS_TIMEOUT")
     count = _rdv_counts[tag] = _rdv_counts.get(tag, 0) + 1
     key = f"xlatorch/rendezvous/{tag}/{count}"
     client = _client()
@@ -209,10 +209,30 @@ _devices: list = []
 # track which device they live on).
 MULTI_DEVICE_HOOKS: list = []
 _thread = threading.local()
+# CLOSED[0]: the process is exiting (``close``); read where work for the device starts.
+CLOSED = [False]
+
+
+def close() -> None:
+    """The process is exiting (runtime/execute/settle.py): from now on a thread other than the
+    main one that comes for the device waits for the process to end (``park``)."""
+    CLOSED[0] = True
+
+
+def park() -> None:
+    """After ``close``, outside the main thread: wait, without the GIL, until the process ends.
+
+    Such a thread must not enter jaxlib any more: coming back from a call that released the
+    GIL while Python finalizes aborts the process (runtime/execute/settle.py, ``_at_exit``).
+    """
+    if CLOSED[0] and threading.current_thread() is not threading.main_thread():
+        threading.Event().wait()
 
 
 def jax_device(dev: int = 0):
     """The JAX device backing local device ``dev`` (``xla:0`` is the first local device)."""
+    if CLOSED[0]:  # every upload asks for its device first
+        park()
     if not _devices:
         import jax
 

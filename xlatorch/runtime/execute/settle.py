@@ -1,9 +1,13 @@
-"""Reading a step's on-device check rows, late, and undoing the step when one is set.
+"""Reading a step's on-device check rows, late, and undoing the step when one is set; the
+device's end when the process exits.
 
 A sync commits its results and returns; the rows of its checks (runtime/lower/checks.py) are
 read when the program next needs the device's results (``settle``): at the next sync, at a
 host read, at ``wait_device_ops``, at exit. A row that is set undoes the step (tensors get
 their data from before it back, or carry the error) and raises CPU's exception.
+
+At exit (``_at_exit``, before Python stops its threads) the work in flight ends before the
+process does: see there.
 """
 
 from __future__ import annotations
@@ -12,11 +16,13 @@ import atexit
 import os
 import sys
 import threading
+import time
 
+from xlatorch.runtime.base import topology
 from xlatorch.runtime.base.record import COUNTERS
 from xlatorch.runtime.base.threads import LOCK
 from xlatorch.runtime.execute import faults as failed
-from xlatorch.runtime.execute.execution import uninterrupted
+from xlatorch.runtime.execute.execution import EXECUTIONS, uninterrupted
 from xlatorch.runtime.ir.values import Out
 from xlatorch.runtime.lower.checks import failure
 
@@ -60,17 +66,14 @@ def deferrable(storages) -> bool:
 
 
 def defer(u: Unsettled) -> None:
-    if not _UNSETTLED and not _exit_hook:  # after JAX's own exit hooks (they run in reverse)
-        _exit_hook.append(atexit.register(_at_exit))
     _UNSETTLED.append(u)
-
-
-_exit_hook: list = []
 
 
 def settle() -> None:
     """Read the check rows of every execution not read yet, oldest first; when one is set,
     undo that step (see the module's docstring) and raise its error."""
+    if topology.CLOSED[0]:  # every host read passes here first: none starts once the process exits
+        topology.park()
     if not _UNSETTLED:
         return
     with LOCK:
@@ -121,10 +124,42 @@ def undo(u: Unsettled, late: bool = False) -> None:
     failed.raise_owned(error, [st for st, m in zip(u.storages, u.table.masks) if m & fired or fired == -1])
 
 
+# What the program still owes when it exits, done first (xlatorch.core.step_closures: the
+# asynchronous closures of its last steps). An exception there is the program's exit status.
+EXIT_HOOKS: list = []
+
+
 def _at_exit() -> None:
-    """A program whose last step failed a check does not end as if it had succeeded."""
+    """The process exits: what it owes runs, the device takes no more work from other threads,
+    and what is in flight ends, before Python stops its threads.
+
+    Python (before 3.14) ends a daemon thread that takes the GIL back while the interpreter
+    finalizes with ``pthread_exit``, whose unwinding aborts the process (SIGABRT, "FATAL:
+    exception not rethrown") when it crosses C++ that released the GIL: a jaxlib call
+    (``ExecuteTime``'s thread waiting for the last step, execution.py; a program's thread
+    syncing or reading), torch's bindings around every op (a program's thread; autograd's
+    device thread between a backward pass's ops). So this ``atexit`` hook (registered after
+    JAX's, it runs before them, the backend still up) takes the device lock for good (a
+    thread inside an op or a sync finishes it first); from then on other threads that come
+    for the device wait for the end of the process (at the lock, or ``topology.park``). It
+    waits for every execution, gives threads coming back from such calls the GIL to get
+    there, and reads the last step's checks: one that failed makes the exit status 1, as an
+    exception in the work owed does. Device work after it (``atexit`` hooks registered
+    before xlatorch was imported) runs in the main thread only.
+    """
     try:
-        settle()
+        for hook in EXIT_HOOKS:
+            hook()
+        LOCK.acquire()  # never released: the process ends holding it
+        topology.close()
+        EXECUTIONS.flush()  # ExecuteTime's thread is back waiting for a next execution
+        if any(t is not threading.main_thread() and not t.name.startswith("xlatorch-") for t in threading.enumerate()):
+            # A thread whose call into torch or jaxlib returned (an op's binding, a wait for
+            # the step) waits for the GIL; given it, it goes on to wait for the device. Nothing
+            # tells when all have: a grace period, once (a thread still in such a call when the
+            # interpreter finalizes aborts the process as above, as CPU PyTorch's threads do).
+            time.sleep(_GRACE_S)
+        settle()  # a program whose last step failed a check does not end as if it had succeeded
     except BaseException as e:  # noqa: BLE001 - reported, then the exit status says so
         import traceback
 
@@ -132,3 +167,9 @@ def _at_exit() -> None:
         sys.stderr.flush()
         sys.stdout.flush()
         os._exit(1)
+
+
+_GRACE_S = 0.05  # ten GIL switch intervals
+
+
+atexit.register(_at_exit)

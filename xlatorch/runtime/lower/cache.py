@@ -17,18 +17,17 @@ comes back stays within the limit; a loop gets room for exactly what it reuses.
 from __future__ import annotations
 
 import itertools
-import os
 
-from xlatorch.runtime.base import memory
+from xlatorch.runtime.base import config, memory
 from xlatorch.runtime.base.record import COUNTERS
 
 __all__ = ["CACHE", "set_cache_size", "missed", "add", "touch"]
 
 CACHE: dict = {}  # graph key -> Executable
-_USER_SIZE = os.environ.get("XLATORCH_EXECUTABLE_CACHE_SIZE")
-CACHE_SIZE = int(_USER_SIZE or "512")
+_USER_SIZE = config.env("XLATORCH_EXECUTABLE_CACHE_SIZE")
+CACHE_SIZE = _USER_SIZE or 512
 CACHE_SIZE_MAX = 8 * CACHE_SIZE
-_fixed = [bool(_USER_SIZE)]  # the user's limit is kept as given
+_fixed = [_USER_SIZE is not None]  # the user's limit is kept as given
 _dropped: dict = {}  # hash of a dropped graph's key -> None, oldest first (bounded)
 _uses = itertools.count()
 

@@ -21,6 +21,7 @@ import os
 
 import jax
 
+from xlatorch.runtime.base import config
 from xlatorch.runtime.base.record import COUNTERS
 
 __all__ = ["directory", "configure"]
@@ -33,7 +34,7 @@ _EVENTS = {
 
 def directory() -> str | None:
     """The cache directory, or None when the cache is off."""
-    d = os.environ.get("XLATORCH_CACHE_DIR")
+    d = config.env("XLATORCH_CACHE_DIR")
     if d is None:
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         d = os.path.join(base, "xlatorch")

@@ -29,7 +29,7 @@ persistent cache's key.
 
 from __future__ import annotations
 
-import os
+from xlatorch.runtime.base import config
 
 __all__ = ["options", "compile", "worth_optimizing"]
 
@@ -45,28 +45,12 @@ _FAST_COMPILE = {
 }
 
 
-def _parse(text: str) -> dict:
-    out = {}
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        name, eq, value = (s.strip() for s in item.partition("="))
-        if not eq or not name:
-            raise ValueError(f"XLATORCH_XLA_OPTIONS: {item!r} is not name=value")
-        if value.lower() in ("true", "false"):
-            out[name] = value.lower() == "true"
-        else:
-            try:
-                out[name] = int(value)
-            except ValueError:
-                out[name] = value
-    return out
-
-
 def options(once: bool = False, platform: str | None = None) -> dict | None:
     """The compiler options for a graph on ``platform`` (default: JAX's default backend), or
     None; ``once``: the graph is expected to run once or a few times."""
-    text = os.environ.get("XLATORCH_XLA_OPTIONS")
-    if text is not None:
-        return _parse(text) or None
+    given = config.env("XLATORCH_XLA_OPTIONS")  # {} when set empty: no options at all
+    if given is not None:
+        return given or None
     if not once:
         return None
     if platform is None:
@@ -83,9 +67,9 @@ def compile(lowered, once: bool = False):
     try:
         return lowered.compile(compiler_options=opts)
     except Exception as e:
-        text = os.environ.get("XLATORCH_XLA_OPTIONS")
-        if text:
-            e.add_note(f"xlatorch: compiled with XLATORCH_XLA_OPTIONS={text!r} (unset it for the defaults)")
+        given = config.env("XLATORCH_XLA_OPTIONS")
+        if given:
+            e.add_note(f"xlatorch: compiled with XLATORCH_XLA_OPTIONS {given} (unset it for the defaults)")
         raise
 
 

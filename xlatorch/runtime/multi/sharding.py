@@ -17,13 +17,12 @@ devices is re-labelled (no copy); a sharded array on another mesh is replicated 
 from __future__ import annotations
 
 import contextlib
-import os
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from xlatorch.runtime.base import record, topology
+from xlatorch.runtime.base import config, record, topology
 from xlatorch.runtime.ir.ops import STATIC, TENSOR, Info, OpSpec, signature
 from xlatorch.runtime.ir.values import Data, Node
 from xlatorch.runtime.lower import compiler
@@ -54,9 +53,9 @@ def use_spmd() -> None:
     if topology._devices:
         raise RuntimeError("xlatorch: use_spmd() must be called before the xla device is first used "
                            "(its device data already lives on one device)")  # fmt: skip
-    n = os.environ.get("CPU_NUM_DEVICES")
+    n = config.env("CPU_NUM_DEVICES")
     if n and not xla_bridge.backends_are_initialized():
-        jax.config.update("jax_num_cpu_devices", int(n))
+        jax.config.update("jax_num_cpu_devices", n)
     topology.initialize()  # a multi-process job joins before JAX's backend starts
     topology.set_spmd(True)
 

@@ -29,16 +29,16 @@ Counter ``BirthsHoisted``: the constants computed apart.
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 
+from xlatorch.runtime.base import config
 from xlatorch.runtime.base.record import COUNTERS
 from xlatorch.runtime.ir.values import Data, Out, operands, replace_operands
 from xlatorch.runtime.trace.tensor import Storage
 
 __all__ = ["ENABLED", "NAMES", "mark", "hoist"]
 
-ENABLED = os.environ.get("XLATORCH_HOIST_BIRTHS", "1") != "0"
+ENABLED = config.env("XLATORCH_HOIST_BIRTHS")
 
 # Ops whose value depends on their arguments' avals and static arguments only, shaped like
 # their tensor argument.

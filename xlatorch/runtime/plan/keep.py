@@ -9,16 +9,13 @@ the sync keeps the old buffer (CPU). See runtime/lower/checks.py for the whole s
 from __future__ import annotations
 
 import math
-import os
 
-from xlatorch.runtime.base import memory
+from xlatorch.runtime.base import config, memory
 from xlatorch.runtime.base.topology import jax_device
 
 __all__ = ["Keep", "undoable", "undo_in_graph", "UNDO_IN_GRAPH"]
 
-_UNDO = os.environ.get("XLATORCH_CHECKS_UNDO", "").strip().lower()
-if _UNDO not in ("", "graph", "keep"):
-    raise ValueError(f"xlatorch: XLATORCH_CHECKS_UNDO must be 'graph' or 'keep', got {_UNDO!r}")
+_UNDO = config.env("XLATORCH_CHECKS_UNDO")  # "graph", "keep", or None: by platform
 # Whether a checked step undoes itself in the graph (and donates what it updates): None until
 # decided (by platform, see above), then True or False; part of each graph's key.
 UNDO_IN_GRAPH: list = [{"graph": True, "keep": False}.get(_UNDO)]
