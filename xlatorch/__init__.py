@@ -58,7 +58,9 @@ from xlatorch.fallback import cpu as _fallback  # noqa: E402,F401  (ops with no 
 from xlatorch.runtime.base import config as _config  # noqa: E402
 from xlatorch.runtime.base import interrupts as _interrupts  # noqa: E402
 from xlatorch.runtime.execute import serialization as _serialization  # noqa: E402,F401  (torch.load of device tensors)
+from xlatorch.runtime.trace import loops as _loops  # noqa: E402
 
+_loops.install()  # torch's while_loop and cond on xla tensors: one XLA loop / conditional
 _autocast.install()  # torch.autocast("xla"): the policy table's kernels on AutocastPrivateUse1
 _interrupts.install()  # Ctrl-C is raised in the user's code, not inside dispatch or a sync
 

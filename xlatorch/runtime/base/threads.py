@@ -13,7 +13,7 @@ import threading
 
 import torch
 
-__all__ = ["TICKS", "LOCK", "DEFERRED", "CALLERS", "CHECKED_SINCE_SYNC", "owner", "defer_to_owners"]
+__all__ = ["TICKS", "LOCK", "DEFERRED", "CALLERS", "CHECKED_SINCE_SYNC", "BODIES", "owner", "defer_to_owners"]
 
 # One clock for every storage write and checked op: a storage's ``gen`` is the tick of its
 # last write, so a failed check can tell which updates of a step were traced after it.
@@ -60,3 +60,8 @@ def defer_to_owners(error: BaseException, owners) -> None:
 # they write into a tensor (``copy_`` of ready device or host data) becomes a pending value,
 # so that the sync can undo the write if that op fails, as CPU would never have made it.
 CHECKED_SINCE_SYNC: set = set()
+
+# The bodies being traced (runtime/trace/loops.py), innermost last: what they compute exists
+# only inside their loop, so a sync meanwhile (a host read, a CPU fallback) is an error that
+# names the body. Empty otherwise: one truth test per sync.
+BODIES: list[str] = []

@@ -14,7 +14,7 @@ import threading
 from xlatorch.runtime.base.threads import _in_backward, defer_to_owners, owner
 from xlatorch.runtime.ir.failed import failed_value, is_failed
 from xlatorch.runtime.ir.values import Out, operands, replace_operands
-from xlatorch.runtime.trace.tensor import PENDING, pending_storages
+from xlatorch.runtime.trace.tensor import PENDING, fail_storages, pending_storages
 
 __all__ = ["give_back_or_fail", "give_back", "poison", "components", "fail_storages", "split_failed", "raise_owned"]
 
@@ -88,15 +88,6 @@ def components(storages, nodes) -> list[list]:
         v = st.value
         groups.setdefault(find(id(v.node) if type(v) is Out else id(v)), []).append(st)
     return list(groups.values())
-
-
-def fail_storages(storages, error: Exception) -> None:
-    """After a failed sync: each tensor of the graph holds the error instead of a pending value."""
-    for st in storages:
-        st.value = failed_value(st.value.aval, error)  # not Storage.set: a failed value is not pending
-        st.gen += 1
-        st.prev = None
-        PENDING.pop(st.sid, None)
 
 
 def split_failed(storages, nodes):

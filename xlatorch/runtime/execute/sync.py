@@ -17,8 +17,8 @@ import jax
 
 from xlatorch.runtime.base import config, record, topology
 from xlatorch.runtime.base.record import COUNTERS
-from xlatorch.runtime.base.source import fmt_src
-from xlatorch.runtime.base.threads import CHECKED_SINCE_SYNC, DEFERRED, LOCK, _in_backward
+from xlatorch.runtime.base.source import fmt_src, user_frame
+from xlatorch.runtime.base.threads import BODIES, CHECKED_SINCE_SYNC, DEFERRED, LOCK, _in_backward
 from xlatorch.runtime.execute import faults, host, settle
 from xlatorch.runtime.execute.compile import executable
 from xlatorch.runtime.execute.execution import EXECUTIONS, uninterrupted
@@ -33,6 +33,7 @@ from xlatorch.runtime.multi import sharding
 from xlatorch.runtime.multi.replication import run_replicated
 from xlatorch.runtime.plan import births, keep, stages
 from xlatorch.runtime.plan.collect import collect, pack
+from xlatorch.runtime.trace.loops import BodyError
 from xlatorch.runtime.trace.tensor import PENDING, pending_storages, reroot_lone_views
 
 __all__ = ["sync", "wait", "Step"]
@@ -102,6 +103,10 @@ def sync(reason: str = "mark_step", dev: int | None = None) -> None:
 
 
 def _sync(reason, dev, timed) -> None:
+    if BODIES:
+        raise BodyError(f"xlatorch: {BODIES[-1]} needs a value on the host ({reason}, at "
+                        f"{fmt_src(user_frame(), full=True)}): a body is traced once and runs on the device, "
+                        f"so it cannot read values (.item(), print, .cpu(), an op that falls back to CPU)")  # fmt: skip
     if DEFERRED and _in_backward() == -1:
         error = DEFERRED.pop(threading.get_ident(), None)
         if error is not None:

@@ -11,42 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from xlatorch.runtime.base.dtypes import weak
+from xlatorch.runtime.ir.body import Ref, node_refs, plan
 from xlatorch.runtime.ir.emit import emit_node
-from xlatorch.runtime.ir.values import Data, Out, Scalar
 from xlatorch.runtime.lower.checks import Table
 
 __all__ = ["plan", "lower_fn", "LoweringError", "Ref", "node_refs"]
-
-
-class Ref:
-    """A reference to an earlier value in a lowering plan: ``(kind, index, output)``."""
-
-    __slots__ = ("kind", "i", "j")
-
-    def __init__(self, kind, i, j=0):
-        self.kind, self.i, self.j = kind, i, j
-
-
-def plan(nodes, leaves, cut=None):
-    """A lowering plan that references values by position, not the IR itself.
-
-    Executables must not keep the step's IR (and its device buffers) alive.
-    """
-    order = {id(n): i for i, n in enumerate(nodes)}
-    lpos = {id(v): i for i, v in enumerate(leaves)}
-
-    def tmpl(a):
-        t = type(a)
-        if t is Out:
-            d = cut.get(id(a)) if cut else None
-            return Ref("n", order[id(a.node)], a.idx) if d is None else Ref("l", lpos[id(d)])
-        if t is Data or t is Scalar:
-            return Ref("l", lpos[id(a)])
-        if t is tuple:
-            return tuple(tmpl(x) for x in a)
-        return a
-
-    return [(n.spec, tuple(tmpl(a) for a in n.args), n.info) for n in nodes]
 
 
 def lower_fn(plan, leaf_kinds, root_refs, scopes=None, table=None, keep=()):
@@ -122,15 +91,3 @@ class LoweringError(Exception):
     def __init__(self, k: int, error: Exception):
         super().__init__(f"lowering node {k} failed: {type(error).__name__}: {error}")
         self.k, self.error = k, error
-
-
-def node_refs(args, out=None) -> list:
-    """The plan positions of the nodes whose outputs ``args`` read."""
-    out = [] if out is None else out
-    for a in args:
-        if type(a) is Ref:
-            if a.kind == "n":
-                out.append(a.i)
-        elif type(a) is tuple:
-            node_refs(a, out)
-    return out

@@ -35,7 +35,17 @@ from xlatorch.runtime.ir.failed import FailedValueError, cause, failed_value
 from xlatorch.runtime.ir.values import Data
 from xlatorch.runtime.trace.nodes import apply_scatter, apply_view, convert_value
 
-__all__ = ["XlaTensor", "Storage", "wrap", "value_of", "write", "PENDING", "pending_storages", "reroot_lone_views"]
+__all__ = [
+    "XlaTensor",
+    "Storage",
+    "wrap",
+    "value_of",
+    "write",
+    "PENDING",
+    "pending_storages",
+    "reroot_lone_views",
+    "fail_storages",
+]
 
 DEVICE = torch.device("xla", 0)
 
@@ -290,6 +300,16 @@ def reroot_lone_views(storages) -> None:
             st.set(v)
             lone._vw = lone._vc = None
             st.refs = [_weakref(lone)]
+
+
+def fail_storages(storages, error: Exception) -> None:
+    """Each storage holds ``error`` instead of its value: a failed sync's tensors, a loop
+    body's temporaries (runtime/trace/loops.py)."""
+    for st in storages:
+        st.value = failed_value(st.value.aval, error)  # not Storage.set: a failed value is not pending
+        st.gen += 1
+        st.prev = None
+        PENDING.pop(st.sid, None)
 
 
 def value_of(t: XlaTensor):

@@ -1,0 +1,114 @@
+"""Lowering plans: a graph's nodes as ``(spec, arguments, info)`` rows that reference earlier
+values by position (``Ref``), never the IR itself; and ``Body``, a plan that is a function
+of its inputs (a loop's body, a pure function), run inside another node's lowering.
+
+``plan`` serves both: runtime/lower/function.py lowers a whole sync's graph from one, and the
+nodes of runtime/trace/loops.py (``scan``, ``while_loop``, ``cond``, a replayed pure function)
+each hold a ``Body`` that their lowering runs under ``jax.lax.scan`` / ``while_loop`` /
+``cond`` / once.
+"""
+
+from __future__ import annotations
+
+from xlatorch.runtime.ir.emit import emit_node
+from xlatorch.runtime.ir.values import Data, Out, Scalar
+
+__all__ = ["Ref", "plan", "node_refs", "Body"]
+
+
+class Ref:
+    """A reference to an earlier value in a lowering plan: ``(kind, index, output)``; kind
+    ``"n"``: output ``j`` of plan row ``i``, ``"l"``: leaf ``i``."""
+
+    __slots__ = ("kind", "i", "j")
+
+    def __init__(self, kind, i, j=0):
+        self.kind, self.i, self.j = kind, i, j
+
+
+def plan(nodes, leaves, cut=None):
+    """A lowering plan that references values by position, not the IR itself.
+
+    Executables must not keep the step's IR (and its device buffers) alive. ``cut``
+    (``{id(out): leaf}``) reads those pending outputs as leaves; an output of a node that
+    is not among ``nodes`` must be a leaf itself (a loop body's captured value).
+    """
+    order = {id(n): i for i, n in enumerate(nodes)}
+    lpos = {id(v): i for i, v in enumerate(leaves)}
+
+    def tmpl(a):
+        t = type(a)
+        if t is Out:
+            d = cut.get(id(a)) if cut else None
+            if d is not None:
+                return Ref("l", lpos[id(d)])
+            i = order.get(id(a.node))
+            return Ref("n", i, a.idx) if i is not None else Ref("l", lpos[id(a)])
+        if t is Data or t is Scalar:
+            return Ref("l", lpos[id(a)])
+        if t is tuple:
+            return tuple(tmpl(x) for x in a)
+        return a
+
+    return [(n.spec, tuple(tmpl(a) for a in n.args), n.info) for n in nodes]
+
+
+def node_refs(args, out=None) -> list:
+    """The plan positions of the nodes whose outputs ``args`` read."""
+    out = [] if out is None else out
+    for a in args:
+        if type(a) is Ref:
+            if a.kind == "n":
+                out.append(a.i)
+        elif type(a) is tuple:
+            node_refs(a, out)
+    return out
+
+
+class Body:
+    """A traced function as a lowering plan over its leaves: its ``inputs`` (the function's
+    arguments, in order) then its captured values (device data, host scalars and pending
+    values made outside it, passed in as the owning node's operands).
+
+    ``key`` (its nodes' keys and how they share operands, its inputs' avals, its roots)
+    identifies it in its node's key; ``roots`` are its results; ``checked``: whether a node
+    of it has an on-device check; ``name`` says what it is the body of, for messages.
+    """
+
+    __slots__ = ("plan", "roots", "avals", "key", "n_inputs", "n_leaves", "checked", "name", "where")
+
+    def __init__(self, plan_rows, roots, avals, key, n_inputs, n_leaves, name, where):
+        self.plan, self.roots, self.avals, self.key = plan_rows, roots, avals, key
+        self.n_inputs, self.n_leaves, self.name = n_inputs, n_leaves, name
+        self.where = where  # per plan row: "aten::op at file.py:12", for a failed check's message
+        self.checked = any(info.checked for _, _, info in plan_rows)
+
+    def __eq__(self, other):
+        return type(other) is Body and other.key == self.key
+
+    def __hash__(self):
+        return hash(self.key)
+
+    def __repr__(self):
+        return f"Body({self.name}, {len(self.plan)} nodes)"
+
+    def run(self, leaf_vals, found=None):
+        """The roots' JAX values from the leaves' (inputs then captured values); the rows of
+        its on-device checks are appended to ``found`` (``(bad, value, position, exception,
+        message)`` each, as ``L.checks`` gives them), or not computed when ``found`` is None."""
+        vals = []
+
+        def get(a):
+            if type(a) is Ref:
+                return leaf_vals[a.i] if a.kind == "l" else vals[a.i][a.j]
+            if type(a) is tuple:
+                return tuple(get(x) for x in a)
+            return a
+
+        for k, (spec, args, info) in enumerate(self.plan):
+            rows: list | None = [] if found is not None and info.checked else None
+            vals.append(emit_node(spec, tuple(get(a) for a in args), info, None, rows))
+            if rows:
+                where = f" (in the body of {self.name}: {self.where[k]})".replace("{", "{{").replace("}", "}}")
+                found.extend((*c[:4], c[4] + where) for c in rows if c is not None)
+        return [get(r) for r in self.roots]

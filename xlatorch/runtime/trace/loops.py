@@ -1,0 +1,542 @@
+"""Loops that compile once and functions replayed without tracing: IR nodes that hold a body.
+
+``trace_body`` runs a function once on placeholder tensors (the body's inputs) and keeps what
+it computed as a ``Body`` (``ir/body.py``): a lowering plan over its inputs and the values it
+captured from outside (device data, host numbers, pending values), which become the node's
+operands. Nodes of the body that do not depend on its inputs are left outside, computed once
+(a weight's transpose, a constant): loop-invariant code motion for free.
+
+- ``scan``: one node lowered with ``jax.lax.scan`` - the body is compiled once, whatever the
+  number of iterations; ``while_loop`` (``jax.lax.while_loop``), ``cond`` (``jax.lax.cond``),
+  ``call`` (the body once, for a function replayed from its trace).
+- On-device checks of a body's ops (an out-of-range index) are rows of the loop's node: the
+  first iteration that failed is reported, with the body's op and line.
+- A body is a function of its inputs: it may not write a tensor made outside it (the write
+  is undone and the error says so), read a value on the host (a sync while a body is traced
+  raises), and its temporaries have no value outside it (reading one raises).
+
+PyTorch's own higher-order ops (``torch._higher_order_ops.while_loop``, ``torch.cond``) on
+xla tensors are lowered here too (``install``).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import torch
+from jax import lax
+from torch.utils import _pytree as pytree
+
+from xlatorch.runtime.base import config
+from xlatorch.runtime.base.source import fmt_src
+from xlatorch.runtime.base.threads import BODIES, TICKS
+from xlatorch.runtime.ir.body import Body, plan
+from xlatorch.runtime.ir.ops import ONE, STATIC, TENSOR_LIST, TUPLE, Info, OpSpec
+from xlatorch.runtime.ir.values import Data, Node, Out, operands
+from xlatorch.runtime.trace import tensor as _tensor
+from xlatorch.runtime.trace.nodes import _node
+from xlatorch.runtime.trace.tensor import PENDING, XlaTensor, fail_storages, value_of, wrap
+
+__all__ = [
+    "trace_body",
+    "scan",
+    "while_loop",
+    "cond",
+    "call",
+    "BodyError",
+    "values_of",
+    "avals_of",
+    "run_while",
+    "run_cond",
+    "install",
+]
+
+
+class BodyError(RuntimeError):
+    """A function traced as a loop body (or a pure function) did what a body cannot."""
+
+
+def _input_lowered(out, index):
+    raise AssertionError(f"input {index} of a body was lowered outside its body")
+
+
+_INPUT = OpSpec("xlatorch::body_input", None, _input_lowered, ("index",), (STATIC,), (False,), ONE)
+
+
+def trace_body(fn, avals, name: str, requires_grad=()) -> tuple[Body, list, list]:
+    """Trace ``fn(inputs)`` once, ``inputs``: one placeholder tensor per aval (those at the
+    positions in ``requires_grad`` require grad); ``fn`` returns a list of xla tensors.
+
+    Returns the body, the values it captured (the node's operands after the inputs) and what
+    ``fn`` returned (the tensors, for their ``requires_grad``; their values are the body's)."""
+    first_sid = next(_tensor._ids)  # storages made from here on are the body's
+    start = next(TICKS)  # writes after this tick were made by the body
+    snapshot = {sid: r().value for sid, r in list(PENDING.items()) if r() is not None}
+    inputs = []
+    for i, aval in enumerate(avals):
+        t = wrap(Node(_INPUT, (i,), Info((aval,), None), ("body_input", i, aval)).outs[0])
+        if i in requires_grad:
+            t.requires_grad_(True)
+        inputs.append(t)
+    in_nodes = {id(value_of(t).node): i for i, t in enumerate(inputs)}
+    BODIES.append(name)
+    try:
+        outs = fn(inputs)
+        vals = []
+        for i, o in enumerate(outs):
+            if type(o) is not XlaTensor:
+                what = f"a tensor on {o.device}" if hasattr(o, "device") else type(o).__name__
+                raise BodyError(f"xlatorch: {name} must return xla tensors; its result {i} is {what}")
+            vals.append(value_of(o))
+        body, captured = _body(vals, in_nodes, avals, name)
+    finally:
+        BODIES.pop()
+        written = _undo_outside_writes(first_sid, start, snapshot)
+        _forget(first_sid, name)
+    if written:
+        shapes = ", ".join(f"{tuple(a[0])} {a[1]}" for a in written)
+        raise BodyError(f"xlatorch: {name} wrote tensors made outside it ({shapes}); a body is traced once "
+                        f"as a function of its inputs: return the new values instead (e.g. in the carry)")  # fmt: skip
+    return body, captured, outs
+
+
+def _body(vals, in_nodes, avals, name):
+    """The body computing ``vals`` from the inputs (``in_nodes``: id(placeholder node) -> index)."""
+    inside: dict[int, bool] = {}
+    nodes = []
+    for v in vals:
+        if type(v) is not Out:
+            continue
+        stack = [(v.node, False)]
+        while stack:
+            n, ready = stack.pop()
+            if id(n) in inside:
+                continue
+            if id(n) in in_nodes:
+                inside[id(n)] = True
+                continue
+            ops = operands(n.args)
+            if not ready:
+                stack.append((n, True))
+                stack.extend((o.node, False) for o in ops if type(o) is Out and id(o.node) not in inside)
+                continue
+            ins = inside[id(n)] = any(type(o) is Out and inside[id(o.node)] for o in ops)
+            if ins:
+                nodes.append(n)
+    leaves = [None] * len(in_nodes)
+    for n in list(_input_nodes(vals, nodes, in_nodes)):
+        leaves[in_nodes[id(n)]] = n.outs[0]
+    for i, a in enumerate(leaves):
+        if a is None:  # an input the body does not read: any value of its aval
+            leaves[i] = Node(_INPUT, (i,), Info((avals[i],), None), ("body_input", i, avals[i])).outs[0]
+    n_inputs = len(leaves)
+    seen = {id(a) for a in leaves}
+    captured = []
+
+    def capture(a):
+        if id(a) not in seen:
+            seen.add(id(a))
+            captured.append(a)
+
+    for n in nodes:
+        for o in operands(n.args):
+            if type(o) is not Out or not inside[id(o.node)]:
+                capture(o)
+    for v in vals:
+        if type(v) is not Out or not inside[id(v.node)]:
+            capture(v)
+    leaves += captured
+    order = {id(n): k for k, n in enumerate(nodes)}
+    lpos = {id(a): i for i, a in enumerate(leaves)}
+
+    def ref(v):
+        k = order.get(id(v.node)) if type(v) is Out else None
+        return k * 4096 + v.idx if k is not None else -1 - lpos[id(v)]
+
+    enc = tuple((n.key, tuple(ref(o) for o in operands(n.args))) for n in nodes)
+    root_refs = tuple(ref(v) for v in vals)
+    # The roots' references: the arguments of one more row, reading them.
+    *rows, last = plan([*nodes, SimpleNamespace(spec=None, args=tuple(vals), info=None)], leaves)
+    roots = list(last[1])
+    key = (enc, root_refs, tuple(a.sig for a in leaves))
+    where = [f"{_op_name(n)} at {fmt_src(getattr(n, 'src', None))}" for n in nodes]
+    body = Body(rows, roots, tuple(v.aval for v in vals), key, n_inputs, len(leaves), name, where)
+    return body, captured
+
+
+def _input_nodes(vals, nodes, in_nodes):
+    """The placeholder nodes the body reads."""
+    found = {}
+    for n in nodes:
+        for o in operands(n.args):
+            if type(o) is Out and id(o.node) in in_nodes:
+                found[id(o.node)] = o.node
+    for v in vals:
+        if type(v) is Out and id(v.node) in in_nodes:
+            found[id(v.node)] = v.node
+    return found.values()
+
+
+def _op_name(n) -> str:
+    name = n.spec.name.removesuffix(".default")
+    return name if "::" in name else "aten::" + name
+
+
+def _undo_outside_writes(first_sid, start, snapshot) -> list:
+    """Give each storage made before the body and written by it its value back; their avals."""
+    written = []
+    for sid, r in list(PENDING.items()):
+        st = r()
+        if st is None or sid >= first_sid or st.gen <= start:
+            continue
+        old = snapshot.get(sid)
+        if old is None:  # device data before the body: its first write since the last sync was the body's
+            old = st.prev
+            st.prev = None
+        written.append(st.value.aval)
+        st.value = old
+        st.gen = next(TICKS)
+        if type(old) is Data:
+            old.holders += 1
+            del PENDING[sid]
+    return written
+
+
+def _forget(first_sid, name) -> None:
+    """The body's own tensors hold an error: their values exist only inside the loop."""
+    made = [st for sid, r in list(PENDING.items()) if sid >= first_sid and (st := r()) is not None]
+    if made:
+        error = BodyError(f"xlatorch: this tensor was made inside {name}, which is traced once and runs on "
+                          f"the device: it has no value outside it (return it instead)")  # fmt: skip
+        fail_storages(made, error)
+
+
+# --- the nodes -------------------------------------------------------------------------------
+
+
+def _make(spec, vals, sig, avals, checked):
+    info = spec.cache.get(sig)
+    if info is None:
+        info = spec.cache[sig] = Info(tuple(avals), None, checked and config.CHECKS)
+    return list(_node(spec, vals, sig).outs)
+
+
+def _spec(name, run, static):
+    """A node kind holding bodies: ``run(operands, *static, found)`` gives its outputs and, when
+    ``found`` is a list, appends its check rows; the check runs it once and the lowering reuses that."""
+    done: dict = {}
+
+    def check(out, ops, *args):
+        found: list = []
+        done[id(out)] = run(ops, *args, found)
+        return found
+
+    def emit(out, ops, *args):
+        res = done.pop(id(out), None)
+        return run(ops, *args, None) if res is None else res
+
+    spec = OpSpec(name, None, emit, ("operands", *static), (TENSOR_LIST,) + (STATIC,) * len(static),
+                  (False,) * (1 + len(static)), TUPLE)  # fmt: skip
+    spec.check = check
+    return spec
+
+
+def _strong(x):
+    """``x`` without JAX's weak type: a loop's carry keeps one type across iterations."""
+    x = jnp.asarray(x)
+    return lax.convert_element_type(x, x.dtype) if getattr(x, "weak_type", False) else x
+
+
+def _first_bad(stacked, reverse):
+    """Per check, the row of the first iteration that failed (``stacked``: iterations x rows x 3)."""
+    bad = stacked[:, :, 0] != 0
+    order = bad[::-1] if reverse else bad
+    i = jnp.argmax(order, axis=0)
+    if reverse:
+        i = stacked.shape[0] - 1 - i
+    rows = jnp.take_along_axis(stacked, i[None, :, None], axis=0)[0]
+    return rows.at[:, 0].set(jnp.any(bad, axis=0).astype(rows.dtype))
+
+
+def _stack_rows(found):
+    return jnp.stack([jnp.stack([jnp.asarray(x).astype(jnp.int64) for x in c[:3]]) for c in found])
+
+
+def _run_scan(ops, body, n_carry, length, reverse, found):
+    n_in = body.n_inputs
+    carry = tuple(_strong(v) for v in ops[:n_carry])
+    xs = tuple(ops[n_carry:n_in])
+    cap = list(ops[n_in:])
+    meta: list = []
+
+    def step(c, x):
+        rows = [] if found is not None else None
+        res = body.run([*c, *x, *cap], rows)
+        ys = tuple(res[n_carry:])
+        if rows:
+            meta[:] = [c[3:] for c in rows]
+            ys += (_stack_rows(rows),)
+        return tuple(_strong(r) for r in res[:n_carry]), ys
+
+    c, ys = lax.scan(step, carry, xs, length=length, reverse=reverse)
+    if meta:
+        first = _first_bad(ys[-1], reverse)
+        found.extend((first[k, 0], first[k, 1], first[k, 2], *m) for k, m in enumerate(meta))
+        ys = ys[:-1]
+    return [*c, *ys]
+
+
+_SCAN = _spec("xlatorch::scan", _run_scan, ("body", "n_carry", "length", "reverse"))
+
+
+def scan(body: Body, captured, init, xs, length: int, reverse: bool = False) -> list[Out]:
+    """The node scanning ``body`` (inputs: the carry, then one slice of each of ``xs``; results:
+    the new carry, then one slice of each output) over ``length`` iterations: the final carry,
+    then the stacked outputs."""
+    n_carry = len(init)
+    avals = [v.aval for v in init] + [((length, *a[0]), a[1]) for a in body.avals[n_carry:]]
+    ops = (*init, *xs, *captured)
+    sig = (tuple(v.sig for v in ops), body.key, n_carry, length, reverse)
+    return _make(_SCAN, (ops, body, n_carry, length, reverse), sig, avals, body.checked)
+
+
+def _run_while(ops, cond_body, body, n_carry, found):
+    n_cond = cond_body.n_leaves - n_carry
+    carry = tuple(_strong(v) for v in ops[:n_carry])
+    ccap = list(ops[n_carry : n_carry + n_cond])
+    bcap = list(ops[n_carry + n_cond :])
+    meta: list = []
+    if found is not None:  # the rows are carried: their number first (a trace, no compile)
+        jax.eval_shape(lambda *c: _rows_of(cond_body, body, c, ccap, bcap, meta), *carry)
+    if not meta:
+        res = lax.while_loop(lambda c: _pred(cond_body, c, ccap), lambda c: _step(body, c, bcap, None), carry)
+        return list(res)
+
+    def step(state):
+        c, acc = state
+        rows: list = []
+        new = _step(body, c, bcap, rows)
+        crows: list = []
+        _pred(cond_body, new, ccap, crows)
+        now = _stack_rows(rows + crows)
+        return new, jnp.where((acc[:, :1] != 0), acc, now)
+
+    first: list = []
+    _pred(cond_body, carry, ccap, first)  # the condition's checks before the first iteration
+    acc0 = _stack_rows(first + [(0, 0, 0)] * (len(meta) - len(first)))
+    res, acc = lax.while_loop(lambda s: _pred(cond_body, s[0], ccap), step, (carry, acc0))
+    found.extend((acc[k, 0], acc[k, 1], acc[k, 2], *m) for k, m in enumerate(meta))
+    return list(res)
+
+
+def _rows_of(cond_body, body, c, ccap, bcap, meta):
+    rows: list = []
+    new = _step(body, c, bcap, rows)
+    _pred(cond_body, new, ccap, rows)
+    meta[:] = [r[3:] for r in rows]
+    return new
+
+
+def _pred(cond_body, c, cap, found=None):
+    return jnp.asarray(cond_body.run([*c, *cap], found)[0]).reshape(()).astype(bool)
+
+
+def _step(body, c, cap, found):
+    return tuple(_strong(r) for r in body.run([*c, *cap], found))
+
+
+_WHILE = _spec("xlatorch::while_loop", _run_while, ("cond", "body", "n_carry"))
+
+
+def while_loop(cond_body: Body, cond_captured, body: Body, body_captured, init) -> list[Out]:
+    """The node running ``body`` (the carry -> the new carry) while ``cond_body`` (the carry ->
+    a one-element bool) holds: the final carry."""
+    n_carry = len(init)
+    ops = (*init, *cond_captured, *body_captured)
+    sig = (tuple(v.sig for v in ops), cond_body.key, body.key, n_carry)
+    checked = cond_body.checked or body.checked
+    return _make(_WHILE, (ops, cond_body, body, n_carry), sig, [v.aval for v in init], checked)
+
+
+def _run_cond(ops, true_body, false_body, found):
+    pred = jnp.asarray(ops[0]).reshape(()).astype(bool)
+    n_t = true_body.n_leaves - true_body.n_inputs
+    n_in = true_body.n_inputs
+    args = list(ops[1 : 1 + n_in])
+    tcap = list(ops[1 + n_in : 1 + n_in + n_t])
+    fcap = list(ops[1 + n_in + n_t :])
+    if found is None or not (true_body.checked or false_body.checked):
+        return list(lax.cond(pred, lambda: tuple(true_body.run([*args, *tcap])),
+                             lambda: tuple(false_body.run([*args, *fcap]))))  # fmt: skip
+    metas: list = [[], []]
+
+    def branch(b, cap, mine):
+        def f():
+            rows: list = []
+            res = b.run([*args, *cap], rows)
+            metas[mine][:] = [r[3:] for r in rows]
+            own = _stack_rows(rows) if rows else jnp.zeros((0, 3), jnp.int64)
+            return tuple(res), own
+
+        return f
+
+    tshape = jax.eval_shape(branch(true_body, tcap, 0))[1].shape[0]
+    fshape = jax.eval_shape(branch(false_body, fcap, 1))[1].shape[0]
+
+    def padded(f, mine):
+        def g():
+            res, own = f()
+            z = [jnp.zeros((tshape, 3), jnp.int64), jnp.zeros((fshape, 3), jnp.int64)]
+            z[mine] = own
+            return res, jnp.concatenate(z)
+
+        return g
+
+    res, rows = lax.cond(pred, padded(branch(true_body, tcap, 0), 0), padded(branch(false_body, fcap, 1), 1))
+    found.extend((rows[k, 0], rows[k, 1], rows[k, 2], *m) for k, m in enumerate(metas[0] + metas[1]))
+    return list(res)
+
+
+_COND = _spec("xlatorch::cond", _run_cond, ("true_fn", "false_fn"))
+
+
+def cond(pred, true_body: Body, true_captured, false_body: Body, false_captured, args) -> list[Out]:
+    """The node computing ``true_body(args)`` where the one-element ``pred`` holds, else
+    ``false_body(args)`` (both give the same avals)."""
+    ops = (pred, *args, *true_captured, *false_captured)
+    sig = (tuple(v.sig for v in ops), true_body.key, false_body.key)
+    checked = true_body.checked or false_body.checked
+    return _make(_COND, (ops, true_body, false_body), sig, true_body.avals, checked)
+
+
+def _run_call(ops, body, found):
+    return body.run(list(ops), found)
+
+
+_CALL = _spec("xlatorch::call", _run_call, ("body",))
+
+
+def call(body: Body, args, captured) -> list[Out]:
+    """The node computing ``body`` once on ``args`` (a function replayed from its trace)."""
+    ops = (*args, *captured)
+    sig = (tuple(v.sig for v in ops), body.key)
+    return _make(_CALL, (ops, body), sig, body.avals, body.checked)
+
+
+# --- on tensors: PyTorch's higher-order ops --------------------------------------------------
+
+
+def values_of(tensors, what: str) -> list:
+    """The values of xla tensors passed to a loop; anything else is an error naming ``what``."""
+    out = []
+    for i, t in enumerate(tensors):
+        if type(t) is not XlaTensor:
+            got = f"a tensor on {t.device}" if hasattr(t, "device") else type(t).__name__
+            raise BodyError(f"xlatorch: {what} takes xla tensors; argument {i} is {got}")
+        out.append(value_of(t))
+    return out
+
+
+def avals_of(tensors) -> list:
+    return [(tuple(t.shape), t.dtype) for t in tensors]
+
+
+def run_while(cond_fn, body_fn, carried, additional=(), name="while_loop") -> tuple:
+    """``body_fn(*carry, *additional)`` while ``cond_fn(*carry, *additional)`` holds, as one XLA
+    loop: the final carry (tensors). Non-tensor ``additional`` inputs are constants of the loop."""
+    carried = list(carried)
+    consts = {i: a for i, a in enumerate(additional) if not isinstance(a, torch.Tensor)}
+    extra = [a for a in additional if isinstance(a, torch.Tensor)]
+    init = values_of(carried + extra, name)
+    n = len(carried)
+    avals = avals_of(carried + extra)
+
+    def args(ts):
+        it = iter(ts[n:])
+        return [*ts[:n], *(consts[i] if i in consts else next(it) for i in range(len(additional)))]
+
+    def on_cond(ts):
+        p = cond_fn(*args(ts))
+        if type(p) is not XlaTensor or p.numel() != 1:
+            raise BodyError(f"xlatorch: the condition of {name} must return a one-element xla tensor, got {p!r}")
+        return [p]
+
+    def on_body(ts):
+        res = body_fn(*args(ts))
+        res = list(res) if isinstance(res, (tuple, list)) else [res]
+        if len(res) != n:
+            raise BodyError(f"xlatorch: the body of {name} returned {len(res)} values for a carry of {n}")
+        for i, (r, a) in enumerate(zip(res, avals)):
+            if type(r) is XlaTensor and (tuple(r.shape), r.dtype) != a:
+                raise BodyError(f"xlatorch: the body of {name} changed carry {i} from {a[0]} {a[1]} to "
+                                f"{tuple(r.shape)} {r.dtype}; a carry keeps its shape and dtype")  # fmt: skip
+        return res + ts[n:]
+
+    cb, ccap, _ = trace_body(on_cond, avals, f"the condition of {name}")
+    bb, bcap, _ = trace_body(on_body, avals, f"the body of {name}")
+    outs = while_loop(cb, ccap, bb, bcap, init)
+    return tuple(wrap(o) for o in outs[:n])
+
+
+def run_cond(pred, true_fn, false_fn, operands, name="cond"):
+    """``true_fn(*operands)`` where the one-element ``pred`` holds, else ``false_fn(*operands)``,
+    both traced and lowered to one ``jax.lax.cond``."""
+    operands = list(operands)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in operands):
+        raise NotImplementedError(f"xlatorch: {name} on xla tensors that require grad is not differentiable yet; "
+                                  f"compute both branches and select with torch.where instead")  # fmt: skip
+    args = values_of(operands, name)
+    avals = avals_of(operands)
+    spec_box: list = []
+
+    def branch(fn):
+        def f(ts):
+            leaves, spec = pytree.tree_flatten(fn(*ts))
+            spec_box.append(spec)
+            return leaves
+
+        return f
+
+    tb, tcap, touts = trace_body(branch(true_fn), avals, f"the true branch of {name}")
+    fb, fcap, fouts = trace_body(branch(false_fn), avals, f"the false branch of {name}")
+    if tb.avals != fb.avals or spec_box[0] != spec_box[1]:
+        raise BodyError(f"xlatorch: the branches of {name} return different shapes or dtypes: "
+                        f"{list(tb.avals)} and {list(fb.avals)}")  # fmt: skip
+    if not isinstance(pred, torch.Tensor):
+        return true_fn(*operands) if pred else false_fn(*operands)
+    (p,) = values_of([pred], name)
+    outs = cond(p, tb, tcap, fb, fcap, args)
+    return pytree.tree_unflatten([wrap(o) for o in outs], spec_box[0])
+
+
+def install() -> None:
+    """PyTorch's ``while_loop`` and ``cond`` on xla tensors: one XLA loop / conditional."""
+    import sys
+
+    from torch._higher_order_ops.cond import cond_op
+    from torch._higher_order_ops.while_loop import while_loop_op
+
+    # torch.cond outside torch.compile compiles itself with Dynamo, which rejects an xla
+    # tensor as its predicate: on xla tensors it is lowered here directly.
+    module = sys.modules["torch._higher_order_ops.cond"]
+    torch_cond = module.cond
+
+    def cond_on_xla(pred, true_fn, false_fn, operands=()):
+        if not torch.compiler.is_dynamo_compiling() and (
+            type(pred) is XlaTensor or any(type(t) is XlaTensor for t in pytree.tree_leaves(operands))
+        ):
+            return run_cond(pred, true_fn, false_fn, pytree.tree_leaves(operands))
+        return torch_cond(pred, true_fn, false_fn, operands)
+
+    cond_on_xla.__doc__ = torch_cond.__doc__
+    module.cond = torch.cond = cond_on_xla
+
+    @while_loop_op.py_impl(XlaTensor)
+    def _while(cond_fn, body_fn, carried_inputs, additional_inputs=()):
+        return run_while(cond_fn, body_fn, carried_inputs, additional_inputs)
+
+    @cond_op.py_impl(XlaTensor)
+    def _cond(pred, true_fn, false_fn, operands):
+        return run_cond(pred, true_fn, false_fn, operands)
