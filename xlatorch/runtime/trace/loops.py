@@ -21,6 +21,7 @@ xla tensors are lowered here too (``install``).
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import jax
@@ -72,7 +73,6 @@ def trace_body(fn, avals, name: str, requires_grad=()) -> tuple[Body, list, list
     Returns the body, the values it captured (the node's operands after the inputs) and what
     ``fn`` returned (the tensors, for their ``requires_grad``; their values are the body's)."""
     first_sid = next(_tensor._ids)  # storages made from here on are the body's
-    start = next(TICKS)  # writes after this tick were made by the body
     snapshot = {sid: r().value for sid, r in list(PENDING.items()) if r() is not None}
     inputs = []
     for i, aval in enumerate(avals):
@@ -93,7 +93,7 @@ def trace_body(fn, avals, name: str, requires_grad=()) -> tuple[Body, list, list
         body, captured = _body(vals, in_nodes, avals, name)
     finally:
         BODIES.pop()
-        written = _undo_outside_writes(first_sid, start, snapshot)
+        written = _undo_outside_writes(first_sid, snapshot)
         _forget(first_sid, name)
     if written:
         shapes = ", ".join(f"{tuple(a[0])} {a[1]}" for a in written)
@@ -184,12 +184,12 @@ def _op_name(n) -> str:
     return name if "::" in name else "aten::" + name
 
 
-def _undo_outside_writes(first_sid, start, snapshot) -> list:
+def _undo_outside_writes(first_sid, snapshot) -> list:
     """Give each storage made before the body and written by it its value back; their avals."""
     written = []
     for sid, r in list(PENDING.items()):
         st = r()
-        if st is None or sid >= first_sid or st.gen <= start:
+        if st is None or sid >= first_sid or st.value is snapshot.get(sid):
             continue
         old = snapshot.get(sid)
         if old is None:  # device data before the body: its first write since the last sync was the body's
@@ -202,6 +202,23 @@ def _undo_outside_writes(first_sid, start, snapshot) -> list:
             old.holders += 1
             del PENDING[sid]
     return written
+
+
+@contextlib.contextmanager
+def swapped(tensors, replacements):
+    """While tracing a body: ``tensors`` (from outside it) read as ``replacements`` (its inputs),
+    so that the body is a function of them; their values are back afterwards."""
+    sts = [t._st for t in tensors]
+    old = [st.value for st in sts]
+    for st, r in zip(sts, replacements):
+        st.value = value_of(r)  # not Storage.set: nothing is written, the sync never sees it
+        st.gen = next(TICKS)
+    try:
+        yield
+    finally:
+        for st, v in zip(sts, old):
+            st.value = v
+            st.gen = next(TICKS)
 
 
 def _forget(first_sid, name) -> None:
@@ -264,11 +281,10 @@ def _stack_rows(found):
     return jnp.stack([jnp.stack([jnp.asarray(x).astype(jnp.int64) for x in c[:3]]) for c in found])
 
 
-def _run_scan(ops, body, n_carry, length, reverse, found):
-    n_in = body.n_inputs
+def _run_scan(ops, body, n_carry, n_xs, length, reverse, found):
     carry = tuple(_strong(v) for v in ops[:n_carry])
-    xs = tuple(ops[n_carry:n_in])
-    cap = list(ops[n_in:])
+    xs = tuple(ops[n_carry : n_carry + n_xs])
+    cap = list(ops[n_carry + n_xs :])
     meta: list = []
 
     def step(c, x):
@@ -288,18 +304,19 @@ def _run_scan(ops, body, n_carry, length, reverse, found):
     return [*c, *ys]
 
 
-_SCAN = _spec("xlatorch::scan", _run_scan, ("body", "n_carry", "length", "reverse"))
+_SCAN = _spec("xlatorch::scan", _run_scan, ("body", "n_carry", "n_xs", "length", "reverse"))
 
 
-def scan(body: Body, captured, init, xs, length: int, reverse: bool = False) -> list[Out]:
-    """The node scanning ``body`` (inputs: the carry, then one slice of each of ``xs``; results:
-    the new carry, then one slice of each output) over ``length`` iterations: the final carry,
-    then the stacked outputs."""
+def scan(body: Body, captured, init, xs, length: int, reverse: bool = False, invariant=()) -> list[Out]:
+    """The node scanning ``body`` (inputs: the carry, one slice of each of ``xs``, then the
+    ``invariant`` values; results: the new carry, then one slice of each output) over
+    ``length`` iterations (last to first with ``reverse``): the final carry, then the stacked
+    outputs."""
     n_carry = len(init)
     avals = [v.aval for v in init] + [((length, *a[0]), a[1]) for a in body.avals[n_carry:]]
-    ops = (*init, *xs, *captured)
-    sig = (tuple(v.sig for v in ops), body.key, n_carry, length, reverse)
-    return _make(_SCAN, (ops, body, n_carry, length, reverse), sig, avals, body.checked)
+    ops = (*init, *xs, *invariant, *captured)
+    sig = (tuple(v.sig for v in ops), body.key, n_carry, len(xs), length, reverse)
+    return _make(_SCAN, (ops, body, n_carry, len(xs), length, reverse), sig, avals, body.checked)
 
 
 def _run_while(ops, cond_body, body, n_carry, found):
