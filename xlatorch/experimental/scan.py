@@ -87,7 +87,8 @@ def scan(
         outs = _Scan.apply(loop, *init_flat, *xs_flat, *loop.params)
     n = len(init_flat)
     carry = pytree.tree_unflatten(list(outs[:n]), carry_spec)
-    return carry, pytree.tree_unflatten(list(outs[n:]), loop.y_spec)
+    ys = iter(outs[n:])
+    return carry, pytree.tree_unflatten([None if none else next(ys) for none in loop.y_none], loop.y_spec)
 
 
 class _Loop:
@@ -110,6 +111,8 @@ class _Loop:
             raise BodyError("xlatorch: scan's fn must return a pair (new carry, y)")
         new, new_spec = pytree.tree_flatten(res[0])
         ys, y_spec = pytree.tree_flatten(res[1])
+        self.y_none = [y is None for y in ys]  # None outputs stay None (as torch_xla's scan keeps them)
+        ys = [y for y in ys if y is not None]
         if new_spec != self.carry_spec:
             raise BodyError(f"xlatorch: scan's fn returned a carry of structure {new_spec}, not {self.carry_spec}")
         for i, (t, a) in enumerate(zip(new, self.carry_avals)):
