@@ -112,7 +112,7 @@ def test_scan_layers_equals_the_plain_loop_values_and_every_gradient():
     got.pow(2).sum().backward()
     _close(got, out)
     for d, c in zip(dl, ref):
-        for (name, p), q in zip(d.named_parameters(), c.parameters()):
+        for p, q in zip(d.parameters(), c.parameters()):
             _close(p.grad, q.grad, scale=float(q.grad.abs().max()) * 4)
 
 
