@@ -122,7 +122,7 @@ class Storage:
     def __del__(self):
         if type(self.value) is Data:
             self.value.holders -= 1
-        else:
+        elif PENDING is not None:  # None: the interpreter is tearing this module down
             PENDING.pop(self.sid, None)
 
 
