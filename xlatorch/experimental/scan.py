@@ -79,9 +79,9 @@ def scan(
     if length == 0:
         raise ValueError("xlatorch: scan over a leading dimension of size 0")
     loop = _Loop(fn, init_flat, carry_spec, xs_flat, x_spec, length)
-    loop.trace_forward(find_params=torch.is_grad_enabled())
-    grad = torch.is_grad_enabled() and (any(t.requires_grad for t in init_flat + xs_flat) or bool(loop.params))
-    if not grad:
+    loop.inputs_require_grad = any(t.requires_grad for t in init_flat + xs_flat)
+    loop.trace_forward(grad=torch.is_grad_enabled())
+    if not loop.grad:
         outs = loop.run_forward(init_flat, xs_flat, keep_history=False)
     else:
         outs = _Scan.apply(loop, *init_flat, *xs_flat, *loop.params)
@@ -122,19 +122,21 @@ class _Loop:
         self.y_spec = y_spec
         return new + ys
 
-    def trace_forward(self, find_params: bool) -> None:
-        """The forward body (carry, x -> new carry, y, and the carry it started from); with
-        ``find_params``, the tensors from outside that it differentiates through."""
+    def trace_forward(self, grad: bool) -> None:
+        """The forward body (carry, x -> new carry, y); with ``grad`` (grad mode on), the
+        tensors from outside that it differentiates through (``params``) and, when the loop
+        is differentiated (``self.grad``), also the carry each iteration started from."""
         nc = len(self.carry_avals)
         start = _sequence_nr()
 
         def body(ts):
-            with torch.enable_grad() if find_params else torch.no_grad():
+            with torch.enable_grad() if grad else torch.no_grad():
                 outs = self.flat_fn(ts[:nc], ts[nc:])
-            if find_params:
+            if grad:
                 self.params = _outside_params(outs, start)
+            self.grad = grad and (self.inputs_require_grad or bool(self.params))
             self.n_out = len(outs)
-            return outs + ts[:nc]
+            return outs + ts[:nc] if self.grad else outs
 
         self.body, self.captured, _ = loops.trace_body(body, self.carry_avals + self.x_avals, "scan")
 
