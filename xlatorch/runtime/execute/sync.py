@@ -124,6 +124,10 @@ def _sync(reason, dev, timed) -> None:
     else:
         everything = all(st.dev == dev for st in storages)
         storages = [st for st in storages if st.dev == dev]
+    if ir._multi:
+        # dp.DataParallel's threads record and sync without the lock: another device's thread
+        # may make a pending value after the snapshot, which clearing PENDING would lose.
+        everything = False
     if not storages:
         if everything:
             PENDING.clear()
