@@ -42,6 +42,9 @@ from xlatorch.runtime.trace.tensor import PENDING, XlaTensor, fail_storages, val
 
 __all__ = [
     "trace_body",
+    "trace_values",
+    "body_of",
+    "depends",
     "scan",
     "while_loop",
     "cond",
@@ -72,6 +75,14 @@ def trace_body(fn, avals, name: str, requires_grad=()) -> tuple[Body, list, list
 
     Returns the body, the values it captured (the node's operands after the inputs) and what
     ``fn`` returned (the tensors, for their ``requires_grad``; their values are the body's)."""
+    inputs, vals, outs = trace_values(fn, avals, name, requires_grad)
+    body, captured = body_of(vals, inputs, name)
+    return body, captured, outs
+
+
+def trace_values(fn, avals, name: str, requires_grad=()) -> tuple[list, list, list]:
+    """Trace ``fn`` as ``trace_body`` does; returns the inputs' values, the results' values and
+    the result tensors, for ``body_of`` to make one or several bodies from."""
     first_sid = next(_tensor._ids)  # storages made from here on are the body's
     snapshot = {sid: r().value for sid, r in list(PENDING.items()) if r() is not None}
     inputs = []
@@ -80,7 +91,7 @@ def trace_body(fn, avals, name: str, requires_grad=()) -> tuple[Body, list, list
         if i in requires_grad:
             t.requires_grad_(True)
         inputs.append(t)
-    in_nodes = {id(value_of(t).node): i for i, t in enumerate(inputs)}
+    in_vals = [value_of(t) for t in inputs]
     BODIES.append(name)
     try:
         outs = fn(inputs)
@@ -90,7 +101,6 @@ def trace_body(fn, avals, name: str, requires_grad=()) -> tuple[Body, list, list
                 what = f"a tensor on {o.device}" if hasattr(o, "device") else type(o).__name__
                 raise BodyError(f"xlatorch: {name} must return xla tensors; its result {i} is {what}")
             vals.append(value_of(o))
-        body, captured = _body(vals, in_nodes, avals, name)
     finally:
         BODIES.pop()
         written = _undo_outside_writes(first_sid, snapshot)
@@ -99,40 +109,62 @@ def trace_body(fn, avals, name: str, requires_grad=()) -> tuple[Body, list, list
         shapes = ", ".join(f"{tuple(a[0])} {a[1]}" for a in written)
         raise BodyError(f"xlatorch: {name} wrote tensors made outside it ({shapes}); a body is traced once "
                         f"as a function of its inputs: return the new values instead (e.g. in the carry)")  # fmt: skip
-    return body, captured, outs
+    return in_vals, vals, outs
 
 
-def _body(vals, in_nodes, avals, name):
-    """The body computing ``vals`` from the inputs (``in_nodes``: id(placeholder node) -> index)."""
-    inside: dict[int, bool] = {}
-    nodes = []
+def depends(vals, sources) -> dict:
+    """``{id(node): whether it depends on one of the values in sources}`` for every node that
+    ``vals`` are computed from, stopping at the sources."""
+    src = {id(v) for v in sources}
+    dep: dict[int, bool] = {}
     for v in vals:
-        if type(v) is not Out:
+        if type(v) is not Out or id(v) in src:
             continue
         stack = [(v.node, False)]
         while stack:
             n, ready = stack.pop()
-            if id(n) in inside:
-                continue
-            if id(n) in in_nodes:
-                inside[id(n)] = True
+            if id(n) in dep:
                 continue
             ops = operands(n.args)
             if not ready:
                 stack.append((n, True))
-                stack.extend((o.node, False) for o in ops if type(o) is Out and id(o.node) not in inside)
+                stack.extend(
+                    (o.node, False) for o in ops if type(o) is Out and id(o) not in src and id(o.node) not in dep
+                )
                 continue
-            ins = inside[id(n)] = any(type(o) is Out and inside[id(o.node)] for o in ops)
-            if ins:
-                nodes.append(n)
-    leaves = [None] * len(in_nodes)
-    for n in list(_input_nodes(vals, nodes, in_nodes)):
-        leaves[in_nodes[id(n)]] = n.outs[0]
-    for i, a in enumerate(leaves):
-        if a is None:  # an input the body does not read: any value of its aval
-            leaves[i] = Node(_INPUT, (i,), Info((avals[i],), None), ("body_input", i, avals[i])).outs[0]
+            dep[id(n)] = any(id(o) in src or (type(o) is Out and dep[id(o.node)]) for o in ops)
+    return dep
+
+
+def body_of(vals, inputs, name: str) -> tuple[Body, list]:
+    """The body computing ``vals`` from ``inputs`` (values: a trace's placeholders, or values
+    computed in it that another body passes on), and the values it captures from outside."""
+    in_ids = {id(v) for v in inputs}
+    inside = depends(vals, inputs)
+    nodes = []
+    seen_nodes = set()
+
+    def is_in(o):
+        return id(o) in in_ids or (type(o) is Out and inside.get(id(o.node), False))
+
+    for v in vals:  # post-order again, keeping the nodes that depend on the inputs
+        if type(v) is not Out or id(v) in in_ids:
+            continue
+        stack = [(v.node, False)]
+        while stack:
+            n, ready = stack.pop()
+            if id(n) in seen_nodes or not inside[id(n)]:
+                continue
+            if not ready:
+                stack.append((n, True))
+                stack.extend((o.node, False) for o in operands(n.args)
+                             if type(o) is Out and id(o) not in in_ids and id(o.node) not in seen_nodes)  # fmt: skip
+                continue
+            seen_nodes.add(id(n))
+            nodes.append(n)
+    leaves = list(inputs)
     n_inputs = len(leaves)
-    seen = {id(a) for a in leaves}
+    seen = set(in_ids)
     captured = []
 
     def capture(a):
@@ -142,17 +174,17 @@ def _body(vals, in_nodes, avals, name):
 
     for n in nodes:
         for o in operands(n.args):
-            if type(o) is not Out or not inside[id(o.node)]:
+            if not is_in(o):
                 capture(o)
     for v in vals:
-        if type(v) is not Out or not inside[id(v.node)]:
+        if not is_in(v):
             capture(v)
     leaves += captured
     order = {id(n): k for k, n in enumerate(nodes)}
     lpos = {id(a): i for i, a in enumerate(leaves)}
 
     def ref(v):
-        k = order.get(id(v.node)) if type(v) is Out else None
+        k = order.get(id(v.node)) if type(v) is Out and id(v) not in in_ids else None
         return k * 4096 + v.idx if k is not None else -1 - lpos[id(v)]
 
     enc = tuple((n.key, tuple(ref(o) for o in operands(n.args))) for n in nodes)
@@ -164,19 +196,6 @@ def _body(vals, in_nodes, avals, name):
     where = [f"{_op_name(n)} at {fmt_src(getattr(n, 'src', None))}" for n in nodes]
     body = Body(rows, roots, tuple(v.aval for v in vals), key, n_inputs, len(leaves), name, where)
     return body, captured
-
-
-def _input_nodes(vals, nodes, in_nodes):
-    """The placeholder nodes the body reads."""
-    found = {}
-    for n in nodes:
-        for o in operands(n.args):
-            if type(o) is Out and id(o.node) in in_nodes:
-                found[id(o.node)] = o.node
-    for v in vals:
-        if type(v) is Out and id(v.node) in in_nodes:
-            found[id(v.node)] = v.node
-    return found.values()
 
 
 def _op_name(n) -> str:
