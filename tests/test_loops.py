@@ -54,7 +54,10 @@ def _rnn(W):
     return fn
 
 
-def test_scan_values_and_gradients_equal_the_python_loop():
+@pytest.mark.parametrize("partition", ["default_partition", "min_cut_rematerialization_partition"])
+def test_scan_values_and_gradients_equal_the_python_loop(partition):
+    from functorch import compile as fc
+
     torch.manual_seed(0)
     W, xs, h0 = torch.randn(4, 4) * 0.5, torch.randn(6, 3, 4), torch.randn(3, 4)
     Wc, xc, hc = (t.clone().requires_grad_() for t in (W, xs, h0))
@@ -66,7 +69,7 @@ def test_scan_values_and_gradients_equal_the_python_loop():
     (h.sum() + (ys * ys).sum()).backward()
 
     Wd, xd, hd = (t.to(DEV).requires_grad_() for t in (W, xs, h0))
-    hf, yd = scan(_rnn(Wd), hd, {"in": xd})
+    hf, yd = scan(_rnn(Wd), hd, {"in": xd}, partition_fn=getattr(fc, partition))
     assert yd["none"] is None
     (hf.sum() + (yd["sum"] * yd["sum"]).sum()).backward()
     _close(hf, h)
@@ -99,7 +102,10 @@ def _layers(n):
     return [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.LayerNorm(8)) for _ in range(n)]
 
 
-def test_scan_layers_equals_the_plain_loop_values_and_every_gradient():
+@pytest.mark.parametrize("partition", ["default_partition", "min_cut_rematerialization_partition"])
+def test_scan_layers_equals_the_plain_loop_values_and_every_gradient(partition):
+    from functorch import compile as fc
+
     layers = _layers(5)
     x = torch.randn(4, 8)
     ref = copy.deepcopy(layers)
@@ -108,12 +114,15 @@ def test_scan_layers_equals_the_plain_loop_values_and_every_gradient():
         out = m(out)
     out.pow(2).sum().backward()
     dl = [copy.deepcopy(m).to(DEV) for m in layers]
-    got = scan_layers(dl, x.to(DEV))
+    got = scan_layers(dl, x.to(DEV), partition_fn=getattr(fc, partition))
     got.pow(2).sum().backward()
     _close(got, out)
+    # A layer's gradient can be a difference of much larger terms (LayerNorm's backward
+    # subtracts means): its rounding scales with the largest gradient of the model.
+    scale = max(float(q.grad.abs().max()) for c in ref for q in c.parameters())
     for d, c in zip(dl, ref):
         for p, q in zip(d.parameters(), c.parameters()):
-            _close(p.grad, q.grad, scale=float(q.grad.abs().max()) * 4)
+            _close(p.grad, q.grad, scale=scale)
 
 
 def test_scan_layers_program_does_not_grow_with_depth():

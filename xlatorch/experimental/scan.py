@@ -5,13 +5,15 @@ of ``xs``) and records one node whose lowering is ``jax.lax.scan`` over that bod
 (``runtime/trace/loops.py``): the program holds the body once, whatever the number of
 iterations, and compiles in the time of one.
 
-Autograd: the backward is a loop too (a reverse scan). Each of its iterations differentiates
-the body with PyTorch's autograd on the device (traced once, like the forward) from what the
-forward kept: with ``partition_fn=min_cut_rematerialization_partition`` the carry at each
-iteration only, the body's forward being recomputed in the backward (the memory of a carry
-per iteration); with the default, the same, as xlatorch does not yet keep the body's
-activations (see the issue notes). Tensors the body reads from outside and that require
-grad (a module's parameters) get their gradients, summed over iterations.
+Autograd: the backward is a loop too (a reverse scan). Its body is the iteration
+differentiated by PyTorch's autograd on the device, traced once like the forward. With the
+default ``partition_fn`` (functorch's ``default_partition``), one trace of an iteration's
+forward and backward is split where the backward reads the forward: the forward loop stacks
+those activations, the backward loop reads them. With ``min_cut_rematerialization_partition``
+the forward keeps only the carry each iteration started from, and the backward recomputes
+the iteration's forward from it (the memory of one carry per iteration). Tensors the body
+reads from outside and that require grad (a module's parameters) get their gradients,
+summed over iterations.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from xlatorch.runtime.ir.values import Out, operands
 from xlatorch.runtime.trace import loops
 from xlatorch.runtime.trace.loops import BodyError
 from xlatorch.runtime.trace.tensor import XlaTensor, value_of, wrap
@@ -58,14 +61,15 @@ def scan(
         dtypes).
       init: the first carry (a pytree of xla tensors).
       xs: a pytree of xla tensors with the same leading dimension.
-      partition_fn: torch_xla's choice of what the backward recomputes (accepted; see the
-        module's docstring).
+      partition_fn: what the backward recomputes: functorch's ``default_partition`` (None:
+        keep the activations) or ``min_cut_rematerialization_partition`` (keep the carries,
+        recompute the rest); see the module's docstring.
       is_fn_pure: accepted for torch_xla's signature; the body is traced at every call.
 
     Returns:
       ``(carry, ys)``: the last carry and the stacked outputs.
     """
-    del partition_fn, is_fn_pure
+    del is_fn_pure
     init_flat, carry_spec = pytree.tree_flatten(init)
     xs_flat, x_spec = pytree.tree_flatten(xs)
     loops.values_of(init_flat + xs_flat, "scan")
@@ -79,6 +83,7 @@ def scan(
     if length == 0:
         raise ValueError("xlatorch: scan over a leading dimension of size 0")
     loop = _Loop(fn, init_flat, carry_spec, xs_flat, x_spec, length)
+    loop.save = not _recomputes(partition_fn)
     loop.inputs_require_grad = any(t.requires_grad for t in init_flat + xs_flat)
     loop.trace_forward(grad=torch.is_grad_enabled())
     if not loop.grad:
@@ -140,6 +145,71 @@ class _Loop:
 
         self.body, self.captured, _ = loops.trace_body(body, self.carry_avals + self.x_avals, "scan")
 
+    # --- what the backward needs -----------------------------------------------------------
+
+    @property
+    def dc(self) -> list:
+        """The positions of the carry's differentiable leaves."""
+        return [i for i, a in enumerate(self.carry_avals) if a[1].is_floating_point or a[1].is_complex]
+
+    @property
+    def dx(self) -> list:
+        return [i for i, a in enumerate(self.x_avals) if a[1].is_floating_point or a[1].is_complex]
+
+    def y_avals(self) -> list:
+        return list(self.body.avals[len(self.carry_avals) : self.n_out])
+
+    def param_avals(self) -> list:
+        return loops.avals_of(self.params)
+
+    def grad_avals(self) -> list:
+        """The backward loop's carry: the carry's grads, the parameters' grads so far."""
+        return [self.carry_avals[i] for i in self.dc] + self.param_avals()
+
+    def vjp_step(self, gc, acc, c, x, gy, ps) -> list:
+        """One iteration of the backward, traced: the grads of the carry it started from, the
+        parameters' grads so far plus this iteration's, the grads of its x (differentiable
+        leaves only), from the grads of its new carry (``gc``) and outputs (``gy``)."""
+        dc, dx, nc = self.dc, self.dx, len(self.carry_avals)
+        with loops.swapped(self.params, ps), torch.enable_grad():
+            c = [t.detach().requires_grad_(i in dc) for i, t in enumerate(c)]
+            x = [t.detach().requires_grad_(i in dx) for i, t in enumerate(x)]
+            outs = self.flat_fn(c, x)
+            gout = [(gc[dc.index(i)] if i in dc else None) if i < nc else gy[i - nc] for i in range(len(outs))]
+            pairs = [(o, g) for o, g in zip(outs, gout) if o.requires_grad and g is not None]
+            wrt = [c[i] for i in dc] + [x[i] for i in dx] + list(self.params)
+            got = (torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+                   if pairs else [None] * len(wrt))  # fmt: skip
+        got = [torch.zeros_like(w) if g is None else g for g, w in zip(got, wrt)]
+        n_gc = len(dc)
+        new_acc = [a + g for a, g in zip(acc, got[n_gc + len(dx) :])]
+        self.last_outs = outs
+        return [t.detach() for t in got[:n_gc] + new_acc + got[n_gc : n_gc + len(dx)]]
+
+    def run_saving(self, init_flat, xs_flat, params) -> tuple[list, tuple]:
+        """The forward loop keeping what the backward reads of each iteration, and the
+        backward's body reading it: one trace of an iteration's forward and backward, split
+        where the backward reads the forward (the activations, stacked by the loop)."""
+        nc, nx, npar, n_g = len(self.carry_avals), len(self.x_avals), len(self.params), len(self.dc)
+        avals = self.carry_avals + self.x_avals + self.param_avals() + self.grad_avals() + self.y_avals()
+        k = nc + nx + npar
+
+        def joint(ts):
+            grads = self.vjp_step(ts[k : k + n_g], ts[k + n_g : k + n_g + npar], ts[:nc], ts[nc : nc + nx],
+                                  ts[k + n_g + npar :], ts[nc + nx : k])  # fmt: skip
+            return [o.detach() for o in self.last_outs] + grads
+
+        inputs, vals, _ = loops.trace_values(joint, avals, "scan")
+        fwd_in, g_in = inputs[:k], inputs[k:]
+        outs, grads = vals[: self.n_out], vals[self.n_out :]
+        acts = _activations(grads, inputs[: nc + nx], g_in)
+        fbody, fcap = loops.body_of(outs + acts, fwd_in, "scan")
+        bbody, bcap = loops.body_of(grads, g_in[: n_g + npar] + acts + g_in[n_g + npar :] + inputs[nc + nx : k],
+                                    "scan's backward")  # fmt: skip
+        res = loops.scan(fbody, fcap, [value_of(t) for t in init_flat], [value_of(t) for t in xs_flat], self.length,
+                         invariant=[value_of(p) for p in params])  # fmt: skip
+        return [wrap(o) for o in res], (bbody, bcap)
+
     def run_forward(self, init_flat, xs_flat, keep_history: bool) -> list:
         """The loop's results: the last carry, the stacked outputs (and with ``keep_history``,
         the stacked carry each iteration started from)."""
@@ -147,6 +217,42 @@ class _Loop:
                           [value_of(t) for t in xs_flat], self.length)  # fmt: skip
         res = [wrap(o) for o in outs]
         return res if keep_history else res[: self.n_out]
+
+
+def _recomputes(partition_fn) -> bool:
+    """Whether torch_xla's ``partition_fn`` asks the backward to recompute the forward
+    (functorch's ``min_cut_rematerialization_partition``) rather than keep its activations
+    (``default_partition``, the default)."""
+    name = getattr(partition_fn, "__name__", "") or ""
+    return "remat" in name or "min_cut" in name
+
+
+def _activations(grads, sliced, g_in) -> list:
+    """The values of an iteration's forward that its backward reads: computed from the
+    iteration's carry or x (``sliced``), not from the grads flowing back (``g_in``)."""
+    nodes: dict = {}
+    from_g = loops.depends(grads, g_in, nodes)
+    from_x = loops.depends(grads, sliced)
+    sliced_ids = {id(v) for v in sliced}
+    g_ids = {id(v) for v in g_in}
+    found: dict = {}
+
+    def forward_value(o):
+        if id(o) in g_ids:
+            return False
+        if id(o) in sliced_ids:
+            return True
+        return type(o) is Out and not from_g.get(id(o.node), False) and from_x.get(id(o.node), False)
+
+    for nid, n in nodes.items():
+        if from_g[nid]:
+            for o in operands(n.args):
+                if forward_value(o):
+                    found[id(o)] = o
+    for v in grads:
+        if forward_value(v):
+            found[id(v)] = v
+    return list(found.values())
 
 
 def _sequence_nr() -> int:
@@ -179,19 +285,25 @@ def _outside_params(outs, start) -> list:
 
 
 class _Scan(torch.autograd.Function):
-    """The loop with its backward: a reverse scan differentiating the body, iteration by
-    iteration, from the carry each iteration started from."""
+    """The loop with its backward: a reverse scan differentiating the body iteration by
+    iteration, from the activations the forward kept (``loop.save``) or from the carry each
+    iteration started from, recomputing the rest."""
 
     @staticmethod
     def forward(ctx, loop, *flat):
         nc, nx = len(loop.carry_avals), len(loop.x_avals)
         init, xs, params = flat[:nc], flat[nc : nc + nx], flat[nc + nx :]
-        res = loop.run_forward(init, xs, keep_history=True)
         ctx.loop = loop
+        ctx.diff = [_differentiable(t) and t.requires_grad for t in flat]
         # What the backward reads, as the values they have now (an in-place update of a
         # parameter before backward must not change the gradient).
-        ctx.kept = (res[loop.n_out :], [wrap(value_of(t)) for t in xs], [wrap(value_of(p)) for p in params])
-        ctx.diff = [_differentiable(t) and t.requires_grad for t in flat]
+        kept_params = [wrap(value_of(p)) for p in params]
+        if loop.save:
+            res, ctx.backward_body = loop.run_saving(init, xs, params)
+            ctx.kept = (res[loop.n_out :], kept_params)
+        else:
+            res = loop.run_forward(init, xs, keep_history=True)
+            ctx.kept = (res[loop.n_out :] + [wrap(value_of(t)) for t in xs], kept_params)
         outs = res[: loop.n_out]
         for o in outs:
             if not _differentiable(o):
@@ -201,59 +313,39 @@ class _Scan(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         loop = ctx.loop
-        history, xs, params = ctx.kept
+        sliced, params = ctx.kept
         del ctx.kept
         nc, nx, npar = len(loop.carry_avals), len(loop.x_avals), len(params)
-        dc = [i for i, a in enumerate(loop.carry_avals) if a[1].is_floating_point or a[1].is_complex]
-        dx = [i for i, a in enumerate(loop.x_avals) if a[1].is_floating_point or a[1].is_complex]
         gouts = [g if g is not None else torch.zeros(_out_shape(loop, i), dtype=_out_dtype(loop, i), device="xla")
                  for i, g in enumerate(grads)]  # fmt: skip
-        g_last = [gouts[i] for i in dc]
+        g_last = [gouts[i] for i in loop.dc]
         g_ys = gouts[nc:]
-        y_avals = [(tuple(g.shape[1:]), g.dtype) for g in g_ys]
         acc0 = [torch.zeros_like(p) for p in params]
-        # Body inputs: carried (carry grads, parameter grads so far), sliced (the carry the
-        # iteration started from, its x, its outputs' grads), invariant (the parameters).
-        avals = (
-            [loop.carry_avals[i] for i in dc]
-            + loops.avals_of(acc0)
-            + loop.carry_avals
-            + loop.x_avals
-            + y_avals
-            + loops.avals_of(params)
-        )
-        n_gc = len(dc)
+        if loop.save:
+            bbody, bcap = ctx.backward_body
+            del ctx.backward_body
+        else:
+            # Inputs: carried (carry grads, parameter grads so far), sliced (the carry the
+            # iteration started from, its x, its outputs' grads), invariant (the parameters).
+            avals = loop.grad_avals() + loop.carry_avals + loop.x_avals + loop.y_avals() + loop.param_avals()
+            n_acc = len(loop.dc) + npar
 
-        def body(ts):
-            gc, acc = ts[:n_gc], ts[n_gc : n_gc + npar]
-            k = n_gc + npar
-            c, x, gy = ts[k : k + nc], ts[k + nc : k + nc + nx], ts[k + nc + nx : len(ts) - npar]
-            ps = ts[len(ts) - npar :]
-            with loops.swapped(loop.params, ps), torch.enable_grad():
-                c = [t.detach().requires_grad_(i in dc) for i, t in enumerate(c)]
-                x = [t.detach().requires_grad_(i in dx) for i, t in enumerate(x)]
-                outs = loop.flat_fn(c, x)
-                gout = [(gc[dc.index(i)] if i in dc else None) if i < nc else gy[i - nc] for i in range(len(outs))]
-                pairs = [(o, g) for o, g in zip(outs, gout) if o.requires_grad and g is not None]
-                wrt = [c[i] for i in dc] + [x[i] for i in dx] + list(loop.params)
-                got = (torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
-                       if pairs else [None] * len(wrt))  # fmt: skip
-            got = [torch.zeros_like(w) if g is None else g for g, w in zip(got, wrt)]
-            new_gc = got[:n_gc]
-            g_x = got[n_gc : n_gc + len(dx)]
-            new_acc = [a + g for a, g in zip(acc, got[n_gc + len(dx) :])]
-            return [t.detach() for t in new_gc + new_acc + g_x]
+            def body(ts):
+                k = n_acc
+                c, x, gy = ts[k : k + nc], ts[k + nc : k + nc + nx], ts[k + nc + nx : len(ts) - npar]
+                return loop.vjp_step(ts[: len(loop.dc)], ts[len(loop.dc) : n_acc], c, x, gy, ts[len(ts) - npar :])
 
-        bbody, bcap, _ = loops.trace_body(body, avals, "scan's backward")
-        outs = loops.scan(bbody, bcap, [value_of(t) for t in g_last + acc0], [value_of(t) for t in history + xs + g_ys],
+            bbody, bcap, _ = loops.trace_body(body, avals, "scan's backward")
+        outs = loops.scan(bbody, bcap, [value_of(t) for t in g_last + acc0], [value_of(t) for t in sliced + g_ys],
                           loop.length, reverse=True, invariant=[value_of(p) for p in params])  # fmt: skip
         outs = [wrap(o) for o in outs]
+        n_gc = len(loop.dc)
         g_init = [None] * nc
-        for j, i in enumerate(dc):
+        for j, i in enumerate(loop.dc):
             g_init[i] = outs[j]
         g_par = outs[n_gc : n_gc + npar]
         g_xs = [None] * nx
-        for j, i in enumerate(dx):
+        for j, i in enumerate(loop.dx):
             g_xs[i] = outs[n_gc + npar + j]
         res = g_init + g_xs + list(g_par)
         return (None, *[g if d else None for g, d in zip(res, ctx.diff)])

@@ -112,9 +112,9 @@ def trace_values(fn, avals, name: str, requires_grad=()) -> tuple[list, list, li
     return in_vals, vals, outs
 
 
-def depends(vals, sources) -> dict:
+def depends(vals, sources, nodes: dict | None = None) -> dict:
     """``{id(node): whether it depends on one of the values in sources}`` for every node that
-    ``vals`` are computed from, stopping at the sources."""
+    ``vals`` are computed from, stopping at the sources; ``nodes`` gets ``{id(node): node}``."""
     src = {id(v) for v in sources}
     dep: dict[int, bool] = {}
     for v in vals:
@@ -133,6 +133,8 @@ def depends(vals, sources) -> dict:
                 )
                 continue
             dep[id(n)] = any(id(o) in src or (type(o) is Out and dep[id(o.node)]) for o in ops)
+            if nodes is not None:
+                nodes[id(n)] = n
     return dep
 
 
