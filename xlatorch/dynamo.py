@@ -38,6 +38,7 @@ from torch._dynamo.variables.builder import VariableBuilder
 from torch._functorch.aot_autograd import make_boxed_func
 
 from xlatorch.runtime.base.record import COUNTERS
+from xlatorch.runtime.trace import collectives
 from xlatorch.runtime.trace.fx import FxProgram, Unlowerable
 from xlatorch.runtime.trace.tensor import XlaTensor
 
@@ -132,6 +133,9 @@ def _install() -> None:
     if not getattr(VariableBuilder.wrap_symfloat, "_xlatorch", False):
         VariableBuilder.wrap_symfloat = _float_arguments_are_inputs(VariableBuilder.wrap_symfloat)
     torch._dynamo.trace_rules.add("xlatorch")  # never trace xlatorch's own Python
+    # ... but record xm's collectives as calls: given a tracer's tensors they record their ops.
+    for fn in (collectives.all_reduce, collectives.all_gather, collectives.reduce_scatter):
+        torch._dynamo.allow_in_graph(fn)
     _lazy_import()  # PyTorch's built-in backends, its openxla among them, are registered now
     for name in ("openxla", "xlatorch"):
         _COMPILER_FNS.pop(name, None)

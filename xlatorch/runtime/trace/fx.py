@@ -30,10 +30,13 @@ from xlatorch.runtime.base.dtypes import EXACT, PY_SCALAR_DTYPE, PY_SCALAR_JAX, 
 from xlatorch.runtime.base.record import COUNTERS
 from xlatorch.runtime.base.source import user_frame
 from xlatorch.runtime.base.threads import TICKS, owner
+from xlatorch.runtime.base.topology import world_size
 from xlatorch.runtime.ir.emit import emit_node
 from xlatorch.runtime.ir.ops import GENERATOR, SCALAR, SCALAR_LIST, STATIC, TENSOR_LIST, TUPLE, Info, OpSpec, signature
 from xlatorch.runtime.ir.rng import next_key
 from xlatorch.runtime.ir.values import Node, Scalar
+from xlatorch.runtime.trace.collectives import SPECS as COLLECTIVES
+from xlatorch.runtime.trace.collectives import TRACED
 from xlatorch.runtime.trace.nodes import info_of
 from xlatorch.runtime.trace.tensor import XlaTensor, value_of, wrap
 
@@ -161,6 +164,7 @@ class FxProgram:
         self.inputs = []
         self.constants = {}  # get_attr node -> CPU tensor
         self.random = 0
+        self.collective = False
         checked = False
         for n in gm.graph.nodes:
             if n.op == "placeholder":
@@ -184,6 +188,8 @@ class FxProgram:
                            (TENSOR_LIST,), (False,), TUPLE)  # fmt: skip
         self.spec.check = self._check if checked and config.CHECKS else None
         self.info = Info(self.avals, None, self.spec.check is not None)
+        if self.collective and world_size() > 1:  # compiled as one program per replica (SPMD)
+            COLLECTIVES.add(self.spec)
         self._stash: dict = {}
 
     def _plan(self, n) -> bool:
@@ -201,6 +207,9 @@ class FxProgram:
             self.steps.append(("convert", n, None, n.args[0], _aval(n.meta.get("val"))[1]))
             return False
         spec = SPECS.get(op)
+        if spec is None:
+            spec = TRACED.get(op)
+            self.collective |= spec is not None
         if spec is None:
             raise Unlowerable(f"aten::{getattr(op, '__name__', op)} has no lowering")
         named = _schema_args(op, n.args, n.kwargs)
