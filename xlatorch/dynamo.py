@@ -23,9 +23,16 @@ takes as a plain number (``torch.full``'s value, ``clamp``'s bounds, ``x ** p``)
 function returns as a number (a graph per value, as before), and a float that decides
 control flow gives a graph per branch taken.
 
+``xm.all_reduce``, ``all_gather`` and ``reduce_scatter`` inside a compiled function are calls in
+Dynamo's graph that record ``xlatorch::`` ops (``runtime/trace/collectives.py``); a graph holding
+one compiles as the SPMD program over the replicas. Tensors the function builds from Python
+data (``torch.tensor([...], device=...)``) are fake while it is traced (``runtime/device.py``)
+and constants of its graph.
+
 Importing this module (``torch.compile`` does it on its first call once xlatorch is imported)
-teaches Dynamo that xla tensors are tensors, keeps it out of xlatorch's own code, and
-registers the backends (replacing PyTorch's built-in ``openxla``, which needs torch_xla).
+teaches Dynamo that xla tensors are tensors, keeps it out of xlatorch's own code (but for the
+collectives), and registers the backends (replacing PyTorch's built-in ``openxla``, which needs
+torch_xla).
 """
 
 from __future__ import annotations
