@@ -21,6 +21,31 @@ def _dump(out, obj):
     torch.save(obj, os.path.join(out, f"rank{xr.global_ordinal()}.pt"))
 
 
+def compiled_collectives(index, out):
+    """torch_xla's test_mp_replication: xm's collectives inside torch.compile'd functions."""
+    d = xm.xla_device()
+    n, r = xr.world_size(), xr.global_ordinal()
+    x = (torch.arange(12.0).reshape(4, 3) + 100 * r).to(d)
+
+    def reduce(t):
+        return xm.all_reduce(xm.REDUCE_SUM, t)
+
+    def several(a, b):
+        lst = [a * 1.0, b * 2.0]
+        xm.all_reduce(xm.REDUCE_SUM, lst, scale=0.5)
+        return (lst[0], lst[1], xm.all_reduce(xm.REDUCE_MAX, a, groups=[list(range(n))]), xm.all_gather(a, dim=1),
+                xm.reduce_scatter(xm.REDUCE_SUM, b, 1.0, 0, n))  # fmt: skip
+
+    met.clear_counters()
+    res = {"reduce": torch.compile(reduce, backend="openxla", fullgraph=True)(x)}
+    res.update(zip(("list0", "list1", "max", "gather", "scatter"),
+                   torch.compile(several, backend="openxla", fullgraph=True)(x, x + 1)))  # fmt: skip
+    xm.mark_step()
+    res = {k: v.cpu() for k, v in res.items()}
+    res["op_by_op"] = met.counter_value("CompiledGraphOpByOp")
+    _dump(out, res)
+
+
 def collectives(index, out):
     d = xm.xla_device()
     n, r = xr.world_size(), xr.global_ordinal()

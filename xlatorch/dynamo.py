@@ -23,9 +23,16 @@ takes as a plain number (``torch.full``'s value, ``clamp``'s bounds, ``x ** p``)
 function returns as a number (a graph per value, as before), and a float that decides
 control flow gives a graph per branch taken.
 
+``xm.all_reduce``, ``all_gather`` and ``reduce_scatter`` inside a compiled function are calls in
+Dynamo's graph that record ``xlatorch::`` ops (``runtime/trace/collectives.py``); a graph holding
+one compiles as the SPMD program over the replicas. Tensors the function builds from Python
+data (``torch.tensor([...], device=...)``) are fake while it is traced (``runtime/device.py``)
+and constants of its graph.
+
 Importing this module (``torch.compile`` does it on its first call once xlatorch is imported)
-teaches Dynamo that xla tensors are tensors, keeps it out of xlatorch's own code, and
-registers the backends (replacing PyTorch's built-in ``openxla``, which needs torch_xla).
+teaches Dynamo that xla tensors are tensors, keeps it out of xlatorch's own code (but for the
+collectives), and registers the backends (replacing PyTorch's built-in ``openxla``, which needs
+torch_xla).
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from torch._dynamo.variables.builder import VariableBuilder
 from torch._functorch.aot_autograd import make_boxed_func
 
 from xlatorch.runtime.base.record import COUNTERS
+from xlatorch.runtime.trace import collectives
 from xlatorch.runtime.trace.fx import FxProgram, Unlowerable
 from xlatorch.runtime.trace.tensor import XlaTensor
 
@@ -132,6 +140,9 @@ def _install() -> None:
     if not getattr(VariableBuilder.wrap_symfloat, "_xlatorch", False):
         VariableBuilder.wrap_symfloat = _float_arguments_are_inputs(VariableBuilder.wrap_symfloat)
     torch._dynamo.trace_rules.add("xlatorch")  # never trace xlatorch's own Python
+    # ... but record xm's collectives as calls: given a tracer's tensors they record their ops.
+    for fn in (collectives.all_reduce, collectives.all_gather, collectives.reduce_scatter):
+        torch._dynamo.allow_in_graph(fn)
     _lazy_import()  # PyTorch's built-in backends, its openxla among them, are registered now
     for name in ("openxla", "xlatorch"):
         _COMPILER_FNS.pop(name, None)

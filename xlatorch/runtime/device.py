@@ -117,11 +117,32 @@ def register(factories: dict) -> None:
 
     if XlaTensor not in optimizer._foreach_supported_types:
         optimizer._foreach_supported_types.append(XlaTensor)
+    _fake_tensors_stay_fake()
     _lib = torch.library.Library("aten", "IMPL")
     for name, shim in factories.items():
         _lib.impl(name, _ordinal_checked(shim), "PrivateUse1")
     # torch.tensor(data, device="xla") copies below the Python key: ATen asks for _copy_from.
     _lib.impl("_copy_from", lambda self, dst, non_blocking=False: _copy_(dst, self), "PrivateUse1")
+
+
+def _fake_tensors_stay_fake() -> None:
+    """``torch.tensor(data, device="xla")`` while a fake mode traces (Dynamo, AOTAutograd,
+    ``torch.export``) makes a fake tensor, never a real device tensor.
+
+    The constructor builds its data on the CPU below the Python key. A fake mode that
+    ``avoid_device_init`` lifts that CPU tensor to a fake one and moves it with a fake
+    ``_to_copy``; one that does not (PyTorch's choice when a PrivateUse1 backend is
+    available) first copies it to the device for real, through the PrivateUse1 kernels,
+    and only converts a plain tensor to a fake one: an xla tensor came out real, and the
+    first op mixing it with fakes failed (Hugging Face's ``DynamicCache`` starts from
+    ``torch.tensor([], device=...)``). Avoiding device init is always sound (it only gives up
+    folding constants that move between devices) and is what torch_xla gets, its device not
+    being a PrivateUse1 one; the traced graph holds the data as a CPU constant moved to the
+    device.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    FakeTensorMode.avoid_device_init = property(lambda self: True)
 
 
 def _ordinal_checked(shim):

@@ -10,6 +10,14 @@ Replica ``groups`` (lists of ordinals partitioning the world) are lowered with o
 all-gather plus a static membership table, which works for every reduce type.
 ``pin_layout`` is accepted for torch_xla's signatures; XLA chooses layouts here.
 These functions are ``xm``'s (``core/xla_model.py`` re-exports them).
+
+Under ``torch.compile`` they are traceable: Dynamo puts ``all_reduce``, ``all_gather`` and
+``reduce_scatter`` into its graph as calls (``xlatorch/dynamo.py``), and given a tracer's
+tensors (fake or functional ones on the xla device) they call the ops ``xlatorch::all_reduce``,
+``xlatorch::all_gather``, ``xlatorch::reduce_scatter``, whose fake kernels give the shapes.
+AOTAutograd records those ops, and a compiled graph holding one lowers it with the same
+emitters, as a collective (``TRACED``; ``runtime/trace/fx.py``). Real device tensors take the
+direct path (no dispatch), and so does a world of one replica, traced or not.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from xlatorch.runtime.base.record import COUNTERS
 from xlatorch.runtime.base.topology import world_size
 from xlatorch.runtime.ir.ops import STATIC, TENSOR, TENSOR_LIST, Info, OpSpec, signature
 from xlatorch.runtime.ir.values import Node
+from xlatorch.runtime.trace.dispatch import RUNTIME_OPS
 from xlatorch.runtime.trace.tensor import XlaTensor, value_of, wrap, write
 
 __all__ = [
@@ -35,6 +44,7 @@ __all__ = [
     "all_to_all",
     "broadcast",
     "REDUCE_TYPES",
+    "TRACED",
 ]
 
 AXIS = "replicas"
@@ -150,7 +160,8 @@ _REDUCE_SCATTER = _spec("xla::reduce_scatter", _emit_reduce_scatter,
 _ALL_TO_ALL = _spec("xla::all_to_all", _emit_all_to_all,
                     ["input", "split_dimension", "concat_dimension", "split_count"], 0)  # fmt: skip
 _BROADCAST = _spec("xla::broadcast", _emit_broadcast, ["input", "root"], 0)
-SPECS = frozenset({_ALL_REDUCE, _ALL_GATHER, _REDUCE_SCATTER, _ALL_TO_ALL, _BROADCAST})
+# A set: a compiled graph holding a traced collective (runtime/trace/fx.py) joins it.
+SPECS = {_ALL_REDUCE, _ALL_GATHER, _REDUCE_SCATTER, _ALL_TO_ALL, _BROADCAST}
 
 
 def _node(spec, vals, avals) -> Node:
@@ -159,9 +170,26 @@ def _node(spec, vals, avals) -> Node:
 
 
 def _device_tensor(t, what: str) -> XlaTensor:
-    if type(t) is not XlaTensor:
+    if type(t) is not XlaTensor and (not isinstance(t, torch.Tensor) or t.device.type != "xla"):
         raise RuntimeError(f"xlatorch: {what} takes xla tensors, got a tensor on '{t.device}'")
     return t
+
+
+def _traced(ts) -> bool:
+    """Whether these device tensors are a tracer's (Dynamo's fakes, AOTAutograd's functional
+    tensors): the collective is then recorded as its ``xlatorch::`` op."""
+    return any(type(t) is not XlaTensor for t in ts)
+
+
+def _flat(groups) -> tuple[list, int]:
+    """Validated replica groups as the ops' arguments: every ordinal in group order, and the
+    group size (``[], 0``: one group of every replica)."""
+    gs = _groups(groups)
+    return ([], 0) if gs is None else ([r for g in gs for r in g], len(gs[0]))
+
+
+def _unflat(groups, size) -> tuple | None:
+    return None if not size else tuple(tuple(groups[i : i + size]) for i in range(0, len(groups), size))
 
 
 def _check_reduce_type(reduce_type: str) -> str:
@@ -182,6 +210,13 @@ def all_reduce(reduce_type: str, inputs, scale: float = 1.0, groups=None, pin_la
         if single:
             return res[0].clone() if res[0] is ts[0] else res[0]
         return inputs
+    if _traced(ts):
+        res = torch.ops.xlatorch.all_reduce(ts, reduce_type, float(scale), *_flat(groups))
+        if single:
+            return res[0]
+        for t, r in zip(ts, res):
+            t.copy_(r)
+        return inputs
     vals = (tuple(value_of(t) for t in ts), reduce_type, float(scale), _groups(groups))
     n = _node(_ALL_REDUCE, vals, [v.aval for v in vals[0]])
     if single:
@@ -201,6 +236,8 @@ def all_gather(value, dim: int = 0, groups=None, output=None, pin_layout: bool =
     shape[d] *= n
     if world_size() == 1:
         res = t.reshape(shape).clone()
+    elif _traced([t]):
+        res = torch.ops.xlatorch.all_gather(t, d, *_flat(groups))
     else:
         res = wrap(_node(_ALL_GATHER, (value_of(t), d, gs), [(tuple(shape), t.dtype)]).outs[0])
     if output is not None:
@@ -231,6 +268,8 @@ def reduce_scatter(reduce_type: str, input, scale: float, scatter_dim: int, shar
         avals.append((tuple(shape), t.dtype))
     if world_size() == 1:
         res = [t * scale for t in ts]
+    elif _traced(ts):
+        res = torch.ops.xlatorch.reduce_scatter(ts, reduce_type, float(scale), scatter_dim, shard_count, *_flat(groups))
     else:
         vals = (tuple(value_of(t) for t in ts), reduce_type, float(scale), scatter_dim, shard_count, gs)
         res = [wrap(v) for v in _node(_REDUCE_SCATTER, vals, avals).outs]
@@ -281,3 +320,79 @@ def reduce_gradients(optimizer, groups=None, pin_layout: bool = True) -> None:
     if grads:
         count = len(groups[0]) if groups else world_size()
         all_reduce("sum", grads, scale=1.0 / count, groups=groups)
+
+
+# The traced collectives: torch.library ops with fake kernels (shapes) and handlers for real
+# device tensors (a compiled graph run op by op), each lowered like its IR node (TRACED).
+_LIB = torch.library.Library("xlatorch", "DEF")
+_LIB.define("all_reduce(Tensor[] inputs, str reduce_type, float scale, int[] groups, int group_size) -> Tensor[]")
+_LIB.define("all_gather(Tensor input, int dim, int[] groups, int group_size) -> Tensor")
+_LIB.define("reduce_scatter(Tensor[] inputs, str reduce_type, float scale, int dim, int shard_count, int[] groups, "
+            "int group_size) -> Tensor[]")  # fmt: skip
+
+
+def _gathered_shape(t, dim, group_size):
+    shape = list(t.shape) or [1]
+    shape[dim % len(shape)] *= group_size or world_size()
+    return shape
+
+
+def _scattered_shape(t, dim, shard_count):
+    shape = list(t.shape)
+    shape[dim % len(shape)] //= shard_count
+    return shape
+
+
+@torch.library.register_fake("xlatorch::all_reduce", lib=_LIB)
+def _all_reduce_fake(inputs, reduce_type, scale, groups, group_size):
+    return [torch.empty_like(t) for t in inputs]
+
+
+@torch.library.register_fake("xlatorch::all_gather", lib=_LIB)
+def _all_gather_fake(input, dim, groups, group_size):
+    return input.new_empty(_gathered_shape(input, dim, group_size))
+
+
+@torch.library.register_fake("xlatorch::reduce_scatter", lib=_LIB)
+def _reduce_scatter_fake(inputs, reduce_type, scale, dim, shard_count, groups, group_size):
+    return [t.new_empty(_scattered_shape(t, dim, shard_count)) for t in inputs]
+
+
+def _all_reduce_op(inputs, reduce_type, scale, groups, group_size):
+    groups = _unflat(groups, group_size)
+    return [all_reduce(reduce_type, t, scale, groups) for t in inputs]
+
+
+def _all_gather_op(input, dim, groups, group_size):
+    return all_gather(input, dim, _unflat(groups, group_size))
+
+
+def _reduce_scatter_op(inputs, reduce_type, scale, dim, shard_count, groups, group_size):
+    return reduce_scatter(reduce_type, list(inputs), scale, dim, shard_count, _unflat(groups, group_size))
+
+
+def _emit_traced_all_reduce(out, xs, reduce_type, scale, groups, group_size):
+    return _emit_all_reduce(out, xs, reduce_type, scale, _unflat(groups, group_size))
+
+
+def _emit_traced_all_gather(out, x, dim, groups, group_size):
+    return _emit_all_gather(out, x, dim, _unflat(groups, group_size))
+
+
+def _emit_traced_reduce_scatter(out, xs, reduce_type, scale, dim, shard_count, groups, group_size):
+    return _emit_reduce_scatter(out, xs, reduce_type, scale, dim, shard_count, _unflat(groups, group_size))
+
+
+_xops = torch.ops.xlatorch
+RUNTIME_OPS.update({_xops.all_reduce.default: _all_reduce_op, _xops.all_gather.default: _all_gather_op,
+                    _xops.reduce_scatter.default: _reduce_scatter_op})  # fmt: skip
+# OpOverload -> the spec a compiled graph lowers it with (arguments by schema name).
+TRACED = {
+    _xops.all_reduce.default: _spec("xlatorch::all_reduce", _emit_traced_all_reduce,
+                                    ["inputs", "reduce_type", "scale", "groups", "group_size"], 1),
+    _xops.all_gather.default: _spec("xlatorch::all_gather", _emit_traced_all_gather,
+                                    ["input", "dim", "groups", "group_size"], 0),
+    _xops.reduce_scatter.default: _spec("xlatorch::reduce_scatter", _emit_traced_reduce_scatter,
+                                        ["inputs", "reduce_type", "scale", "dim", "shard_count", "groups",
+                                         "group_size"], 1),
+}  # fmt: skip

@@ -66,6 +66,15 @@ def dispatch(func, args, kwargs):
 
 
 def _not_xla(spec, t) -> RuntimeError:
+    if t.device.type == "xla":  # on the device, yet no device data: a tracer's tensor
+        kind = type(t).__name__
+        return RuntimeError(
+            f"xlatorch: aten::{spec.name} got a {kind} (a tensor of a trace: torch.compile, torch.export, "
+            f"make_fx) together with real xla tensors, which hold device data; both say '{t.device}'. "
+            f"A real tensor cannot enter a trace's ops: it was made outside the traced function (a global, "
+            f"a tensor kept from an earlier call) or by a factory the trace did not see; pass it as an "
+            f"argument, or create it inside the function"
+        )
     return RuntimeError(
         f"Input tensor is not an XLA tensor: {t.type()} (aten::{spec.name} got a tensor on "
         f"'{t.device}' together with tensors on 'xla:0'; move it with .to('xla'), or the module "

@@ -10,8 +10,10 @@ on the host at each call. The node joins the step's lazy graph, so a compiled fo
 backward and the optimizer's ops still compile into the step's one XLA program (cached like
 any other). Random ops get a fresh seed per call (graph inputs, never constants); on-device
 checks (index bounds ...) are computed inside the node and raised at the sync, as in the lazy
-path. A graph with an op that has no lowering (or symbolic shapes) raises ``Unlowerable``:
-the caller runs it op by op instead.
+path. A tensor the traced code built from Python data (``torch.tensor([...], device=...)``,
+held by the graph as a CPU constant, ``get_attr``) is a constant of the node's lowering, as it
+is of the graph Dynamo guards. A graph with an op that has no lowering (or symbolic shapes)
+raises ``Unlowerable``: the caller runs it op by op instead.
 """
 
 from __future__ import annotations
@@ -24,14 +26,17 @@ import torch
 from torch.fx.node import map_arg
 
 from xlatorch.runtime.base import config
-from xlatorch.runtime.base.dtypes import PY_SCALAR_DTYPE, PY_SCALAR_JAX, to_jax, weak
+from xlatorch.runtime.base.dtypes import EXACT, PY_SCALAR_DTYPE, PY_SCALAR_JAX, TORCH_TO_JAX, to_jax, weak
 from xlatorch.runtime.base.record import COUNTERS
 from xlatorch.runtime.base.source import user_frame
 from xlatorch.runtime.base.threads import TICKS, owner
+from xlatorch.runtime.base.topology import world_size
 from xlatorch.runtime.ir.emit import emit_node
 from xlatorch.runtime.ir.ops import GENERATOR, SCALAR, SCALAR_LIST, STATIC, TENSOR_LIST, TUPLE, Info, OpSpec, signature
 from xlatorch.runtime.ir.rng import next_key
 from xlatorch.runtime.ir.values import Node, Scalar
+from xlatorch.runtime.trace.collectives import SPECS as COLLECTIVES
+from xlatorch.runtime.trace.collectives import TRACED
 from xlatorch.runtime.trace.nodes import info_of
 from xlatorch.runtime.trace.tensor import XlaTensor, value_of, wrap
 
@@ -85,6 +90,22 @@ def _aval(v):
     if not all(type(d) is int for d in shape):
         raise Unlowerable("symbolic shapes")
     return shape, v.dtype
+
+
+def _constant(gm, n) -> torch.Tensor:
+    """The CPU tensor a ``get_attr`` node reads: a tensor the traced code made from Python data."""
+    t = getattr(gm, n.target, None)
+    if type(t) is not torch.Tensor or t.device.type != "cpu":
+        raise Unlowerable(f"graph attribute {n.target} ({type(t).__name__})")
+    _aval(t)
+    return t  # read (never written) at each call and lowering: a fake mode may be tracing now
+
+
+def _literal(t: torch.Tensor):
+    """``t`` as a JAX constant in the device's storage dtype (bfloat16 bit for bit)."""
+    t = t.contiguous()
+    a = t.view(torch.int16).numpy().view(EXACT[torch.bfloat16]) if t.dtype == torch.bfloat16 else t.numpy()
+    return jnp.asarray(a, TORCH_TO_JAX[t.dtype])
 
 
 def _schema_args(op, args, kwargs) -> dict:
@@ -141,7 +162,9 @@ class FxProgram:
         self.gm = gm
         self.steps = []  # (kind, fx node, spec, arg template, info)
         self.inputs = []
+        self.constants = {}  # get_attr node -> CPU tensor
         self.random = 0
+        self.collective = False
         checked = False
         for n in gm.graph.nodes:
             if n.op == "placeholder":
@@ -152,10 +175,10 @@ class FxProgram:
             elif n.op == "output":
                 outs = n.args[0]
                 self.outputs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
-            elif n.op != "get_attr":
-                raise Unlowerable(f"FX node kind {n.op}")
+            elif n.op == "get_attr":
+                self.constants[n] = _constant(gm, n)
             else:
-                raise Unlowerable("graph constants (get_attr)")
+                raise Unlowerable(f"FX node kind {n.op}")
         # Outputs on the CPU (computed from float arguments alone: a forward saves them for its
         # backward, Dynamo reads a returned one back as a number) are computed on the host.
         self.on_device = [o if o is not None and _on_device(o) else None for o in self.outputs]
@@ -165,6 +188,8 @@ class FxProgram:
                            (TENSOR_LIST,), (False,), TUPLE)  # fmt: skip
         self.spec.check = self._check if checked and config.CHECKS else None
         self.info = Info(self.avals, None, self.spec.check is not None)
+        if self.collective and world_size() > 1:  # compiled as one program per replica (SPMD)
+            COLLECTIVES.add(self.spec)
         self._stash: dict = {}
 
     def _plan(self, n) -> bool:
@@ -182,6 +207,9 @@ class FxProgram:
             self.steps.append(("convert", n, None, n.args[0], _aval(n.meta.get("val"))[1]))
             return False
         spec = SPECS.get(op)
+        if spec is None:
+            spec = TRACED.get(op)
+            self.collective |= spec is not None
         if spec is None:
             raise Unlowerable(f"aten::{getattr(op, '__name__', op)} has no lowering")
         named = _schema_args(op, n.args, n.kwargs)
@@ -232,13 +260,14 @@ class FxProgram:
         outs = [None if o is None else wrap(o) for o in node.outs]
         if self.host:
             env = dict(zip(self.inputs, args))
+            env.update(self.constants)
             for n in self.host:
                 env[n] = n.target(*map_arg(n.args, env.__getitem__), **map_arg(n.kwargs, env.__getitem__))
             outs = [env[o] if o is not None and d is None else t for o, d, t in zip(self.outputs, self.on_device, outs)]
         return outs
 
     def _lower(self, inputs, found=None):
-        env = {}
+        env = {n: _literal(t) for n, t in self.constants.items()}
         n_in = len(self.inputs)
         for p, v in zip(self.inputs, inputs[:n_in]):
             env[p] = v
