@@ -33,23 +33,23 @@ class _Executions:
         self.busy = 0
         self.cv = threading.Condition()
 
-    def started(self, outs, t0: int) -> None:
+    def started(self, outs, t0: int, name: str = "ExecuteTime") -> None:
         with self.cv:
             if self.queue is None:
                 self.queue = queue.SimpleQueue()
                 threading.Thread(target=self._wait_each, name="xlatorch-execute-time", daemon=True).start()
             self.busy += 1
-        self.queue.put((outs, t0))
+        self.queue.put((outs, t0, name))
 
     def _wait_each(self) -> None:
         while True:
-            outs, t0 = self.queue.get()
+            outs, t0, name = self.queue.get()
             try:
                 if outs:  # an execution's outputs are ready together: one says when it ended
                     outs[-1].block_until_ready()
             except Exception:  # donated to a later execution (so it had ended) or failed: it is over
                 pass
-            record.add_sample("ExecuteTime", time.perf_counter_ns() - t0)
+            record.add_sample(name, time.perf_counter_ns() - t0)
             del outs
             with self.cv:
                 self.busy -= 1
