@@ -229,8 +229,8 @@ def _diff(new: _Graph, old: _Graph):
         out.append(("the updates a failed on-device check undoes differ (tensors updated in place, or ops traced "
                     "in another order relative to the checked ones)", None))  # fmt: skip
     if nk[8:] != ok[8:]:  # a torch_xla.compile region's custom_compile_options
-        out.append((f"compiler options differ: {dict(nk[8][0]) if nk[8:] else {}} (was "
-                    f"{dict(ok[8][0]) if ok[8:] else {}})", None))  # fmt: skip
+        out.append((f"compiler options differ: {dict(nk[8]) if nk[8:] else {}} (was "
+                    f"{dict(ok[8]) if ok[8:] else {}})", None))  # fmt: skip
     return out
 
 
@@ -346,7 +346,7 @@ def _on_sync(reason: str, graph_nodes: int) -> None:
     if knob.LEVEL >= 1:
         n = sum(_STEP.values())
         region = regions.current()
-        graph = f" of graph {region.name!r}" if region is not None and region.name else ""
+        graph = f" {region.name!r}" if region is not None and region.name else ""
         knob.LOG.info(f"Execution Analysis: {what} at {src or '?'} cut the graph{graph} ({graph_nodes} nodes; "
                       f"step {_step}, cut {n} besides mark_step); the host waits for the device")  # fmt: skip
 

@@ -214,9 +214,10 @@ def _count_graph(region, graph, gdev) -> None:
         if len(s.keys) >= s.limit:
             lines = explainer.difference(summary, s.summaries) if explainer is not None else []
             src = user_frame()
+            at = "" if src is None or src[:2] == (region.where or ())[:2] else f" at {fmt_src(src, full=True)}"
             raise RuntimeError(
                 f"Maximum number of different graphs allowed per function exceeded: {s.limit}\n"
-                f"The {_where(region)} produced its graph number {len(s.keys) + 1} at {fmt_src(src, full=True)} "
+                f"The {_where(region)} produced its graph number {len(s.keys) + 1}{at} "
                 f"(max_different_graphs={s.limit}); it differs from the closest one before:"
                 + "".join(f"\n  {line}" for line in lines or ["(no difference found from the graphs before)"])
             )
