@@ -7,6 +7,8 @@ the metrics API.
 import logging
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -144,7 +146,8 @@ def _mark(t):
 
 @pytest.mark.parametrize(
     "cut, cause",
-    [(_read, r"\.item\(\)"), (_print, "print"), (_fallback, "CPU fallback aten::special_bessel_j0"), (_mark, "mark_step")],
+    [(_read, r"\.item\(\)"), (_print, "print"), (_fallback, "CPU fallback aten::special_bessel_j0"),
+     (_mark, "mark_step")],
 )  # fmt: skip
 def test_full_graph_raises_at_a_cut_naming_the_line_and_the_cause(cut, cause):
     x = torch.randn(4, device="xla")
@@ -155,7 +158,7 @@ def test_full_graph_raises_at_a_cut_naming_the_line_and_the_cause(cut, cause):
         return y
 
     line = cut.__code__.co_firstlineno + 1  # the body line of the cut
-    with pytest.raises(RuntimeError, match=rf"Unexpected execution happens inside the compiled function") as info:
+    with pytest.raises(RuntimeError, match="Unexpected execution happens inside the compiled function") as info:
         xlatorch.compile(f, full_graph=True)(x)
     msg = str(info.value)
     assert f"test_compile_region.py:{line}" in msg, msg
@@ -314,3 +317,81 @@ def test_a_region_used_from_another_thread_is_that_threads_own():
         assert regions.current() is not None
     assert seen == [None]
     del x
+
+
+# torch_xla's guide to eager mode and torch_xla.compile (docs/source/learn/eager.md), with a small
+# model in place of torchvision's ResNet, run unmodified by the compat runner.
+GUIDE = """
+import sys
+import torch
+import torch_xla
+import torch_xla.debug.metrics as met
+import torch_xla.core.xla_model as xm
+
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+state = {k: v.clone() for k, v in net.state_dict().items()}
+data = torch.randn(6, 8)
+target = torch.randint(0, 4, (6,))
+
+# Run ops eagerly by default
+torch_xla.experimental.eager_mode(True)
+assert torch_xla.experimental.is_eager_mode()
+
+device = torch_xla.device()
+model = net.to(device)
+
+# Mark the function to be compiled
+compiled_model = torch_xla.compile(model)
+input = data.to(device)
+
+# Compilation and execution happens right away.
+res = compiled_model(input)
+xm.wait_device_ops()
+executions = met.metric_data("ExecuteTime")[0]
+
+def step_fn(model, data, target, loss_fn, optimizer):
+    optimizer.zero_grad()
+    logits = model(data)
+    loss = loss_fn(logits, target)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+step_fn = torch_xla.compile(step_fn)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+losses = [step_fn(model, data.to(device), target.to(device), torch.nn.CrossEntropyLoss(), optimizer).cpu()
+          for _ in range(3)]
+
+with torch_xla.experimental.eager_mode_context(False):
+    assert not torch_xla.experimental.is_eager_mode()
+torch.save({"res": res.cpu(), "losses": losses, "state": state, "executions": executions,
+            "params": {k: v.cpu() for k, v in model.state_dict().items()},
+            "eager_ops": met.metric_data("EagerOpExecuteTime")[0]}, sys.argv[1])
+"""
+
+
+def test_the_guide_runs_under_torch_xla_names(tmp_path):
+    (tmp_path / "guide.py").write_text(GUIDE)
+    p = subprocess.run([sys.executable, "-m", "xlatorch.compat", "guide.py", "guide.out"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert p.returncode == 0, p.stdout + p.stderr
+    out = torch.load(tmp_path / "guide.out", weights_only=False)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    net.load_state_dict(out["state"])
+    data = torch.randn(6, 8)
+    target = torch.randint(0, 4, (6,))
+    torch.testing.assert_close(out["res"], net(data), rtol=1e-4, atol=1e-5)
+    assert out["executions"] == 1  # the compiled model: one graph
+    assert out["eager_ops"] > 0  # the transfers' and the loss's reads ran eagerly around it
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for got in out["losses"]:
+        opt.zero_grad()
+        loss = F.cross_entropy(net(data), target)
+        loss.backward()
+        opt.step()
+        # Plain SGD passes the gradients' rounding on unamplified (tests/tolerances.py).
+        torch.testing.assert_close(got, loss.detach(), rtol=1e-4, atol=1e-5)
+    for k, v in net.state_dict().items():
+        torch.testing.assert_close(out["params"][k], v, rtol=1e-4, atol=1e-5)

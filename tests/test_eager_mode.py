@@ -13,11 +13,11 @@ import torch.nn.functional as F
 import xlatorch
 import xlatorch.core.xla_model as xm
 import xlatorch.debug.metrics as met
+from tests.tolerances import AdaptiveSteps
 from xlatorch.experimental import eager_mode, eager_mode_context, is_eager_mode
 from xlatorch.runtime.ir.values import Data
 from xlatorch.runtime.trace import dispatch as D
 from xlatorch.runtime.trace import tensor as T
-from tests.tolerances import AdaptiveSteps
 
 
 @pytest.fixture
