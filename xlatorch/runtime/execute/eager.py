@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 
+from xlatorch.runtime.base.topology import current_device, thread_replicas
 from xlatorch.runtime.execute.sync import EAGER, sync
 from xlatorch.runtime.trace import dispatch as _dispatch_module
 from xlatorch.runtime.trace import tensor as _tensor_module
@@ -48,11 +49,16 @@ def _dispatch(func, args, kwargs):
     finally:
         tls.depth = 0
     if PENDING:
-        sync(EAGER)
+        _sync()
     return out
+
+
+def _sync() -> None:
+    # Under dp.DataParallel each thread computes its own device's values (as its mark_step does).
+    sync(EAGER, current_device() if thread_replicas() else None)
 
 
 def launch() -> None:
     """After a factory made a tensor outside dispatch: compute it now (eager mode only)."""
     if PENDING and not getattr(_tls, "depth", 0):
-        sync(EAGER)
+        _sync()
