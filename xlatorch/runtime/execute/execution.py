@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 import queue
 import signal
-from _signal import getsignal as _getsignal  # signal.getsignal's C function, without its enum conversion
 import threading
 import time
+from _signal import getsignal as _getsignal  # signal.getsignal's C function, without its enum conversion
 
 from xlatorch.runtime.base import interrupts, record
 
