@@ -112,6 +112,20 @@ def test_nested_regions_are_one_graph():
     torch.testing.assert_close(got.cpu(), sin_cos(cpu) * sin_cos(cpu + 1))
 
 
+def test_an_inner_full_graph_region_holds_inside_it_only():
+    cpu = torch.randn(4)
+    x = cpu.to("xla")
+    with xlatorch.compile():
+        y = x * 2
+        y.sum().item()  # the outer region runs in pieces
+        with pytest.raises(RuntimeError, match="Unexpected execution"):
+            with xlatorch.compile(full_graph=True, name="inner"):
+                (y + 1).sum().item()
+        z = y + 3
+    torch.testing.assert_close(z.cpu(), cpu * 2 + 3)
+    assert not regions.ACTIVE
+
+
 def test_a_region_that_raises_still_runs_its_work_and_leaves():
     x = torch.ones(3, device="xla")
     kept = []
