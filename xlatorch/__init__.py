@@ -53,6 +53,7 @@ _fx.SPECS.update({s.overload: s for s in _table.SPECS.values() if s.overload is 
 
 import xlatorch.debug  # noqa: E402,F401  (the compile explainer, sync report and metrics hook into the runtime)
 from xlatorch.amp import autocast_mode as _autocast  # noqa: E402
+from xlatorch.core.compile_region import compile  # noqa: E402  (torch_xla.compile)
 from xlatorch.debug import profiler as _profiler  # noqa: E402
 from xlatorch.fallback import cpu as _fallback  # noqa: E402,F401  (ops with no lowering run on CPU)
 from xlatorch.runtime.base import config as _config  # noqa: E402
@@ -161,4 +162,13 @@ def step():
         sync()
 
 
-__all__ = ["device", "devices", "device_count", "real_devices", "manual_seed", "step", "sync", "launch"]
+def __getattr__(name: str):
+    # ``torch_xla.experimental.eager_mode(True)`` after a bare ``import torch_xla``: loaded on first use.
+    if name == "experimental":
+        import importlib
+
+        return importlib.import_module("xlatorch.experimental")
+    raise AttributeError(f"module 'xlatorch' has no attribute {name!r}")
+
+
+__all__ = ["device", "devices", "device_count", "real_devices", "manual_seed", "step", "sync", "launch", "compile"]

@@ -12,7 +12,10 @@ Host syncs: every graph cut other than ``mark_step`` (``.item()``, ``print``,
 cause and the user's source line, per step and over the run: ``sync_report()``.
 
 Both are recorded at every debug level (they happen at compiles and syncs only, each
-of which costs far more); see ``xlatorch.debug.knob`` for what each level logs.
+of which costs far more); see ``xlatorch.debug.knob`` for what each level logs. Eager mode's
+per-op syncs and compiles are neither (as in torch_xla); a graph compiled in a named
+``torch_xla.compile`` region carries its name. The same comparison names what changed when a
+region makes more graphs than its ``max_different_graphs`` (``record.GRAPH_DIFF``).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import dataclasses
 
 from xlatorch.debug import knob
 from xlatorch.debug.dump import aval_text, dtype_name, graph_text, op_name
-from xlatorch.runtime.base import record
+from xlatorch.runtime.base import record, regions
 from xlatorch.runtime.base.record import cause
 from xlatorch.runtime.base.source import fmt_src, user_frame
 
@@ -62,6 +65,7 @@ class CompileRecord:
       step: the number of ``mark_step`` calls before this compile.
       memory: buffer sizes in bytes from XLA (``argument``, ``output``, ``alias``,
         ``temp``, ``generated_code``), or None when unavailable.
+      name: the ``torch_xla.compile`` region's ``name`` the graph was compiled in, or None.
     """
 
     reason: str
@@ -72,10 +76,12 @@ class CompileRecord:
     sync: str
     step: int
     memory: dict | None = None
+    name: str | None = None
 
     def __str__(self) -> str:
         at = f" at {self.source}" if self.source else ""
-        return f"{self.reason}{at} [{self.graph_nodes} nodes, {self.compile_ms:.1f} ms, cut by {self.sync}]"
+        graph = f", graph {self.name!r}" if self.name else ""
+        return f"{self.reason}{at} [{self.graph_nodes} nodes, {self.compile_ms:.1f} ms, cut by {self.sync}{graph}]"
 
 
 class _Graph:
@@ -113,11 +119,11 @@ def _lcp(a, b) -> int:
     return i
 
 
-def _closest(g: _Graph):
+def _closest(g: _Graph, history=_HISTORY):
     """The earlier graph most like ``g``: same op sequence (fewest differing nodes), else
     the longest common op prefix."""
     best, best_score = None, None
-    for old in _HISTORY:
+    for old in history:
         if old.names == g.names:
             same = sum(a == b for a, b in zip(old.key[0], g.key[0]))
             score = (1, same, 0)
@@ -219,9 +225,12 @@ def _diff(new: _Graph, old: _Graph):
                     f"holding an input was freed or kept alive", None))  # fmt: skip
     if nk[4] != ok[4]:
         out.append((f"device differs: xla:{nk[4]} (was xla:{ok[4]})", None))
-    if nk[5:] != ok[5:]:
+    if nk[5:8] != ok[5:8]:
         out.append(("the updates a failed on-device check undoes differ (tensors updated in place, or ops traced "
                     "in another order relative to the checked ones)", None))  # fmt: skip
+    if nk[8:] != ok[8:]:  # a torch_xla.compile region's custom_compile_options
+        out.append((f"compiler options differ: {dict(nk[8]) if nk[8:] else {}} (was "
+                    f"{dict(ok[8]) if ok[8:] else {}})", None))  # fmt: skip
     return out
 
 
@@ -265,7 +274,9 @@ def on_compile(request, exe, compile_ns: int) -> CompileRecord | None:
         return None
 
 
-def _on_compile(key, nodes, leaves, root_refs, exe, compile_ns: int, cut=None) -> CompileRecord:
+def _on_compile(key, nodes, leaves, root_refs, exe, compile_ns: int, cut=None) -> CompileRecord | None:
+    if _last_sync[0] == "eager":  # eager mode's per-op compiles are not reported (as in torch_xla)
+        return None
     g = _Graph(key, nodes)
     prev = _closest(g)
     if prev is None:
@@ -291,8 +302,9 @@ def _on_compile(key, nodes, leaves, root_refs, exe, compile_ns: int, cut=None) -
     else:
         u = user_frame()
         src = fmt_src(u, full=True) if u else None
+    region = regions.current()
     rec = CompileRecord(lines[0][0], [t for t, _ in lines[1:]], len(nodes), compile_ns / 1e6, src, sync, _step,
-                        _memory(exe))  # fmt: skip
+                        _memory(exe), region.name if region is not None else None)  # fmt: skip
     _RECORDS.append(rec)
     lvl = knob.LEVEL
     if lvl >= 1:
@@ -322,8 +334,8 @@ def on_sync(reason: str, graph_nodes: int) -> None:
 
 def _on_sync(reason: str, graph_nodes: int) -> None:
     global _last_sync
-    if reason == "mark_step":
-        _last_sync = ("mark_step", None)
+    if reason == "mark_step" or reason == "eager":  # a step boundary; eager mode's op-by-op syncs
+        _last_sync = (reason, None)
         return
     what = record.current_cause() or reason
     u = user_frame()
@@ -333,7 +345,9 @@ def _on_sync(reason: str, graph_nodes: int) -> None:
     _STEP[(what, src)] += 1
     if knob.LEVEL >= 1:
         n = sum(_STEP.values())
-        knob.LOG.info(f"Execution Analysis: {what} at {src or '?'} cut the graph ({graph_nodes} nodes; "
+        region = regions.current()
+        graph = f" {region.name!r}" if region is not None and region.name else ""
+        knob.LOG.info(f"Execution Analysis: {what} at {src or '?'} cut the graph{graph} ({graph_nodes} nodes; "
                       f"step {_step}, cut {n} besides mark_step); the host waits for the device")  # fmt: skip
 
 
@@ -402,7 +416,25 @@ def clear() -> None:
     _step = 0
 
 
+class _GraphDiff:
+    """How a graph differs from others, for the runtime's errors (``record.GRAPH_DIFF``)."""
+
+    @staticmethod
+    def summary(key, nodes) -> _Graph:
+        """What the comparison needs of a graph (its key, op names, source lines; no tensors)."""
+        return _Graph(key, nodes)
+
+    @staticmethod
+    def difference(new: _Graph, olds) -> list[str]:
+        """Lines naming how ``new`` differs from the closest of ``olds`` (summaries)."""
+        prev = _closest(new, [g for g in olds if g is not None])
+        if prev is None:
+            return []
+        return [text for text, _ in _diff(new, prev)]
+
+
 # The runtime calls these at every compile, sync and mark_step (xlatorch.runtime.base.record).
+record.GRAPH_DIFF.append(_GraphDiff)
 record.COMPILE_HOOKS.append(on_compile)
 record.SYNC_HOOKS.append(on_sync)
 record.STEP_HOOKS.append(end_step)

@@ -8,3 +8,5 @@
 Each module is a thin user API over the runtime: loops and replayed functions are IR nodes
 (``runtime/trace/loops.py``), eager mode is a sync policy.
 """
+
+from xlatorch.experimental.eager import eager_mode, eager_mode_context, is_eager_mode  # noqa: F401

@@ -15,6 +15,7 @@ import operator
 import torch
 
 from xlatorch.runtime.base.topology import device_index, local_device_count
+from xlatorch.runtime.execute import eager
 from xlatorch.runtime.execute.materialize import to_cpu, to_other_device
 from xlatorch.runtime.execute.transfer import to_device
 from xlatorch.runtime.ir import rng
@@ -122,7 +123,7 @@ def register(factories: dict) -> None:
     for name, shim in factories.items():
         _lib.impl(name, _ordinal_checked(shim), "PrivateUse1")
     # torch.tensor(data, device="xla") copies below the Python key: ATen asks for _copy_from.
-    _lib.impl("_copy_from", lambda self, dst, non_blocking=False: _copy_(dst, self), "PrivateUse1")
+    _lib.impl("_copy_from", lambda self, dst, non_blocking=False: _launched(_copy_(dst, self)), "PrivateUse1")
 
 
 def _fake_tensors_stay_fake() -> None:
@@ -152,9 +153,16 @@ def _ordinal_checked(shim):
         d = kwargs.get("device")
         if d is not None and d.index:
             device_index(d)
-        return shim(*args, **kwargs)
+        return _launched(shim(*args, **kwargs))
 
     return factory
+
+
+def _launched(out):
+    """``out``, computed now in eager mode (these kernels run below ``__torch_dispatch__``)."""
+    if eager.ON:
+        eager.launch()
+    return out
 
 
 def _xla_target(device) -> bool:

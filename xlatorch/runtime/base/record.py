@@ -16,7 +16,7 @@ from collections import defaultdict
 
 __all__ = [
     "COUNTERS", "METRICS", "add_sample", "timed", "TIMED", "PHASE", "cause", "current_cause",
-    "SYNC_HOOKS", "COMPILE_HOOKS", "STEP_HOOKS", "DEVICE_HOOKS", "SOURCE_LINES", "HLO_DEBUG",
+    "SYNC_HOOKS", "COMPILE_HOOKS", "STEP_HOOKS", "DEVICE_HOOKS", "SOURCE_LINES", "HLO_DEBUG", "GRAPH_DIFF",
 ]  # fmt: skip
 
 COUNTERS: defaultdict[str, int] = defaultdict(int)  # CachedCompile, MarkStep, aten::<op> ...
@@ -66,6 +66,10 @@ SYNC_HOOKS: list = []  # (reason, graph_nodes) at every sync that executes a gra
 COMPILE_HOOKS: list = []  # (CompileRequest, executable, compile_ns) at every compile (runtime/lower/executable.py)
 STEP_HOOKS: list = []  # () after every mark_step
 DEVICE_HOOKS: list = []  # () once, when the runtime first uses the device
+# Filled by xlatorch.debug.explain (one object): ``summary(key, nodes)`` says what a graph is
+# without holding its tensors; ``difference(summary, summaries)`` names, one line each, how it
+# differs from the closest of ``summaries`` (``torch_xla.compile``'s ``max_different_graphs``).
+GRAPH_DIFF: list = []
 
 # Set by xlatorch.debug.knob: IR nodes record the user's source line (``XLA_IR_DEBUG``, debug
 # level >= 1); lowered ops carry ``aten::<op>(file.py:12)`` in their HLO metadata (``XLA_HLO_DEBUG``).

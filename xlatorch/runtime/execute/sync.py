@@ -15,7 +15,7 @@ import time
 
 import jax
 
-from xlatorch.runtime.base import config, record, topology
+from xlatorch.runtime.base import config, record, regions, topology
 from xlatorch.runtime.base.record import COUNTERS
 from xlatorch.runtime.base.source import fmt_src, user_frame
 from xlatorch.runtime.base.threads import BODIES, CHECKED_SINCE_SYNC, DEFERRED, LOCK, _in_backward
@@ -36,7 +36,16 @@ from xlatorch.runtime.plan.collect import collect, pack
 from xlatorch.runtime.trace.loops import BodyError
 from xlatorch.runtime.trace.tensor import PENDING, pending_storages, reroot_lone_views
 
-__all__ = ["sync", "wait", "Step"]
+__all__ = ["sync", "wait", "Step", "EAGER"]
+
+# The reason of eager mode's syncs, one per op (runtime/execute/eager.py): their compiles and
+# executions are timed as torch_xla's EagerOpCompileTime / EagerOpExecuteTime.
+EAGER = "eager"
+_EAGER_METRICS = {"CompileTime": "EagerOpCompileTime", "ExecuteTime": "EagerOpExecuteTime"}
+
+
+def _eager_timed(name: str):
+    return record.TIMED(_EAGER_METRICS.get(name, name))
 
 
 class Step:
@@ -81,6 +90,10 @@ class Step:
         self.spmd = sharding.prepare(data, self.storages) if topology.SPMD[0] else None  # (mesh, key part, outs)
         self.key = (tuple(g.enc), g.root_refs, tuple(v.sig for v in leaves), self.donate, gdev, kept,
                     self.spmd and self.spmd[1], in_graph)  # fmt: skip
+        if regions.ACTIVE:  # a torch_xla.compile region's compiler options make another executable
+            opts = regions.options_key()
+            if opts is not None:
+                self.key += (opts,)
         return cache.CACHE.get(self.key)  # one lookup on a hit: hashing the key walks the whole graph's encoding
 
 
@@ -92,7 +105,9 @@ def sync(reason: str = "mark_step", dev: int | None = None) -> None:
         lock.acquire()
     try:
         phase = record.PHASE
-        if phase is not None:  # profiling: spans for the sync, its compile and execution
+        if reason == EAGER:
+            _sync(reason, dev, _eager_timed)
+        elif phase is not None:  # profiling: spans for the sync, its compile and execution
             with phase("xlatorch.sync", reason=reason):
                 _sync(reason, dev, record.TIMED)
         else:  # otherwise that test is all the profiler costs a sync
@@ -134,6 +149,9 @@ def _sync(reason, dev, timed) -> None:
             CHECKED_SINCE_SYNC.clear()
         settle.settle()  # a sync reads the previous step's checks even when it has nothing to run
         return
+    region = regions.current() if regions.ACTIVE else None
+    if region is not None and region.full_graph and not region.ending:
+        _cut_in_full_graph(region, reason)
     t0 = time.perf_counter_ns()
     reroot_lone_views(storages)
     graph = collect([st.value for st in storages])
@@ -147,6 +165,8 @@ def _sync(reason, dev, timed) -> None:
             faults.raise_owned(err, [st for st in storages if id(st) not in ok])
             return
         storages = healthy
+    if region is not None:
+        _count_graph(region, graph, storages[0].dev)
     for hook in record.SYNC_HOOKS:  # xlatorch.debug: the graph-cut report
         hook(reason, len(graph.nodes))
     step = Step(reason, dev, storages, graph, everything, t0, timed)
@@ -169,6 +189,49 @@ def _sync(reason, dev, timed) -> None:
     except OutOfMemory as oom:
         _isolate(step, oom)
         raise
+
+
+def _where(region) -> str:
+    name = f" {region.name!r}" if region.name else ""
+    at = f" entered at {fmt_src(region.where, full=True)}" if region.where else ""
+    return f"torch_xla.compile region{name}{at}"
+
+
+def _cut_in_full_graph(region, reason) -> None:
+    """Raise: a sync inside a ``full_graph`` region would run part of its graph before its end."""
+    what = record.current_cause() or reason
+    src = user_frame()
+    raise RuntimeError(
+        f"Unexpected execution happens inside the compiled function, exiting: {what} at {fmt_src(src, full=True)} "
+        f"would run part of the graph of the {_where(region)} before the region ends (full_graph=True). "
+        f"Move it out of the region, or compile without full_graph to run the region in pieces."
+    )
+
+
+def _count_graph(region, graph, gdev) -> None:
+    """Count a graph made inside regions with ``max_different_graphs``; raise at one too many,
+    naming how it differs from those seen (the compile explainer's account)."""
+    sessions = list(region.sessions())
+    if not sessions:
+        return
+    key = (tuple(graph.enc), graph.root_refs, tuple(v.sig for v in graph.leaves))
+    for s in sessions:
+        if key in s.keys:
+            continue
+        explainer = record.GRAPH_DIFF[0] if record.GRAPH_DIFF else None
+        summary = explainer.summary(key + ((), gdev), graph.nodes) if explainer is not None else None
+        if len(s.keys) >= s.limit:
+            lines = explainer.difference(summary, s.summaries) if explainer is not None else []
+            src = user_frame()
+            at = "" if src is None or src[:2] == (region.where or ())[:2] else f" at {fmt_src(src, full=True)}"
+            raise RuntimeError(
+                f"Maximum number of different graphs allowed per function exceeded: {s.limit}\n"
+                f"The {_where(region)} produced its graph number {len(s.keys) + 1}{at} "
+                f"(max_different_graphs={s.limit}); it differs from the closest one before:"
+                + "".join(f"\n  {line}" for line in lines or ["(no difference found from the graphs before)"])
+            )
+        s.keys.add(key)
+        s.summaries.append(summary)
 
 
 def _op_name(n) -> str:
@@ -320,7 +383,9 @@ def _run_stages(step: Step, stage) -> bool:
 def _stage_key(encoded, gdev) -> tuple:
     """A stage's executable-cache key, from ``stages.encode``: no donation, no kept data."""
     sl, senc, srefs = encoded
-    return (tuple(senc), srefs, tuple(v.sig for v in sl), (), gdev, (), None)
+    key = (tuple(senc), srefs, tuple(v.sig for v in sl), (), gdev, (), None)
+    opts = regions.options_key() if regions.ACTIVE else None
+    return key if opts is None else key + (opts,)
 
 
 def _commit(step: Step, outs, t_run) -> None:
@@ -336,7 +401,7 @@ def _commit(step: Step, outs, t_run) -> None:
         for st in step.storages:
             PENDING.pop(st.sid, None)
     _last[:] = outs
-    EXECUTIONS.started(outs, t_run)
+    EXECUTIONS.started(outs, t_run, "EagerOpExecuteTime" if step.reason == EAGER else "ExecuteTime")
 
 
 def _run_and_commit(exe, step: Step, packed) -> None:

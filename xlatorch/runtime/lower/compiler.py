@@ -25,11 +25,14 @@ either level, and recompiling their 30 lengths stalled the dynamic-cache loop's 
 (``XLATORCH_XLA_OPTIONS=``, empty: XLA's defaults everywhere); names are fields of XLA's
 ``DebugOptions``, e.g. ``xla_cpu_use_fusion_emitters=false``. Options are part of the
 persistent cache's key.
+
+Inside a ``torch_xla.compile(custom_compile_options={...})`` region (``base/regions.py``) every
+graph compiled gets those options too, over the ones above; they are part of its cache key.
 """
 
 from __future__ import annotations
 
-from xlatorch.runtime.base import config
+from xlatorch.runtime.base import config, regions
 
 __all__ = ["options", "compile", "worth_optimizing"]
 
@@ -47,7 +50,16 @@ _FAST_COMPILE = {
 
 def options(once: bool = False, platform: str | None = None) -> dict | None:
     """The compiler options for a graph on ``platform`` (default: JAX's default backend), or
-    None; ``once``: the graph is expected to run once or a few times."""
+    None; ``once``: the graph is expected to run once or a few times. A ``torch_xla.compile``
+    region's ``custom_compile_options`` are added (they win)."""
+    base = _options(once, platform)
+    region = regions.current() if regions.ACTIVE else None
+    if region is not None and region.options:
+        return {**(base or {}), **region.options}
+    return base
+
+
+def _options(once: bool, platform: str | None) -> dict | None:
     given = config.env("XLATORCH_XLA_OPTIONS")  # {} when set empty: no options at all
     if given is not None:
         return given or None
@@ -70,6 +82,9 @@ def compile(lowered, once: bool = False):
         given = config.env("XLATORCH_XLA_OPTIONS")
         if given:
             e.add_note(f"xlatorch: compiled with XLATORCH_XLA_OPTIONS {given} (unset it for the defaults)")
+        region = regions.current() if regions.ACTIVE else None
+        if region is not None and region.options:
+            e.add_note(f"xlatorch: compiled with torch_xla.compile's custom_compile_options {region.options}")
         raise
 
 

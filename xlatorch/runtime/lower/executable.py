@@ -8,13 +8,14 @@ keep the step's graph and its device buffers alive): its closures hold the lower
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import jax
 import torch
 from jax.sharding import SingleDeviceSharding
 
-from xlatorch.runtime.base import memory
+from xlatorch.runtime.base import memory, regions
 from xlatorch.runtime.base.dtypes import to_jax
 from xlatorch.runtime.base.topology import jax_device
 from xlatorch.runtime.ir.emit import hlo_scopes
@@ -131,6 +132,9 @@ def lowered_body(req: CompileRequest, table) -> Body:
     def body(d, k, packed_args):
         return fn(_merge(d, k, donate_mask), packed_args)
 
+    region = regions.current() if regions.ACTIVE else None
+    if region is not None and region.name:  # the HLO module is jit_<name>: XLA's dumps carry the region's name
+        body.__name__ = re.sub(r"\W", "_", region.name)
     b.fn = body
     return b
 
