@@ -302,3 +302,19 @@ def test_torch_xla_guide_programs_run_through_the_compat_runner(tmp_path):
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.strip().splitlines()[-1] == "[9.0, 12.0] [[1.0, 2.0], [4.0, 6.0], [9.0, 12.0]]"
+
+
+def test_loops_in_eager_mode_trace_their_body_lazily():
+    from xlatorch.experimental import eager_mode
+
+    W = torch.randn(4, 4) * 0.5
+    xs, h0 = torch.randn(5, 2, 4), torch.randn(2, 4)
+    h = h0
+    for i in range(5):
+        h, _ = _rnn(W)(h, {"in": xs[i]})
+    eager_mode(True)
+    try:
+        got, _ = scan(_rnn(W.to(DEV)), h0.to(DEV), {"in": xs.to(DEV)})
+        _close(got, h)
+    finally:
+        eager_mode(False)

@@ -11,13 +11,15 @@ sync; the compiles and executions are timed as torch_xla's ``EagerOpCompileTime`
 
 Off (the default), nothing here runs: ``tensor.DISPATCH`` is the lazy dispatch itself, and the
 factories test one module global. Turning it on puts ``_dispatch`` in that slot.
-``torch_xla.compile`` regions turn it off while they trace.
+``torch_xla.compile`` regions turn it off while they trace, and a loop body (``trace/loops.py``) is
+traced lazily.
 """
 
 from __future__ import annotations
 
 import threading
 
+from xlatorch.runtime.base.threads import BODIES
 from xlatorch.runtime.base.topology import current_device, thread_replicas
 from xlatorch.runtime.execute.sync import EAGER, sync
 from xlatorch.runtime.trace import dispatch as _dispatch_module
@@ -48,7 +50,7 @@ def _dispatch(func, args, kwargs):
         out = _lazy(func, args, kwargs)
     finally:
         tls.depth = 0
-    if PENDING:
+    if PENDING and not BODIES:  # a loop body being traced stays lazy (it runs inside its loop)
         _sync()
     return out
 
@@ -60,5 +62,5 @@ def _sync() -> None:
 
 def launch() -> None:
     """After a factory made a tensor outside dispatch: compute it now (eager mode only)."""
-    if PENDING and not getattr(_tls, "depth", 0):
+    if PENDING and not BODIES and not getattr(_tls, "depth", 0):
         _sync()
