@@ -19,8 +19,9 @@ import os
 import subprocess
 import sys
 
+from bench.gpt import BATCH, N_EMBD, N_HEAD, SEQ
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-N_EMBD, N_HEAD, SEQ, BATCH, VOCAB = 256, 4, 128, 4, 512
 
 
 def _child(depth: int, way: str, steps: int) -> dict:
@@ -28,53 +29,24 @@ def _child(depth: int, way: str, steps: int) -> dict:
     import time
 
     import torch
-    import torch.nn.functional as F
 
     import xlatorch
+    from bench.gpt import GPT, batch, loss_of
     from xlatorch.debug.dump import hlo_text
     from xlatorch.experimental.scan_layers import scan_layers
 
-    class Block(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.ln1, self.ln2 = torch.nn.LayerNorm(N_EMBD), torch.nn.LayerNorm(N_EMBD)
-            self.qkv, self.proj = torch.nn.Linear(N_EMBD, 3 * N_EMBD), torch.nn.Linear(N_EMBD, N_EMBD)
-            self.fc, self.out = torch.nn.Linear(N_EMBD, 4 * N_EMBD), torch.nn.Linear(4 * N_EMBD, N_EMBD)
-
-        def forward(self, x):
-            b, t, c = x.shape
-            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, N_HEAD, c // N_HEAD).permute(2, 0, 3, 1, 4)
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
-            x = x + self.proj(a)
-            return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-    class GPT(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.wte, self.wpe = torch.nn.Embedding(VOCAB, N_EMBD), torch.nn.Embedding(SEQ, N_EMBD)
-            self.blocks = torch.nn.ModuleList(Block() for _ in range(depth))
-            self.ln, self.head = torch.nn.LayerNorm(N_EMBD), torch.nn.Linear(N_EMBD, VOCAB)
-
-        def forward(self, idx):
-            x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
-            if way == "scan_layers":
-                x = scan_layers(list(self.blocks), x)
-            else:
-                for blk in self.blocks:
-                    x = blk(x)
-            return self.head(self.ln(x))
-
     torch.manual_seed(0)
     dev = xlatorch.device()
-    model = GPT().to(dev)
+    model = GPT(depth).to(dev)
+    if way == "scan_layers":
+        model.run_blocks = scan_layers
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    idx = torch.randint(0, VOCAB, (BATCH, SEQ)).to(dev)
-    tgt = torch.randint(0, VOCAB, (BATCH, SEQ)).to(dev)
+    idx, tgt = batch(dev)
     xlatorch.sync(wait=True)
     times, lines = [], None
     for i in range(steps):
         t0 = time.perf_counter()
-        loss = F.cross_entropy(model(idx).flatten(0, 1), tgt.flatten())
+        loss = loss_of(model, idx, tgt)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -192,7 +192,7 @@ def test_assume_pure_replays_without_tracing():
     @assume_pure
     def f(a, b):
         calls.append(1)
-        return (a @ b).relu().sum(0)
+        return ((a @ b) * 0.5 - 0.25).relu().sum(0)  # numbers are literals of the replayed program
 
     a = torch.randn(3, 4, device=DEV, requires_grad=True)
     b = torch.randn(4, 5, device=DEV)
@@ -205,7 +205,8 @@ def test_assume_pure_replays_without_tracing():
     assert len(calls) == traced  # the Python function ran for the first call only
     assert (met.counter_value("xla::mm") or 0) == mm  # and no mm was traced since
     ac = a.detach().cpu().requires_grad_()
-    yc = (ac @ b.cpu()).relu().sum(0)
+    yc = ((ac @ b.cpu()) * 0.5 - 0.25).relu().sum(0)
+    assert y.dtype == yc.dtype
     yc.sum().backward()
     _close(y, yc)
     _close(a.grad / 4, ac.grad)

@@ -6,7 +6,8 @@ call records one node that computes the whole function - no per-op tracing, so a
 the same whatever the number of ops inside. The backward is traced once too (the function's
 forward recomputed and differentiated in one body).
 
-The function must be pure: its result depends only on its arguments. A tensor it reads from
+The function must be pure: its result depends only on its arguments; the Python numbers it
+uses are constants of its program. A tensor it reads from
 outside its arguments (a module's weight in a closure) is an error, as its value would be
 frozen at the first call: pass it as an argument (``assume_pure(torch.func.functional_call)``
 for a module). Random ops would draw the same numbers at every call.
@@ -81,7 +82,8 @@ class _Traced:
             return self.call(ts)
 
         with torch.no_grad():
-            self.body, self.captured, _ = loops.trace_body(body, self.avals, f"assume_pure({_name(fn)})")
+            self.body, self.captured, _ = loops.trace_body(body, self.avals, f"assume_pure({_name(fn)})",
+                                                           constants=True)  # fmt: skip
         _check_constants(self.captured, fn)
 
     def call(self, ts) -> list:
@@ -113,9 +115,8 @@ class _Traced:
                     got = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
                 return [torch.zeros_like(w) if g is None else g for g, w in zip(got, wrt)]
 
-            self.backward_body = loops.trace_body(
-                body, self.avals + out_avals, f"assume_pure({_name(self.fn)})'s backward"
-            )[:2]
+            name = f"assume_pure({_name(self.fn)})'s backward"
+            self.backward_body = loops.trace_body(body, self.avals + out_avals, name, constants=True)[:2]
         b, captured = self.backward_body
         vals = loops.values_of(list(tensors) + list(grads), "assume_pure")
         outs = iter(wrap(o) for o in loops.call(b, vals, captured))

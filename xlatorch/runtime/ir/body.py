@@ -10,10 +10,13 @@ each hold a ``Body`` that their lowering runs under ``jax.lax.scan`` / ``while_l
 
 from __future__ import annotations
 
+import numpy as np
+
+from xlatorch.runtime.base.dtypes import PY_SCALAR_JAX, weak
 from xlatorch.runtime.ir.emit import emit_node
 from xlatorch.runtime.ir.values import Data, Out, Scalar
 
-__all__ = ["Ref", "plan", "node_refs", "Body"]
+__all__ = ["Ref", "Const", "plan", "node_refs", "Body"]
 
 
 class Ref:
@@ -26,18 +29,34 @@ class Ref:
         self.kind, self.i, self.j = kind, i, j
 
 
-def plan(nodes, leaves, cut=None):
+class Const:
+    """A host number baked into a plan as a literal (a pure function's constants): weakly
+    typed, as Python numbers enter graphs."""
+
+    __slots__ = ("value", "dtype")
+
+    def __init__(self, scalar: Scalar):
+        self.value, self.dtype = scalar.value, PY_SCALAR_JAX[scalar.aval[1]]
+
+    def jax(self):
+        return weak(np.asarray(self.value, self.dtype))
+
+
+def plan(nodes, leaves, cut=None, consts=None):
     """A lowering plan that references values by position, not the IR itself.
 
     Executables must not keep the step's IR (and its device buffers) alive. ``cut``
     (``{id(out): leaf}``) reads those pending outputs as leaves; an output of a node that
-    is not among ``nodes`` must be a leaf itself (a loop body's captured value).
+    is not among ``nodes`` must be a leaf itself (a loop body's captured value). ``consts``
+    (ids of host scalars) are baked in as literals.
     """
     order = {id(n): i for i, n in enumerate(nodes)}
     lpos = {id(v): i for i, v in enumerate(leaves)}
 
     def tmpl(a):
         t = type(a)
+        if consts and id(a) in consts:
+            return Const(a)
         if t is Out:
             d = cut.get(id(a)) if cut else None
             if d is not None:
@@ -75,19 +94,20 @@ class Body:
     of it has an on-device check; ``name`` says what it is the body of, for messages.
     """
 
-    __slots__ = ("plan", "roots", "avals", "key", "n_inputs", "n_leaves", "checked", "name", "where")
+    __slots__ = ("plan", "roots", "avals", "key", "n_inputs", "n_leaves", "checked", "name", "where", "_hash")
 
     def __init__(self, plan_rows, roots, avals, key, n_inputs, n_leaves, name, where):
         self.plan, self.roots, self.avals, self.key = plan_rows, roots, avals, key
         self.n_inputs, self.n_leaves, self.name = n_inputs, n_leaves, name
         self.where = where  # per plan row: "aten::op at file.py:12", for a failed check's message
         self.checked = any(info.checked for _, _, info in plan_rows)
+        self._hash = hash(key)  # once: a node holding the body is keyed by it at every call
 
     def __eq__(self, other):
-        return type(other) is Body and other.key == self.key
+        return other is self or (type(other) is Body and other._hash == self._hash and other.key == self.key)
 
     def __hash__(self):
-        return hash(self.key)
+        return self._hash
 
     def __repr__(self):
         return f"Body({self.name}, {len(self.plan)} nodes)"
@@ -99,10 +119,13 @@ class Body:
         vals = []
 
         def get(a):
-            if type(a) is Ref:
+            t = type(a)
+            if t is Ref:
                 return leaf_vals[a.i] if a.kind == "l" else vals[a.i][a.j]
-            if type(a) is tuple:
+            if t is tuple:
                 return tuple(get(x) for x in a)
+            if t is Const:
+                return a.jax()
             return a
 
         for k, (spec, args, info) in enumerate(self.plan):

@@ -34,8 +34,8 @@ from xlatorch.runtime.base import config
 from xlatorch.runtime.base.source import fmt_src
 from xlatorch.runtime.base.threads import BODIES, TICKS
 from xlatorch.runtime.ir.body import Body, plan
-from xlatorch.runtime.ir.ops import ONE, STATIC, TENSOR_LIST, TUPLE, Info, OpSpec
-from xlatorch.runtime.ir.values import Data, Node, Out, operands
+from xlatorch.runtime.ir.ops import ONE, STATIC, TENSOR_LIST, TUPLE, Info, OpSpec, _sig
+from xlatorch.runtime.ir.values import Data, Node, Out, Scalar, operands
 from xlatorch.runtime.trace import tensor as _tensor
 from xlatorch.runtime.trace.nodes import _node
 from xlatorch.runtime.trace.tensor import PENDING, XlaTensor, fail_storages, value_of, wrap
@@ -69,14 +69,15 @@ def _input_lowered(out, index):
 _INPUT = OpSpec("xlatorch::body_input", None, _input_lowered, ("index",), (STATIC,), (False,), ONE)
 
 
-def trace_body(fn, avals, name: str, requires_grad=()) -> tuple[Body, list, list]:
+def trace_body(fn, avals, name: str, requires_grad=(), constants: bool = False) -> tuple[Body, list, list]:
     """Trace ``fn(inputs)`` once, ``inputs``: one placeholder tensor per aval (those at the
     positions in ``requires_grad`` require grad); ``fn`` returns a list of xla tensors.
 
     Returns the body, the values it captured (the node's operands after the inputs) and what
-    ``fn`` returned (the tensors, for their ``requires_grad``; their values are the body's)."""
+    ``fn`` returned (the tensors, for their ``requires_grad``; their values are the body's).
+    ``constants``: see ``body_of``."""
     inputs, vals, outs = trace_values(fn, avals, name, requires_grad)
-    body, captured = body_of(vals, inputs, name)
+    body, captured = body_of(vals, inputs, name, constants)
     return body, captured, outs
 
 
@@ -138,9 +139,10 @@ def depends(vals, sources, nodes: dict | None = None) -> dict:
     return dep
 
 
-def body_of(vals, inputs, name: str) -> tuple[Body, list]:
+def body_of(vals, inputs, name: str, constants: bool = False) -> tuple[Body, list]:
     """The body computing ``vals`` from ``inputs`` (values: a trace's placeholders, or values
-    computed in it that another body passes on), and the values it captures from outside."""
+    computed in it that another body passes on), and the values it captures from outside;
+    with ``constants``, the Python numbers it reads are literals of the body, not captured."""
     in_ids = {id(v) for v in inputs}
     inside = depends(vals, inputs)
     nodes = []
@@ -169,10 +171,15 @@ def body_of(vals, inputs, name: str) -> tuple[Body, list]:
     seen = set(in_ids)
     captured = []
 
+    consts: set = set()
+
     def capture(a):
         if id(a) not in seen:
             seen.add(id(a))
-            captured.append(a)
+            if constants and type(a) is Scalar and not a.tensor:
+                consts.add(id(a))
+            else:
+                captured.append(a)
 
     for n in nodes:
         for o in operands(n.args):
@@ -186,13 +193,15 @@ def body_of(vals, inputs, name: str) -> tuple[Body, list]:
     lpos = {id(a): i for i, a in enumerate(leaves)}
 
     def ref(v):
+        if id(v) in consts:  # a literal: its value is the key
+            return ("const", v.sig, _sig(v.value))
         k = order.get(id(v.node)) if type(v) is Out and id(v) not in in_ids else None
         return k * 4096 + v.idx if k is not None else -1 - lpos[id(v)]
 
     enc = tuple((n.key, tuple(ref(o) for o in operands(n.args))) for n in nodes)
     root_refs = tuple(ref(v) for v in vals)
     # The roots' references: the arguments of one more row, reading them.
-    *rows, last = plan([*nodes, SimpleNamespace(spec=None, args=tuple(vals), info=None)], leaves)
+    *rows, last = plan([*nodes, SimpleNamespace(spec=None, args=tuple(vals), info=None)], leaves, None, consts)
     roots = list(last[1])
     key = (enc, root_refs, tuple(a.sig for a in leaves))
     where = [f"{_op_name(n)} at {fmt_src(getattr(n, 'src', None))}" for n in nodes]
@@ -336,7 +345,7 @@ def scan(body: Body, captured, init, xs, length: int, reverse: bool = False, inv
     n_carry = len(init)
     avals = [v.aval for v in init] + [((length, *a[0]), a[1]) for a in body.avals[n_carry:]]
     ops = (*init, *xs, *invariant, *captured)
-    sig = (tuple(v.sig for v in ops), body.key, n_carry, len(xs), length, reverse)
+    sig = (tuple(v.sig for v in ops), body, n_carry, len(xs), length, reverse)
     return _make(_SCAN, (ops, body, n_carry, len(xs), length, reverse), sig, avals, body.checked)
 
 
@@ -393,7 +402,7 @@ def while_loop(cond_body: Body, cond_captured, body: Body, body_captured, init) 
     a one-element bool) holds: the final carry."""
     n_carry = len(init)
     ops = (*init, *cond_captured, *body_captured)
-    sig = (tuple(v.sig for v in ops), cond_body.key, body.key, n_carry)
+    sig = (tuple(v.sig for v in ops), cond_body, body, n_carry)
     checked = cond_body.checked or body.checked
     return _make(_WHILE, (ops, cond_body, body, n_carry), sig, [v.aval for v in init], checked)
 
@@ -444,7 +453,7 @@ def cond(pred, true_body: Body, true_captured, false_body: Body, false_captured,
     """The node computing ``true_body(args)`` where the one-element ``pred`` holds, else
     ``false_body(args)`` (both give the same avals)."""
     ops = (pred, *args, *true_captured, *false_captured)
-    sig = (tuple(v.sig for v in ops), true_body.key, false_body.key)
+    sig = (tuple(v.sig for v in ops), true_body, false_body)
     checked = true_body.checked or false_body.checked
     return _make(_COND, (ops, true_body, false_body), sig, true_body.avals, checked)
 
@@ -459,7 +468,7 @@ _CALL = _spec("xlatorch::call", _run_call, ("body",))
 def call(body: Body, args, captured) -> list[Out]:
     """The node computing ``body`` once on ``args`` (a function replayed from its trace)."""
     ops = (*args, *captured)
-    sig = (tuple(v.sig for v in ops), body.key)
+    sig = (tuple(v.sig for v in ops), body)
     return _make(_CALL, (ops, body), sig, body.avals, body.checked)
 
 
