@@ -28,7 +28,7 @@ from xlatorch.experimental.fori_loop import fori_loop
 from xlatorch.experimental.gradient_accumulation import gradient_accumulation
 from xlatorch.experimental.scan import scan
 from xlatorch.experimental.scan_layers import scan_layers
-from xlatorch.runtime.trace.loops import BodyError
+from xlatorch.runtime.trace.bodies import BodyError
 
 DEV = xlatorch.device()
 

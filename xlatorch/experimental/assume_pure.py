@@ -1,7 +1,7 @@
 """``assume_pure``: a pure function traced once per input signature, then replayed.
 
 The first call with a new signature (tensor shapes, dtypes and ``requires_grad``, the other
-arguments' values) traces the function into a body (``runtime/trace/loops.py``); every later
+arguments' values) traces the function into a body (``runtime/trace/bodies.py``); every later
 call records one node that computes the whole function - no per-op tracing, so a call costs
 the same whatever the number of ops inside. The backward is traced once too (the function's
 forward recomputed and differentiated in one body).
@@ -22,8 +22,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from xlatorch.runtime.ir.values import Data, Out, operands
-from xlatorch.runtime.trace import loops
-from xlatorch.runtime.trace.loops import BodyError
+from xlatorch.runtime.trace import bodies, loops
+from xlatorch.runtime.trace.bodies import BodyError
 from xlatorch.runtime.trace.tensor import value_of, wrap
 
 __all__ = ["assume_pure"]
@@ -74,7 +74,7 @@ class _Traced:
         # The other arguments only: the tensors of the first call are not kept.
         self.leaves = [None if i in set(pos) else a for i, a in enumerate(leaves)]
         self.fn, self.spec, self.pos = fn, spec, pos
-        self.avals = loops.avals_of(tensors)
+        self.avals = bodies.avals_of(tensors)
         self.out_spec = None
         self.backward_body = None
 
@@ -82,7 +82,7 @@ class _Traced:
             return self.call(ts)
 
         with torch.no_grad():
-            self.body, self.captured, _ = loops.trace_body(body, self.avals, f"assume_pure({_name(fn)})",
+            self.body, self.captured, _ = bodies.trace_body(body, self.avals, f"assume_pure({_name(fn)})",
                                                            constants=True)  # fmt: skip
         _check_constants(self.captured, fn)
 
@@ -95,7 +95,7 @@ class _Traced:
         return outs
 
     def forward(self, tensors) -> list:
-        return [wrap(o) for o in loops.call(self.body, loops.values_of(tensors, "assume_pure"), self.captured)]
+        return [wrap(o) for o in loops.call(self.body, bodies.values_of(tensors, "assume_pure"), self.captured)]
 
     def unflatten(self, outs):
         return pytree.tree_unflatten(list(outs), self.out_spec)
@@ -116,9 +116,9 @@ class _Traced:
                 return [torch.zeros_like(w) if g is None else g for g, w in zip(got, wrt)]
 
             name = f"assume_pure({_name(self.fn)})'s backward"
-            self.backward_body = loops.trace_body(body, self.avals + out_avals, name, constants=True)[:2]
+            self.backward_body = bodies.trace_body(body, self.avals + out_avals, name, constants=True)[:2]
         b, captured = self.backward_body
-        vals = loops.values_of(list(tensors) + list(grads), "assume_pure")
+        vals = bodies.values_of(list(tensors) + list(grads), "assume_pure")
         outs = iter(wrap(o) for o in loops.call(b, vals, captured))
         return [next(outs) if d else None for d in diff]
 

@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import torch
 
-from xlatorch.runtime.trace import loops
-from xlatorch.runtime.trace.loops import BodyError
+from xlatorch.runtime.trace import bodies, loops
+from xlatorch.runtime.trace.bodies import BodyError
 from xlatorch.runtime.trace.tensor import value_of, wrap
 
 __all__ = ["gradient_accumulation"]
@@ -52,7 +52,7 @@ def gradient_accumulation(
     init = [loss0] + [torch.zeros_like(p) for p in params] + carried
     n_init, n_par = len(init), len(params)
     xs = list(iterable_tensors)
-    avals = loops.avals_of(init) + [(tuple(t.shape[1:]), t.dtype) for t in xs]
+    avals = bodies.avals_of(init) + [(tuple(t.shape[1:]), t.dtype) for t in xs]
 
     def body(ts):
         loss_sum, grads_sum = ts[0], ts[1 : 1 + n_par]
@@ -66,11 +66,11 @@ def gradient_accumulation(
         grads = [s if g is None else s + g for s, g in zip(grads_sum, got)]
         return [loss_sum + loss.detach().float(), *grads, *[t.detach() for t in new]]
 
-    b, captured, _ = loops.trace_body(body, avals, "gradient_accumulation")
+    b, captured, _ = bodies.trace_body(body, avals, "gradient_accumulation")
     outs = [
         wrap(o)
         for o in loops.scan(
-            b, captured, [value_of(t) for t in init], loops.values_of(xs, "gradient_accumulation"), steps
+            b, captured, [value_of(t) for t in init], bodies.values_of(xs, "gradient_accumulation"), steps
         )
     ]
     loss, grads, carried_out = outs[0], outs[1 : 1 + n_par], outs[1 + n_par : n_init]

@@ -25,8 +25,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from xlatorch.runtime.ir.values import Out, operands
-from xlatorch.runtime.trace import loops
-from xlatorch.runtime.trace.loops import BodyError
+from xlatorch.runtime.trace import bodies, loops
+from xlatorch.runtime.trace.bodies import BodyError
 from xlatorch.runtime.trace.tensor import XlaTensor, value_of, wrap
 
 __all__ = ["scan"]
@@ -72,7 +72,7 @@ def scan(
     del is_fn_pure
     init_flat, carry_spec = pytree.tree_flatten(init)
     xs_flat, x_spec = pytree.tree_flatten(xs)
-    loops.values_of(init_flat + xs_flat, "scan")
+    bodies.values_of(init_flat + xs_flat, "scan")
     if not xs_flat:
         raise ValueError("xlatorch: scan needs at least one tensor in xs to scan over")
     length = xs_flat[0].shape[0] if xs_flat[0].dim() else None
@@ -102,7 +102,7 @@ class _Loop:
 
     def __init__(self, fn, init_flat, carry_spec, xs_flat, x_spec, length):
         self.fn, self.carry_spec, self.x_spec, self.length = fn, carry_spec, x_spec, length
-        self.carry_avals = loops.avals_of(init_flat)
+        self.carry_avals = bodies.avals_of(init_flat)
         self.x_avals = [(tuple(t.shape[1:]), t.dtype) for t in xs_flat]
         self.y_spec = None
         self.params: list = []
@@ -143,7 +143,7 @@ class _Loop:
             self.n_out = len(outs)
             return outs + ts[:nc] if self.grad else outs
 
-        self.body, self.captured, _ = loops.trace_body(body, self.carry_avals + self.x_avals, "scan")
+        self.body, self.captured, _ = bodies.trace_body(body, self.carry_avals + self.x_avals, "scan")
 
     # --- what the backward needs -----------------------------------------------------------
 
@@ -160,7 +160,7 @@ class _Loop:
         return list(self.body.avals[len(self.carry_avals) : self.n_out])
 
     def param_avals(self) -> list:
-        return loops.avals_of(self.params)
+        return bodies.avals_of(self.params)
 
     def grad_avals(self) -> list:
         """The backward loop's carry: the carry's grads, the parameters' grads so far."""
@@ -171,7 +171,7 @@ class _Loop:
         parameters' grads so far plus this iteration's, the grads of its x (differentiable
         leaves only), from the grads of its new carry (``gc``) and outputs (``gy``)."""
         dc, dx, nc = self.dc, self.dx, len(self.carry_avals)
-        with loops.swapped(self.params, ps), torch.enable_grad():
+        with bodies.swapped(self.params, ps), torch.enable_grad():
             c = [t.detach().requires_grad_(i in dc) for i, t in enumerate(c)]
             x = [t.detach().requires_grad_(i in dx) for i, t in enumerate(x)]
             outs = self.flat_fn(c, x)
@@ -199,12 +199,12 @@ class _Loop:
                                   ts[k + n_g + npar :], ts[nc + nx : k])  # fmt: skip
             return [o.detach() for o in self.last_outs] + grads
 
-        inputs, vals, _ = loops.trace_values(joint, avals, "scan")
+        inputs, vals, _ = bodies.trace_values(joint, avals, "scan")
         fwd_in, g_in = inputs[:k], inputs[k:]
         outs, grads = vals[: self.n_out], vals[self.n_out :]
         acts = _activations(grads, inputs[: nc + nx], g_in)
-        fbody, fcap = loops.body_of(outs + acts, fwd_in, "scan")
-        bbody, bcap = loops.body_of(grads, g_in[: n_g + npar] + acts + g_in[n_g + npar :] + inputs[nc + nx : k],
+        fbody, fcap = bodies.body_of(outs + acts, fwd_in, "scan")
+        bbody, bcap = bodies.body_of(grads, g_in[: n_g + npar] + acts + g_in[n_g + npar :] + inputs[nc + nx : k],
                                     "scan's backward")  # fmt: skip
         res = loops.scan(fbody, fcap, [value_of(t) for t in init_flat], [value_of(t) for t in xs_flat], self.length,
                          invariant=[value_of(p) for p in params])  # fmt: skip
@@ -231,8 +231,8 @@ def _activations(grads, sliced, g_in) -> list:
     """The values of an iteration's forward that its backward reads: computed from the
     iteration's carry or x (``sliced``), not from the grads flowing back (``g_in``)."""
     nodes: dict = {}
-    from_g = loops.depends(grads, g_in, nodes)
-    from_x = loops.depends(grads, sliced)
+    from_g = bodies.depends(grads, g_in, nodes)
+    from_x = bodies.depends(grads, sliced)
     sliced_ids = {id(v) for v in sliced}
     g_ids = {id(v) for v in g_in}
     found: dict = {}
@@ -335,7 +335,7 @@ class _Scan(torch.autograd.Function):
                 c, x, gy = ts[k : k + nc], ts[k + nc : k + nc + nx], ts[k + nc + nx : len(ts) - npar]
                 return loop.vjp_step(ts[: len(loop.dc)], ts[len(loop.dc) : n_acc], c, x, gy, ts[len(ts) - npar :])
 
-            bbody, bcap, _ = loops.trace_body(body, avals, "scan's backward")
+            bbody, bcap, _ = bodies.trace_body(body, avals, "scan's backward")
         outs = loops.scan(bbody, bcap, [value_of(t) for t in g_last + acc0], [value_of(t) for t in sliced + g_ys],
                           loop.length, reverse=True, invariant=[value_of(p) for p in params])  # fmt: skip
         outs = [wrap(o) for o in outs]

@@ -61,7 +61,7 @@ def defer_to_owners(error: BaseException, owners) -> None:
 # so that the sync can undo the write if that op fails, as CPU would never have made it.
 CHECKED_SINCE_SYNC: set = set()
 
-# The bodies being traced (runtime/trace/loops.py), innermost last: what they compute exists
+# The bodies being traced (runtime/trace/bodies.py), innermost last: what they compute exists
 # only inside their loop, so a sync meanwhile (a host read, a CPU fallback) is an error that
 # names the body. Empty otherwise: one truth test per sync.
 BODIES: list[str] = []

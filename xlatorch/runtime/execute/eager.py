@@ -11,7 +11,7 @@ sync; the compiles and executions are timed as torch_xla's ``EagerOpCompileTime`
 
 Off (the default), nothing here runs: ``tensor.DISPATCH`` is the lazy dispatch itself, and the
 factories test one module global. Turning it on puts ``_dispatch`` in that slot.
-``torch_xla.compile`` regions turn it off while they trace, and a loop body (``trace/loops.py``) is
+``torch_xla.compile`` regions turn it off while they trace, and a loop body (``trace/bodies.py``) is
 traced lazily.
 """
 

@@ -33,7 +33,7 @@ from xlatorch.runtime.multi import sharding
 from xlatorch.runtime.multi.replication import run_replicated
 from xlatorch.runtime.plan import births, keep, stages
 from xlatorch.runtime.plan.collect import collect, pack
-from xlatorch.runtime.trace.loops import BodyError
+from xlatorch.runtime.trace.bodies import BodyError
 from xlatorch.runtime.trace.tensor import PENDING, pending_storages, reroot_lone_views
 
 __all__ = ["sync", "wait", "Step", "EAGER"]

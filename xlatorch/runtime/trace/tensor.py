@@ -304,7 +304,7 @@ def reroot_lone_views(storages) -> None:
 
 def fail_storages(storages, error: Exception) -> None:
     """Each storage holds ``error`` instead of its value: a failed sync's tensors, a loop
-    body's temporaries (runtime/trace/loops.py)."""
+    body's temporaries (runtime/trace/bodies.py)."""
     for st in storages:
         st.value = failed_value(st.value.aval, error)  # not Storage.set: a failed value is not pending
         st.gen += 1
