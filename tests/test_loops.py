@@ -141,6 +141,26 @@ def test_scan_layers_program_does_not_grow_with_depth():
     assert lines[8][1] > 3 * lines[2][1]
 
 
+@pytest.mark.parametrize("partition", ["default_partition", "min_cut_rematerialization_partition"])
+def test_random_ops_draw_new_numbers_each_iteration_and_the_backward_sees_them(partition):
+    from functorch import compile as fc
+
+    x = torch.rand(6, 64, device=DEV) + 0.5  # no zeros: a zero output means dropped
+    w = torch.randn(64, device=DEV, requires_grad=True)
+
+    def fn(c, xi):
+        y = torch.nn.functional.dropout(xi, 0.5, training=True) * w
+        return c + y.sum(), y
+
+    total, ys = scan(fn, torch.zeros((), device=DEV), x, partition_fn=getattr(fc, partition))
+    total.backward()
+    kept = (ys != 0).cpu()
+    assert not all(torch.equal(kept[0], kept[i]) for i in range(1, 6))  # a new mask per iteration
+    # d total / d w = sum over iterations of the mask * 2 * x: the forward's masks, not others.
+    want = (kept * x.cpu() * 2).sum(0)
+    _close(w.grad, want)
+
+
 def test_fori_loop_and_torchs_while_loop():
     i, v = fori_loop(0, 7, lambda v: v * 2 + 1, torch.tensor(1.0, device=DEV))
     assert int(i) == 0 and float(v) == 255.0
@@ -186,6 +206,19 @@ def test_gradient_accumulation_equals_a_python_loop_on_cpu():
         _close(p.grad, q.grad)
 
 
+def test_gradient_accumulation_may_not_write_the_users_tensors():
+    model = torch.nn.Linear(4, 1).to(DEV)
+    counter = torch.tensor(0, device=DEV)
+
+    def step(x, c):
+        c += 1  # eagerly this would change the caller's counter
+        return model(x).sum(), c
+
+    with pytest.raises(AssertionError, match="writes its input"):
+        gradient_accumulation(step, (torch.randn(3, 2, 4, device=DEV),), model, counter)
+    assert int(counter) == 0
+
+
 def test_assume_pure_replays_without_tracing():
     calls = []
 
@@ -221,7 +254,7 @@ def test_assume_pure_rejects_a_closure_over_device_data():
 
 def test_a_body_cannot_read_values_on_the_host():
     xs = torch.randn(3, 2, device=DEV)
-    with pytest.raises(BodyError, match=r"scan needs a value on the host .*test_loops.py"):
+    with pytest.raises(BodyError, match=r"the body of scan needs a value on the host .*test_loops.py"):
         scan(lambda c, x: (c + x.sum().item(), None), torch.zeros(2, device=DEV), xs)
 
 
@@ -249,7 +282,7 @@ def test_a_body_temporary_has_no_value_outside():
         return c + x, None
 
     scan(fn, torch.zeros(2, device=DEV), torch.randn(3, 2, device=DEV))
-    with pytest.raises(RuntimeError, match="made inside scan"):
+    with pytest.raises(RuntimeError, match="made inside the body of scan"):
         leaked[0].cpu()
 
 
@@ -319,3 +352,19 @@ def test_loops_in_eager_mode_trace_their_body_lazily():
         _close(got, h)
     finally:
         eager_mode(False)
+
+
+def test_an_index_out_of_range_in_a_while_body_raises_like_cpu():
+    table = torch.randn(5, device=DEV)
+
+    def body(i, a):
+        return i + 1, a + table.index_select(0, i.reshape(1))[0]
+
+    n, a = while_loop(lambda i, a: i < 8, body, (torch.tensor(0, device=DEV), torch.zeros((), device=DEV)))
+    with pytest.raises(
+        IndexError, match=r"out of range.*\(in the body of while_loop: aten::index_select at test_loops.py:\d+\)"
+    ):
+        a.cpu()
+    # the same loop within bounds
+    n, a = while_loop(lambda i, a: i < 5, body, (torch.tensor(0, device=DEV), torch.zeros((), device=DEV)))
+    _close(a, table.cpu().sum())

@@ -164,10 +164,11 @@ def step():
 
 def __getattr__(name: str):
     # ``torch_xla.experimental.eager_mode(True)`` after a bare ``import torch_xla``: loaded on first use.
-    if name == "experimental":
+    # ``torch_xla.xm``: the xla_model module, as torch_xla's package exposes it.
+    if name in ("experimental", "xm"):
         import importlib
 
-        return importlib.import_module("xlatorch.experimental")
+        return importlib.import_module("xlatorch.experimental" if name == "experimental" else "xlatorch.core.xla_model")
     raise AttributeError(f"module 'xlatorch' has no attribute {name!r}")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import jax
@@ -24,6 +25,7 @@ from xlatorch.runtime.trace.collectives import (
 )
 
 __all__ = [
+    "fork_rng",
     "xla_device", "get_xla_supported_devices", "xla_device_hw", "mark_step", "wait_device_ops",
     "optimizer_step", "save", "is_master_ordinal", "get_ordinal", "get_local_ordinal",
     "xrt_world_size", "set_rng_state", "get_rng_state", "master_print", "add_step_closure", "is_xla_tensor",
@@ -210,6 +212,20 @@ def set_rng_state(seed: int, device=None) -> None:
 def get_rng_state(device=None) -> int:
     """The device RNG's current state; ``set_rng_state`` of it replays what follows."""
     return rng.get_seed()
+
+
+@contextlib.contextmanager
+def fork_rng(device=None, enabled: bool = True):
+    """A context in which the device RNG may be used and after which its state is what it was
+    before (``enabled=False``: a plain context)."""
+    if not enabled:
+        yield
+        return
+    state = get_rng_state(device)
+    try:
+        yield
+    finally:
+        set_rng_state(state, device)
 
 
 def master_print(*args, fd=None, **kwargs) -> None:

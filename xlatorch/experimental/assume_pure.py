@@ -82,7 +82,7 @@ class _Traced:
             return self.call(ts)
 
         with torch.no_grad():
-            self.body, self.captured, _ = bodies.trace_body(body, self.avals, f"assume_pure({_name(fn)})",
+            self.body, self.captured, _ = bodies.trace_body(body, self.avals, f"the body of assume_pure({_name(fn)})",
                                                            constants=True)  # fmt: skip
         _check_constants(self.captured, fn)
 
@@ -115,7 +115,7 @@ class _Traced:
                     got = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
                 return [torch.zeros_like(w) if g is None else g for g, w in zip(got, wrt)]
 
-            name = f"assume_pure({_name(self.fn)})'s backward"
+            name = f"the backward of assume_pure({_name(self.fn)})"
             self.backward_body = bodies.trace_body(body, self.avals + out_avals, name, constants=True)[:2]
         b, captured = self.backward_body
         vals = bodies.values_of(list(tensors) + list(grads), "assume_pure")

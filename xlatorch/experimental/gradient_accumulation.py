@@ -66,7 +66,10 @@ def gradient_accumulation(
         grads = [s if g is None else s + g for s, g in zip(grads_sum, got)]
         return [loss_sum + loss.detach().float(), *grads, *[t.detach() for t in new]]
 
-    b, captured, _ = bodies.trace_body(body, avals, "gradient_accumulation")
+    # The micro-batches and carried tensors are the user's: train_step may not write them.
+    b, captured, _ = bodies.trace_body(
+        body, avals, "the body of gradient_accumulation", frozen=range(1 + n_par, len(avals))
+    )
     outs = [
         wrap(o)
         for o in loops.scan(

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from xlatorch.runtime.ir import rng
 from xlatorch.runtime.ir.values import Out, operands
 from xlatorch.runtime.trace import bodies, loops
 from xlatorch.runtime.trace.bodies import BodyError
@@ -133,6 +134,7 @@ class _Loop:
         is differentiated (``self.grad``), also the carry each iteration started from."""
         nc = len(self.carry_avals)
         start = _sequence_nr()
+        self.rng_start = rng.get_seed()  # a backward that recomputes the body draws the same numbers
 
         def body(ts):
             with torch.enable_grad() if grad else torch.no_grad():
@@ -143,7 +145,7 @@ class _Loop:
             self.n_out = len(outs)
             return outs + ts[:nc] if self.grad else outs
 
-        self.body, self.captured, _ = bodies.trace_body(body, self.carry_avals + self.x_avals, "scan")
+        self.body, self.captured, _ = bodies.trace_body(body, self.carry_avals + self.x_avals, "the body of scan")
 
     # --- what the backward needs -----------------------------------------------------------
 
@@ -199,13 +201,13 @@ class _Loop:
                                   ts[k + n_g + npar :], ts[nc + nx : k])  # fmt: skip
             return [o.detach() for o in self.last_outs] + grads
 
-        inputs, vals, _ = bodies.trace_values(joint, avals, "scan")
+        inputs, vals, _ = bodies.trace_values(joint, avals, "the body of scan")
         fwd_in, g_in = inputs[:k], inputs[k:]
         outs, grads = vals[: self.n_out], vals[self.n_out :]
         acts = _activations(grads, inputs[: nc + nx], g_in)
-        fbody, fcap = bodies.body_of(outs + acts, fwd_in, "scan")
+        fbody, fcap = bodies.body_of(outs + acts, fwd_in, "the body of scan")
         bbody, bcap = bodies.body_of(grads, g_in[: n_g + npar] + acts + g_in[n_g + npar :] + inputs[nc + nx : k],
-                                    "scan's backward")  # fmt: skip
+                                    "the backward of scan's body")  # fmt: skip
         res = loops.scan(fbody, fcap, [value_of(t) for t in init_flat], [value_of(t) for t in xs_flat], self.length,
                          invariant=[value_of(p) for p in params])  # fmt: skip
         return [wrap(o) for o in res], (bbody, bcap)
@@ -335,7 +337,12 @@ class _Scan(torch.autograd.Function):
                 c, x, gy = ts[k : k + nc], ts[k + nc : k + nc + nx], ts[k + nc + nx : len(ts) - npar]
                 return loop.vjp_step(ts[: len(loop.dc)], ts[len(loop.dc) : n_acc], c, x, gy, ts[len(ts) - npar :])
 
-            bbody, bcap, _ = bodies.trace_body(body, avals, "scan's backward")
+            now = rng.get_seed()
+            rng.set_seed(loop.rng_start)  # the recomputed forward's random ops get the forward's seeds
+            try:
+                bbody, bcap, _ = bodies.trace_body(body, avals, "the backward of scan's body")
+            finally:
+                rng.set_seed(now)
         outs = loops.scan(bbody, bcap, [value_of(t) for t in g_last + acc0], [value_of(t) for t in sliced + g_ys],
                           loop.length, reverse=True, invariant=[value_of(p) for p in params])  # fmt: skip
         outs = [wrap(o) for o in outs]

@@ -37,13 +37,22 @@ def scan_layers(layers: Iterable[torch.nn.Module], input_data, partition_fn=None
     states = [_state(m) for m in layers]
     names = list(states[0])
     for i, s in enumerate(states[1:], 1):
-        if list(s) != names or any((s[k].shape, s[k].dtype) != (states[0][k].shape, states[0][k].dtype) for k in names):
-            raise ValueError(f"xlatorch: scan_layers needs layers of the same structure; layer {i} differs from "
-                             f"layer 0 in its parameters or buffers")  # fmt: skip
+        if sorted(s) != sorted(names):
+            raise ValueError(f"xlatorch: scan_layers needs layers of the same structure: mismatched keys between "
+                             f"layer 0 ({sorted(names)}) and layer {i} ({sorted(s)})")  # fmt: skip
+        for k in names:
+            a, b = states[0][k], s[k]
+            if (a.shape, a.dtype) != (b.shape, b.dtype):
+                raise ValueError(f"xlatorch: scan_layers needs layers of the same structure: Shape mismatch of {k!r} "
+                                 f"between layer 0 ({tuple(a.shape)} {a.dtype}) and layer {i} "
+                                 f"({tuple(b.shape)} {b.dtype})")  # fmt: skip
     stacked = {k: torch.stack([s[k] for s in states]) for k in names}
 
     def one_layer(carry, weights):
-        return torch.func.functional_call(first, weights, (carry,), strict=True), None
+        # A tuple is the layer's positional arguments, as nn.Sequential would not do but
+        # torch_xla's scan_layers does (each layer returns the next one's tuple).
+        args = carry if isinstance(carry, tuple) else (carry,)
+        return torch.func.functional_call(first, weights, args, strict=True), None
 
     out, _ = scan(one_layer, input_data, stacked, partition_fn=partition_fn, is_fn_pure=is_layer_pure)
     return out

@@ -84,6 +84,9 @@ def node_refs(args, out=None) -> list:
     return out
 
 
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # an odd int64 step: iterations' seeds never meet
+
+
 class Body:
     """A traced function as a lowering plan over its leaves: its ``inputs`` (the function's
     arguments, in order) then its captured values (device data, host scalars and pending
@@ -91,13 +94,16 @@ class Body:
 
     ``key`` (its nodes' keys and how they share operands, its inputs' avals, its roots)
     identifies it in its node's key; ``roots`` are its results; ``checked``: whether a node
-    of it has an on-device check; ``name`` says what it is the body of, for messages.
+    of it has an on-device check; ``name`` says what it is, for messages ("the body of scan").
     """
 
-    __slots__ = ("plan", "roots", "avals", "key", "n_inputs", "n_leaves", "checked", "name", "where", "_hash")
+    __slots__ = ("plan", "roots", "avals", "key", "n_inputs", "n_leaves", "checked", "name", "where", "seeds", "_hash")
 
-    def __init__(self, plan_rows, roots, avals, key, n_inputs, n_leaves, name, where):
+    def __init__(self, plan_rows, roots, avals, key, n_inputs, n_leaves, name, where, seeds=()):
         self.plan, self.roots, self.avals, self.key = plan_rows, roots, avals, key
+        # The leaves that are random ops' seeds: a loop runs iteration i with seeds moved by i
+        # (each iteration draws new numbers, as the same code in a Python loop would).
+        self.seeds = seeds
         self.n_inputs, self.n_leaves, self.name = n_inputs, n_leaves, name
         self.where = where  # per plan row: "aten::op at file.py:12", for a failed check's message
         self.checked = any(info.checked for _, _, info in plan_rows)
@@ -112,11 +118,16 @@ class Body:
     def __repr__(self):
         return f"Body({self.name}, {len(self.plan)} nodes)"
 
-    def run(self, leaf_vals, found=None):
+    def run(self, leaf_vals, found=None, iteration=None):
         """The roots' JAX values from the leaves' (inputs then captured values); the rows of
         its on-device checks are appended to ``found`` (``(bad, value, position, exception,
-        message)`` each, as ``L.checks`` gives them), or not computed when ``found`` is None."""
+        message)`` each, as ``L.checks`` gives them), or not computed when ``found`` is None.
+        ``iteration``: a loop's iteration number (a JAX int64), which moves the seeds."""
         vals = []
+        if iteration is not None and self.seeds:
+            leaf_vals = list(leaf_vals)
+            for i in self.seeds:
+                leaf_vals[i] = leaf_vals[i] + iteration * _GOLDEN
 
         def get(a):
             t = type(a)
@@ -132,6 +143,6 @@ class Body:
             rows: list | None = [] if found is not None and info.checked else None
             vals.append(emit_node(spec, tuple(get(a) for a in args), info, None, rows))
             if rows:
-                where = f" (in the body of {self.name}: {self.where[k]})".replace("{", "{{").replace("}", "}}")
+                where = f" (in {self.name}: {self.where[k]})".replace("{", "{{").replace("}", "}}")
                 found.extend((*c[:4], c[4] + where) for c in rows if c is not None)
         return [get(r) for r in self.roots]

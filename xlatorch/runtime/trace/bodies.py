@@ -24,12 +24,22 @@ from types import SimpleNamespace
 from xlatorch.runtime.base.source import fmt_src
 from xlatorch.runtime.base.threads import BODIES, TICKS
 from xlatorch.runtime.ir.body import Body, plan
-from xlatorch.runtime.ir.ops import ONE, STATIC, Info, OpSpec, _sig
+from xlatorch.runtime.ir.ops import GENERATOR, ONE, STATIC, Info, OpSpec, _sig
 from xlatorch.runtime.ir.values import Data, Node, Out, Scalar, operands
 from xlatorch.runtime.trace import tensor as _tensor
 from xlatorch.runtime.trace.tensor import PENDING, XlaTensor, fail_storages, value_of, wrap
 
-__all__ = ["BodyError", "trace_body", "trace_values", "body_of", "depends", "swapped", "values_of", "avals_of"]
+__all__ = [
+    "BodyError",
+    "InputWrittenError",
+    "trace_body",
+    "trace_values",
+    "body_of",
+    "depends",
+    "swapped",
+    "values_of",
+    "avals_of",
+]
 
 
 class BodyError(RuntimeError):
@@ -43,21 +53,27 @@ def _input_lowered(out, index):
 _INPUT = OpSpec("xlatorch::body_input", None, _input_lowered, ("index",), (STATIC,), (False,), ONE)
 
 
-def trace_body(fn, avals, name: str, requires_grad=(), constants: bool = False) -> tuple[Body, list, list]:
+class InputWrittenError(BodyError, AssertionError):
+    """A body wrote one of its inputs in place where that input stands for the user's tensor."""
+
+
+def trace_body(fn, avals, name: str, requires_grad=(), constants: bool = False, frozen=()) -> tuple[Body, list, list]:
     """Trace ``fn(inputs)`` once, ``inputs``: one placeholder tensor per aval (those at the
     positions in ``requires_grad`` require grad); ``fn`` returns a list of xla tensors.
 
     Returns the body, the values it captured (the node's operands after the inputs) and what
     ``fn`` returned (the tensors, for their ``requires_grad``; their values are the body's).
-    ``constants``: see ``body_of``."""
-    inputs, vals, outs = trace_values(fn, avals, name, requires_grad)
+    ``constants``: see ``body_of``; ``frozen``: see ``trace_values``."""
+    inputs, vals, outs = trace_values(fn, avals, name, requires_grad, frozen)
     body, captured = body_of(vals, inputs, name, constants)
     return body, captured, outs
 
 
-def trace_values(fn, avals, name: str, requires_grad=()) -> tuple[list, list, list]:
+def trace_values(fn, avals, name: str, requires_grad=(), frozen=()) -> tuple[list, list, list]:
     """Trace ``fn`` as ``trace_body`` does; returns the inputs' values, the results' values and
-    the result tensors, for ``body_of`` to make one or several bodies from."""
+    the result tensors, for ``body_of`` to make one or several bodies from. The inputs at the
+    positions in ``frozen`` may not be written in place (``InputWrittenError``): where the
+    user's own tensor would be written by the same code run eagerly."""
     first_sid = next(_tensor._ids)  # storages made from here on are the body's
     snapshot = {sid: r().value for sid, r in list(PENDING.items()) if r() is not None}
     inputs = []
@@ -70,6 +86,11 @@ def trace_values(fn, avals, name: str, requires_grad=()) -> tuple[list, list, li
     BODIES.append(name)
     try:
         outs = fn(inputs)
+        written_in = [i for i in frozen if inputs[i]._st.value is not in_vals[i]]
+        if written_in:
+            raise InputWrittenError(f"xlatorch: {name} writes its input(s) {written_in} in place; run eagerly, that "
+                                    f"would change your tensors, which a body traced once cannot: return the new "
+                                    f"values instead")  # fmt: skip
         vals = []
         for i, o in enumerate(outs):
             if type(o) is not XlaTensor:
@@ -165,6 +186,8 @@ def body_of(vals, inputs, name: str, constants: bool = False) -> tuple[Body, lis
     leaves += captured
     order = {id(n): k for k, n in enumerate(nodes)}
     lpos = {id(a): i for i, a in enumerate(leaves)}
+    seeds = tuple(sorted({lpos[id(a)] for n in nodes for a, k in zip(n.args, n.spec.kinds)
+                          if k is GENERATOR and id(a) in lpos}))  # fmt: skip
 
     def ref(v):
         if id(v) in consts:  # a literal: its value is the key
@@ -179,7 +202,7 @@ def body_of(vals, inputs, name: str, constants: bool = False) -> tuple[Body, lis
     roots = list(last[1])
     key = (enc, root_refs, tuple(a.sig for a in leaves))
     where = [f"{_op_name(n)} at {fmt_src(getattr(n, 'src', None))}" for n in nodes]
-    body = Body(rows, roots, tuple(v.aval for v in vals), key, n_inputs, len(leaves), name, where)
+    body = Body(rows, roots, tuple(v.aval for v in vals), key, n_inputs, len(leaves), name, where, seeds)
     return body, captured
 
 

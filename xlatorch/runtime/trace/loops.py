@@ -84,11 +84,13 @@ def _run_scan(ops, body, n_carry, n_xs, length, reverse, found):
     carry = tuple(_strong(v) for v in ops[:n_carry])
     xs = tuple(ops[n_carry : n_carry + n_xs])
     cap = list(ops[n_carry + n_xs :])
+    if body.seeds:  # the iteration number moves the random ops' seeds
+        xs += (jnp.arange(length, dtype=jnp.int64),)
     meta: list = []
 
     def step(c, x):
         rows = [] if found is not None else None
-        res = body.run([*c, *x, *cap], rows)
+        res = body.run([*c, *x[:n_xs], *cap], rows, x[n_xs] if body.seeds else None)
         ys = tuple(res[n_carry:])
         if rows:
             meta[:] = [c[3:] for c in rows]
@@ -123,44 +125,49 @@ def _run_while(ops, cond_body, body, n_carry, found):
     carry = tuple(_strong(v) for v in ops[:n_carry])
     ccap = list(ops[n_carry : n_carry + n_cond])
     bcap = list(ops[n_carry + n_cond :])
+    seeded = bool(body.seeds or cond_body.seeds)  # then the iteration number moves the seeds
+    it0 = jnp.zeros((), jnp.int64)
     meta: list = []
     if found is not None:  # the rows are carried: their number first (a trace, no compile)
-        jax.eval_shape(lambda *c: _rows_of(cond_body, body, c, ccap, bcap, meta), *carry)
-    if not meta:
-        res = lax.while_loop(lambda c: _pred(cond_body, c, ccap), lambda c: _step(body, c, bcap, None), carry)
-        return list(res)
+        jax.eval_shape(lambda *c: _rows_of(cond_body, body, c, ccap, bcap, meta, it0), *carry)
+
+    def test(state):
+        return _pred(cond_body, state[0], ccap, None, state[1] if seeded else None)
 
     def step(state):
-        c, acc = state
-        rows: list = []
-        new = _step(body, c, bcap, rows)
-        crows: list = []
-        _pred(cond_body, new, ccap, crows)
-        now = _stack_rows(rows + crows)
-        return new, jnp.where((acc[:, :1] != 0), acc, now)
+        c, it, acc = state
+        rows: list | None = [] if meta else None
+        new = _step(body, c, bcap, rows, it if seeded else None)
+        if meta:  # the first failure of each check is kept
+            _pred(cond_body, new, ccap, rows, it + 1 if seeded else None)
+            acc = jnp.where(acc[:, :1] != 0, acc, _stack_rows(rows))
+        return new, it + 1, acc
 
-    first: list = []
-    _pred(cond_body, carry, ccap, first)  # the condition's checks before the first iteration
-    acc0 = _stack_rows(first + [(0, 0, 0)] * (len(meta) - len(first)))
-    res, acc = lax.while_loop(lambda s: _pred(cond_body, s[0], ccap), step, (carry, acc0))
-    found.extend((acc[k, 0], acc[k, 1], acc[k, 2], *m) for k, m in enumerate(meta))
+    acc0 = jnp.zeros((0, 3), jnp.int64)
+    if meta:
+        first: list = []
+        _pred(cond_body, carry, ccap, first, it0 if seeded else None)  # the condition's checks, before iterating
+        acc0 = _stack_rows([(0, 0, 0)] * (len(meta) - len(first)) + first)
+    res, _, acc = lax.while_loop(test, step, (carry, it0, acc0))
+    if meta:
+        found.extend((acc[k, 0], acc[k, 1], acc[k, 2], *m) for k, m in enumerate(meta))
     return list(res)
 
 
-def _rows_of(cond_body, body, c, ccap, bcap, meta):
+def _rows_of(cond_body, body, c, ccap, bcap, meta, it):
     rows: list = []
-    new = _step(body, c, bcap, rows)
-    _pred(cond_body, new, ccap, rows)
+    new = _step(body, c, bcap, rows, it)
+    _pred(cond_body, new, ccap, rows, it)
     meta[:] = [r[3:] for r in rows]
     return new
 
 
-def _pred(cond_body, c, cap, found=None):
-    return jnp.asarray(cond_body.run([*c, *cap], found)[0]).reshape(()).astype(bool)
+def _pred(cond_body, c, cap, found=None, it=None):
+    return jnp.asarray(cond_body.run([*c, *cap], found, it)[0]).reshape(()).astype(bool)
 
 
-def _step(body, c, cap, found):
-    return tuple(_strong(r) for r in body.run([*c, *cap], found))
+def _step(body, c, cap, found, it=None):
+    return tuple(_strong(r) for r in body.run([*c, *cap], found, it))
 
 
 _WHILE = _spec("xlatorch::while_loop", _run_while, ("cond", "body", "n_carry"))
