@@ -31,5 +31,14 @@ def _fresh_metrics():
     settle._THREAD[0] = None  # a test's threads do not make the next test read its checks at once
 
 
+@pytest.fixture
+def no_cached_executables(monkeypatch):
+    """No executable compiled by an earlier test is reused: a test that breaks a lowering
+    meets it whatever ran before it in this process."""
+    from xlatorch.runtime.lower import cache
+
+    monkeypatch.setattr(cache, "CACHE", {})
+
+
 def pytest_addoption(parser):
     parser.addoption("--opinfo-full", action="store_true", help="run every OpInfo sample (CI runs a few per op)")

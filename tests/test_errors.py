@@ -12,7 +12,7 @@ from xlatorch.runtime.trace import dispatch as D
 from xlatorch.runtime.trace import tensor as T
 
 
-def test_a_failed_sync_poisons_only_its_tensors(monkeypatch):
+def test_a_failed_sync_poisons_only_its_tensors(monkeypatch, no_cached_executables):
     a = torch.ones(3, device="xla")
     xm.mark_step()
 
@@ -83,7 +83,7 @@ def test_a_sync_in_backward_neither_aborts_nor_raises_an_older_error(monkeypatch
     torch.testing.assert_close(x.grad.cpu(), torch.full((3,), 3.0))
 
 
-def test_a_failed_read_in_backward_raises_from_backward(monkeypatch):
+def test_a_failed_read_in_backward_raises_from_backward(monkeypatch, no_cached_executables):
     # .item() of a failed value on autograd's device thread: nothing may raise there (the
     # process would abort), so backward() raises it in the thread that called it.
     from xlatorch._generated import dispatch as table

@@ -152,7 +152,7 @@ def _sgd_reference(w0, x, lr):
         return w - lr * w.grad
 
 
-def test_a_failed_op_costs_only_what_depends_on_it(monkeypatch):
+def test_a_failed_op_costs_only_what_depends_on_it(monkeypatch, no_cached_executables):
     import torch
     from xlatorch._generated import dispatch as table
 
@@ -181,7 +181,9 @@ def test_a_failed_op_costs_only_what_depends_on_it(monkeypatch):
     torch.testing.assert_close((w * 2).detach().cpu(), _sgd_reference(w0, x, 0.1) * 2)  # training goes on
 
 
-def test_a_failed_lowering_in_a_step_that_hoists_optimizer_state_fails_only_what_depends_on_it(monkeypatch):
+def test_a_failed_lowering_in_a_step_that_hoists_optimizer_state_fails_only_what_depends_on_it(
+    monkeypatch, no_cached_executables
+):
     """Adam's first step computes its state's constants apart (runtime/plan/births.py), so the
     graph that fails to lower is a new one: the node that failed is found in it, not at the
     same position of the graph before (which failed an unrelated tensor)."""
@@ -325,7 +327,7 @@ def _train_skipping(seed, skip, steps=12):
     return losses
 
 
-def test_reading_a_failed_value_raises_in_any_thread(monkeypatch):
+def test_reading_a_failed_value_raises_in_any_thread(monkeypatch, no_cached_executables):
     import threading
 
     from xlatorch._generated import dispatch as table
