@@ -18,18 +18,11 @@ import time
 import torch
 
 import xlatorch.core.xla_model as xm
+from bench import trace_ops
 from xlatorch.experimental import eager_mode
 
-OPS = {
-    "add": lambda a, b, w: a + b,
-    "mul scalar": lambda a, b, w: a * 0.5,
-    "mm": lambda a, b, w: a @ w,
-    "relu": lambda a, b, w: torch.relu(a),
-    "sum(dim)": lambda a, b, w: a.sum(1),
-    "softmax": lambda a, b, w: torch.softmax(a, -1),
-    "addcmul": lambda a, b, w: torch.addcmul(a, b, b, value=0.1),
-    "view": lambda a, b, w: a.view(-1),
-}
+# The ops of bench.trace_ops (the same small ops, measured there for tracing alone), but ``t``.
+OPS = {k: v for k, v in trace_ops.OPS.items() if k != "t"}
 
 
 def _time(fn, args, n: int, end) -> float:

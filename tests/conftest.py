@@ -32,6 +32,15 @@ def _fresh_metrics():
 
 
 @pytest.fixture
+def fresh_dynamo():
+    """torch.compile's tests start and end with Dynamo's caches and counters empty."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
 def no_cached_executables(monkeypatch):
     """No executable compiled by an earlier test is reused: a test that breaks a lowering
     meets it whatever ran before it in this process."""

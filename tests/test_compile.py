@@ -8,13 +8,7 @@ import torch.nn as nn
 import xlatorch.core.xla_model as xm
 import xlatorch.debug.metrics as met
 
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _mlp():

@@ -91,12 +91,7 @@ def trace_values(fn, avals, name: str, requires_grad=(), frozen=()) -> tuple[lis
             raise InputWrittenError(f"xlatorch: {name} writes its input(s) {written_in} in place; run eagerly, that "
                                     f"would change your tensors, which a body traced once cannot: return the new "
                                     f"values instead")  # fmt: skip
-        vals = []
-        for i, o in enumerate(outs):
-            if type(o) is not XlaTensor:
-                what = f"a tensor on {o.device}" if hasattr(o, "device") else type(o).__name__
-                raise BodyError(f"xlatorch: {name} must return xla tensors; its result {i} is {what}")
-            vals.append(value_of(o))
+        vals = values_of(outs, name, "must return xla tensors; its result")
     finally:
         BODIES.pop()
         written = _undo_outside_writes(first_sid, snapshot)
@@ -257,13 +252,14 @@ def _forget(first_sid, name) -> None:
         fail_storages(made, error)
 
 
-def values_of(tensors, what: str) -> list:
-    """The values of xla tensors passed to a loop; anything else is an error naming ``what``."""
+def values_of(tensors, what: str, rule: str = "takes xla tensors; argument") -> list:
+    """The values of xla tensors passed to (or returned by) a loop; anything else is an error
+    naming ``what`` and the ``rule`` it breaks."""
     out = []
     for i, t in enumerate(tensors):
         if type(t) is not XlaTensor:
             got = f"a tensor on {t.device}" if hasattr(t, "device") else type(t).__name__
-            raise BodyError(f"xlatorch: {what} takes xla tensors; argument {i} is {got}")
+            raise BodyError(f"xlatorch: {what} {rule} {i} is {got}")
         out.append(value_of(t))
     return out
 
