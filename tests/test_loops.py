@@ -274,6 +274,22 @@ def test_a_body_cannot_write_outside_and_the_outside_keeps_its_value():
     assert pending.cpu().tolist() == [3.0, 3.0]
 
 
+def test_scan_layers_refuses_layers_that_update_their_buffers():
+    # BatchNorm in training mode updates its running statistics: a loop traced once cannot
+    # give each layer its own update, so it says so rather than dropping them.
+    layers = [torch.nn.BatchNorm1d(4).to(DEV) for _ in range(3)]
+    with pytest.raises(AssertionError, match="writes its input"):
+        scan_layers(layers, torch.randn(5, 4, device=DEV))
+    assert all(float(m.running_mean.abs().sum()) == 0.0 for m in layers)
+    for m in layers:
+        m.eval()
+    x = torch.randn(5, 4)
+    want = x
+    for m in layers:
+        want = copy.deepcopy(m).cpu()(want)
+    _close(scan_layers(layers, x.to(DEV)), want)  # eval mode: a pure function
+
+
 def test_a_body_temporary_has_no_value_outside():
     leaked = []
 

@@ -105,6 +105,7 @@ class _Loop:
         self.fn, self.carry_spec, self.x_spec, self.length = fn, carry_spec, x_spec, length
         self.carry_avals = bodies.avals_of(init_flat)
         self.x_avals = [(tuple(t.shape[1:]), t.dtype) for t in xs_flat]
+        self.x_requires = [t.requires_grad for t in xs_flat]
         self.y_spec = None
         self.params: list = []
 
@@ -145,18 +146,25 @@ class _Loop:
             self.n_out = len(outs)
             return outs + ts[:nc] if self.grad else outs
 
-        self.body, self.captured, _ = bodies.trace_body(body, self.carry_avals + self.x_avals, "the body of scan")
+        # An x is a slice of the user's xs: writing it in place would change xs in a Python loop.
+        xs = range(nc, nc + len(self.x_avals))
+        self.body, self.captured, _ = bodies.trace_body(body, self.carry_avals + self.x_avals, "the body of scan",
+                                                        frozen=xs)  # fmt: skip
 
     # --- what the backward needs -----------------------------------------------------------
 
     @property
     def dc(self) -> list:
-        """The positions of the carry's differentiable leaves."""
+        """The positions of the carry's differentiable leaves (a float carry's gradient flows
+        through the loop even when the first carry does not require grad)."""
         return [i for i, a in enumerate(self.carry_avals) if a[1].is_floating_point or a[1].is_complex]
 
     @property
     def dx(self) -> list:
-        return [i for i, a in enumerate(self.x_avals) if a[1].is_floating_point or a[1].is_complex]
+        """The positions of the xs that are differentiated: floats that require grad (not a
+        layer's buffers, say)."""
+        return [i for i, a in enumerate(self.x_avals) if (a[1].is_floating_point or a[1].is_complex)
+                and self.x_requires[i]]  # fmt: skip
 
     def y_avals(self) -> list:
         return list(self.body.avals[len(self.carry_avals) : self.n_out])
@@ -201,7 +209,7 @@ class _Loop:
                                   ts[k + n_g + npar :], ts[nc + nx : k])  # fmt: skip
             return [o.detach() for o in self.last_outs] + grads
 
-        inputs, vals, _ = bodies.trace_values(joint, avals, "the body of scan")
+        inputs, vals, _ = bodies.trace_values(joint, avals, "the body of scan", frozen=range(nc, nc + nx))
         fwd_in, g_in = inputs[:k], inputs[k:]
         outs, grads = vals[: self.n_out], vals[self.n_out :]
         acts = _activations(grads, inputs[: nc + nx], g_in)
