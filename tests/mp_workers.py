@@ -345,3 +345,26 @@ def dist_api(index, out):
            for k, vs in res.items()}  # fmt: skip
     _dump(out, {"res": res, "errors": errors})
     dist.destroy_process_group()
+
+
+def loop_collectives(index, out):
+    """xm's collectives inside loops that compile once: a scan and gradient_accumulation."""
+    from xlatorch.experimental.gradient_accumulation import gradient_accumulation
+    from xlatorch.experimental.scan import scan
+
+    d = xm.xla_device()
+    r = xr.global_ordinal()
+    xs = (torch.arange(12.0).reshape(4, 3) + 100 * r).to(d)
+    total, ys = scan(lambda c, x: (c + xm.all_reduce(xm.REDUCE_SUM, x), xm.all_reduce(xm.REDUCE_MAX, x)),
+                     torch.zeros(3, device=d), xs)  # fmt: skip
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1).to(d)
+
+    def step(x, seen):
+        loss = model(x).pow(2).mean()
+        return loss, seen + xm.all_reduce(xm.REDUCE_SUM, x.sum())
+
+    loss, seen = gradient_accumulation(step, (xs.reshape(4, 1, 3),), model, torch.zeros((), device=d))
+    xm.mark_step()
+    _dump(out, {"total": total.cpu(), "ys": ys.cpu(), "seen": seen.cpu(), "loss": loss.cpu(),
+                "grad": model.weight.grad.cpu()})  # fmt: skip

@@ -384,3 +384,25 @@ def test_an_index_out_of_range_in_a_while_body_raises_like_cpu():
     # the same loop within bounds
     n, a = while_loop(lambda i, a: i < 5, body, (torch.tensor(0, device=DEV), torch.zeros((), device=DEV)))
     _close(a, table.cpu().sum())
+
+
+def test_collectives_inside_loops_run_on_every_replica(tmp_path):
+    import mp_workers
+
+    import xlatorch.distributed.xla_multiprocessing as xmp
+
+    n = 2
+    xmp.spawn(mp_workers.loop_collectives, args=(str(tmp_path),), nprocs=n)
+    xs = [torch.arange(12.0).reshape(4, 3) + 100 * r for r in range(n)]
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    for r in range(n):
+        got = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
+        torch.testing.assert_close(got["total"], sum(xs).sum(0))
+        torch.testing.assert_close(got["ys"], torch.maximum(*xs))
+        torch.testing.assert_close(got["seen"], sum(x.sum() for x in xs))
+        cpu = copy.deepcopy(model)
+        loss = sum(cpu(x.reshape(1, 3)).pow(2).mean() / 4 for x in xs[r])
+        loss.backward()
+        _close(got["loss"], loss)
+        _close(got["grad"], cpu.weight.grad)

@@ -97,13 +97,27 @@ class Body:
     of it has an on-device check; ``name`` says what it is, for messages ("the body of scan").
     """
 
-    __slots__ = ("plan", "roots", "avals", "key", "n_inputs", "n_leaves", "checked", "name", "where", "seeds", "_hash")
+    __slots__ = (
+        "plan",
+        "roots",
+        "avals",
+        "key",
+        "n_inputs",
+        "n_leaves",
+        "checked",
+        "name",
+        "where",
+        "seeds",
+        "collective",
+        "_hash",
+    )
 
     def __init__(self, plan_rows, roots, avals, key, n_inputs, n_leaves, name, where, seeds=()):
         self.plan, self.roots, self.avals, self.key = plan_rows, roots, avals, key
         # The leaves that are random ops' seeds: a loop runs iteration i with seeds moved by i
         # (each iteration draws new numbers, as the same code in a Python loop would).
         self.seeds = seeds
+        self.collective = False  # whether it holds a collective (runtime/trace/bodies.py sets it)
         self.n_inputs, self.n_leaves, self.name = n_inputs, n_leaves, name
         self.where = where  # per plan row: "aten::op at file.py:12", for a failed check's message
         self.checked = any(info.checked for _, _, info in plan_rows)

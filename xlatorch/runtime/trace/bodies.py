@@ -27,6 +27,7 @@ from xlatorch.runtime.ir.body import Body, plan
 from xlatorch.runtime.ir.ops import GENERATOR, ONE, STATIC, Info, OpSpec, _sig
 from xlatorch.runtime.ir.values import Data, Node, Out, Scalar, operands
 from xlatorch.runtime.trace import tensor as _tensor
+from xlatorch.runtime.trace.collectives import SPECS as COLLECTIVES
 from xlatorch.runtime.trace.tensor import PENDING, XlaTensor, fail_storages, value_of, wrap
 
 __all__ = [
@@ -198,6 +199,7 @@ def body_of(vals, inputs, name: str, constants: bool = False) -> tuple[Body, lis
     key = (enc, root_refs, tuple(a.sig for a in leaves))
     where = [f"{_op_name(n)} at {fmt_src(getattr(n, 'src', None))}" for n in nodes]
     body = Body(rows, roots, tuple(v.aval for v in vals), key, n_inputs, len(leaves), name, where, seeds)
+    body.collective = any(n.spec in COLLECTIVES for n in nodes)
     return body, captured
 
 

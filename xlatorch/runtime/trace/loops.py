@@ -26,6 +26,7 @@ from xlatorch.runtime.ir.body import Body
 from xlatorch.runtime.ir.ops import STATIC, TENSOR_LIST, TUPLE, Info, OpSpec
 from xlatorch.runtime.ir.values import Out
 from xlatorch.runtime.trace.bodies import BodyError, avals_of, trace_body, values_of
+from xlatorch.runtime.trace.collectives import SPECS as COLLECTIVES
 from xlatorch.runtime.trace.nodes import _node
 from xlatorch.runtime.trace.tensor import XlaTensor, wrap
 
@@ -33,6 +34,8 @@ __all__ = ["scan", "while_loop", "cond", "call", "run_while", "run_cond", "insta
 
 
 def _make(spec, vals, sig, avals, checked):
+    if any(type(v) is Body and v.collective for v in vals):
+        spec = _REPLICATED[spec]  # a graph holding it runs as one program over the replicas
     info = spec.cache.get(sig)
     if info is None:
         info = spec.cache[sig] = Info(tuple(avals), None, checked and config.CHECKS)
@@ -53,10 +56,21 @@ def _spec(name, run, static):
         res = done.pop(id(out), None)
         return run(ops, *args, None) if res is None else res
 
-    spec = OpSpec(name, None, emit, ("operands", *static), (TENSOR_LIST,) + (STATIC,) * len(static),
-                  (False,) * (1 + len(static)), TUPLE)  # fmt: skip
-    spec.check = check
+    def make():
+        spec = OpSpec(name, None, emit, ("operands", *static), (TENSOR_LIST,) + (STATIC,) * len(static),
+                      (False,) * (1 + len(static)), TUPLE)  # fmt: skip
+        spec.check = check
+        return spec
+
+    spec = make()
+    # Its twin for bodies holding collectives (xm.all_reduce in a loop): a collective's spec,
+    # so that the sync compiles the graph as one program over the replicas (multi/replication.py).
+    _REPLICATED[spec] = twin = make()
+    COLLECTIVES.add(twin)
     return spec
+
+
+_REPLICATED: dict = {}
 
 
 def _strong(x):
