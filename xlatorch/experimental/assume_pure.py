@@ -26,7 +26,7 @@ from xlatorch.runtime.trace import bodies, loops
 from xlatorch.runtime.trace.bodies import BodyError
 from xlatorch.runtime.trace.tensor import value_of, wrap
 
-__all__ = ["assume_pure"]
+__all__ = ["assume_pure", "PureModule", "j2t_autograd"]
 
 
 def assume_pure(fn: Callable, *, add_rng_seed_argument: bool = False) -> Callable:
@@ -164,3 +164,30 @@ class _Pure(torch.autograd.Function):
             torch.zeros(a[0], dtype=a[1], device="xla") if g is None else g for g, a in zip(grads, entry.body.avals)
         ]
         return (None, *entry.backward(ctx.inputs, grads))
+
+
+def j2t_autograd(fn):
+    """A JAX function as a differentiable PyTorch function on xla tensors (its backward is
+    ``jax.vjp``): ``xlatorch.core.xla_builder.j2t_autograd``, where torch_xla keeps it."""
+    from xlatorch.core.xla_builder import j2t_autograd as _j2t
+
+    return _j2t(fn)
+
+
+class PureModule(torch.nn.Module):
+    """``module`` whose forward is known to be pure (no side effects, a function of its inputs,
+    parameters and buffers): its forward is ``assume_pure`` over ``torch.func.functional_call``,
+    traced once per input signature and then replayed, backward included."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self._module = module
+        self._pure_forward = assume_pure(functools.partial(_pure_forward, module))
+
+    def forward(self, *args, **kwargs):
+        return self._pure_forward(dict(self._module.named_parameters()), dict(self._module.named_buffers()),
+                                  args, kwargs)  # fmt: skip
+
+
+def _pure_forward(module, params, buffers, args, kwargs):
+    return torch.func.functional_call(module, (params, buffers), args, kwargs)
