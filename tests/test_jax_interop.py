@@ -149,3 +149,68 @@ def test_pure_module_equals_its_module():
     _close(y, yc)
     for p, q in zip(m.parameters(), cpu.parameters()):
         _close(p.grad, q.grad)
+
+
+def _sdpa_reference(q, k, v, causal, seg_q, seg_kv, scale, ab):
+    mask = torch.zeros(q.shape[0], 1, q.shape[2], k.shape[2])
+    if ab is not None:
+        mask = mask + ab
+    if seg_q is not None:
+        mask = mask.masked_fill(seg_q[:, None, :, None] != seg_kv[:, None, None, :], float("-inf"))
+    if causal:
+        mask = mask.masked_fill(torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).triu(1), float("-inf"))
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+@pytest.mark.parametrize("causal,segments,bias", [(False, False, False), (True, False, False), (True, True, True)])
+def test_flash_attention_equals_scaled_dot_product_attention(causal, segments, bias):
+    from xlatorch.experimental.custom_kernel import flash_attention
+
+    torch.manual_seed(2)
+    q, k, v = (torch.randn(2, 3, 8, 4) for _ in range(3))
+    seg = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2], [0, 0, 0, 0, 1, 1, 1, 1]]) if segments else None
+    ab = torch.randn(2, 3, 8, 8) if bias else None
+    want_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = _sdpa_reference(*want_in, causal, seg, seg, 0.5, ab)
+    want.pow(2).sum().backward()
+    got_in = [t.to(DEV).requires_grad_() for t in (q, k, v)]
+    dev = lambda t: None if t is None else t.to(DEV)  # noqa: E731
+    got = flash_attention(*got_in, causal=causal, q_segment_ids=dev(seg), kv_segment_ids=dev(seg), sm_scale=0.5,
+                          ab=dev(ab))  # fmt: skip
+    got.pow(2).sum().backward()
+    _close(got, want)
+    for g, w in zip(got_in, want_in):
+        _close(g.grad, w.grad)
+
+
+def test_grouped_matmul_equals_a_loop_over_groups():
+    from xlatorch.experimental.custom_kernel import gmm
+
+    torch.manual_seed(3)
+    lhs, rhs = torch.randn(7, 4), torch.randn(3, 4, 5)
+    sizes = torch.tensor([2, 0, 5], dtype=torch.int32)
+    want_l, want_r = lhs.clone().requires_grad_(), rhs.clone().requires_grad_()
+    want = torch.cat([want_l[:2] @ want_r[0], want_l[2:7] @ want_r[2]])
+    want.pow(2).sum().backward()
+    got_l, got_r = lhs.to(DEV).requires_grad_(), rhs.to(DEV).requires_grad_()
+    got = gmm(got_l, got_r, sizes.to(DEV))
+    got.pow(2).sum().backward()
+    _close(got, want)
+    _close(got_l.grad, want_l.grad)
+    _close(got_r.grad, want_r.grad)
+
+
+def test_a_pallas_kernel_runs_on_xla_tensors():
+    from jax.experimental import pallas as pl
+
+    from xlatorch.experimental.custom_kernel import make_kernel_from_pallas
+
+    def add_kernel(x_ref, y_ref, o_ref):
+        o_ref[...] = x_ref[...] + y_ref[...]
+
+    def add(x, y):
+        return pl.pallas_call(add_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=True)(x, y)
+
+    run = make_kernel_from_pallas(add, lambda x, y: [(x.shape, x.dtype)])
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    _close(run(x.to(DEV), y.to(DEV)), x + y)
