@@ -214,3 +214,15 @@ def test_a_pallas_kernel_runs_on_xla_tensors():
     run = make_kernel_from_pallas(add, lambda x, y: [(x.shape, x.dtype)])
     x, y = torch.randn(8, 4), torch.randn(8, 4)
     _close(run(x.to(DEV), y.to(DEV)), x + y)
+
+
+def test_a_jax_setting_that_changes_the_trace_makes_another_call():
+    x = torch.randn(4, 4, device=DEV)
+    before = xb._jax_to_xla_computation_cache_elements()
+    xb.call_jax(jnp.matmul, (x, x))
+    xb.call_jax(jnp.matmul, (x, x))
+    assert xb._jax_to_xla_computation_cache_elements() == before + 1
+    with jax.default_matmul_precision("highest"):
+        y = xb.call_jax(jnp.matmul, (x, x))
+    assert xb._jax_to_xla_computation_cache_elements() == before + 2
+    _close(y, x.cpu() @ x.cpu())

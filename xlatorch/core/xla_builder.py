@@ -16,6 +16,7 @@ import jax
 import numpy as np
 import torch
 
+from xlatorch.runtime.trace.jax_calls import TRACED as _JAX_TO_XLA_COMPUTATION_CACHE
 from xlatorch.runtime.trace.jax_calls import call_jax as _call_jax
 
 __all__ = ["call_jax", "j2t_autograd"]
@@ -40,6 +41,11 @@ def call_jax(jax_func: Callable, args: tuple[Any, ...], kwargs: dict[str, Any] |
       override_hash: the cache key to use instead of ``jax_func``'s identity.
     """
     return _call_jax(jax_func, args, kwargs, name=name, override_hash=override_hash)
+
+
+def _jax_to_xla_computation_cache_elements() -> int:
+    """How many (function, signature) pairs ``call_jax`` has traced (torch_xla's tests count them)."""
+    return len(_JAX_TO_XLA_COMPUTATION_CACHE)
 
 
 def j2t_autograd(fn: Callable) -> Callable:

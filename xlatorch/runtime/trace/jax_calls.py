@@ -24,7 +24,7 @@ from xlatorch.runtime.trace.bodies import values_of
 from xlatorch.runtime.trace.nodes import _node
 from xlatorch.runtime.trace.tensor import wrap
 
-__all__ = ["call_jax", "JaxCall"]
+__all__ = ["call_jax", "JaxCall", "TRACED"]
 
 _TENSOR = object()  # marks where a tensor goes among a call's leaves
 
@@ -65,7 +65,9 @@ def _emit(out, operands, call):
 
 
 _SPEC = OpSpec("xlatorch::call_jax", None, _emit, ("operands", "fn"), (TENSOR_LIST, STATIC), (False, False), TUPLE)
-_OUT: dict = {}  # (call key, operand signatures) -> (output avals, output tree)
+# (call key, operand signatures) -> (output avals, output tree): one entry per trace of a function.
+TRACED: dict = {}
+_OUT = TRACED
 
 
 def _is_tensor(x) -> bool:
@@ -84,7 +86,7 @@ def call_jax(fn, args, kwargs=None, name=None, override_hash=None):
     tensors = [a for a in leaves if _is_tensor(a)]
     vals = values_of(tensors, f"call_jax({_name(fn, name)})")
     statics = tuple(_TENSOR if _is_tensor(a) else a for a in leaves)
-    key = (override_hash if override_hash is not None else id(fn), tree, _static_key(statics))
+    key = (override_hash if override_hash is not None else id(fn), tree, _static_key(statics), _jax_config())
     call = JaxCall(fn, tree, statics, key, _name(fn, name))
     sigs = tuple(v.sig for v in vals)
     found = _OUT.get((key, sigs))
@@ -99,6 +101,13 @@ def call_jax(fn, args, kwargs=None, name=None, override_hash=None):
         _SPEC.cache[sig] = Info(avals, None)
     outs = [wrap(o) for o in _node(_SPEC, (tuple(vals), call), sig).outs]
     return jax.tree_util.tree_unflatten(out_tree, outs)
+
+
+def _jax_config() -> tuple:
+    """The JAX settings a function's trace depends on: changing one makes another call (and
+    another graph), never a stale executable."""
+    c = jax.config
+    return (c.jax_default_matmul_precision, c.jax_enable_x64, c.jax_numpy_rank_promotion, c.jax_numpy_dtype_promotion)
 
 
 def _name(fn, name) -> str:
