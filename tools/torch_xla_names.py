@@ -79,7 +79,8 @@ class Module:
 class Repo:
     def __init__(self, path: str):
         self.path = path
-        out = subprocess.run(["git", "-C", path, "ls-tree", "-r", "--name-only", "HEAD"], capture_output=True, text=True, check=True)
+        cmd = ["git", "-C", path, "ls-tree", "-r", "--name-only", "HEAD"]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
         self.files = out.stdout.split()
         self._set = set(self.files)
 
@@ -162,7 +163,11 @@ _FROM = re.compile(r"^\s*from\s+(torch_xla[\w.]*)\s+import\s+\(?([\w\s,]+)\)?", 
 
 def count_uses(repo: Repo, modules: dict[str, Module]) -> dict[str, Counter]:
     uses: dict[str, Counter] = {m: Counter() for m in modules}
-    docs = [f for f in repo.files if f.split("/")[0] in ("test", "docs", "examples") and f.endswith((".py", ".md", ".rst", ".ipynb"))]
+    docs = [
+        f
+        for f in repo.files
+        if f.split("/")[0] in ("test", "docs", "examples") and f.endswith((".py", ".md", ".rst", ".ipynb"))
+    ]
     for f in docs:
         text = repo.show(f)
         aliases = dict(CUSTOMARY)
@@ -234,7 +239,8 @@ def main(argv=None) -> None:
         kind = "core" if mod in CORE else "other"
         tot[kind][0] += len(have)
         tot[kind][1] += len(m.names)
-        print(f"{mod:58} {len(have):5} / {len(m.names):4}  {sum(uses[mod].values()):5}{'  core' if kind == 'core' else ''}")
+        mark = "  core" if kind == "core" else ""
+        print(f"{mod:58} {len(have):5} / {len(m.names):4}  {sum(uses[mod].values()):5}{mark}")
         for n in m.names - have:
             if uses[mod][n] >= args.min_uses or args.all:
                 missing_used.append((uses[mod][n], mod, n))
