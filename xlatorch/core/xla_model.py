@@ -419,3 +419,15 @@ def do_on_ordinals(target, data=(), ordinals=(0,)) -> None:
     if get_ordinal() in ordinals:
         target(*data)
     rendezvous("torch_xla.core.xla_model.do_on_ordinals")
+
+
+def optimization_barrier_(tensors) -> None:
+    """In place: ``tensors`` pass through one XLA optimization barrier, so XLA neither moves
+    computation across this point nor merges what follows with what came before (a
+    recomputation stays a recomputation). Records one node; no sync."""
+    from xlatorch.runtime.trace.barrier import optimization_barrier_ as barrier
+
+    barrier(list(tensors))
+
+
+__all__ += ["optimization_barrier_"]
