@@ -131,7 +131,8 @@ def test_utils_helpers():
     seen = []
     xu.for_each_instance({"a": [1, "x", (2,)]}, lambda v: isinstance(v, int), seen.append)
     assert sorted(seen) == [1, 2]
-    assert xu.for_each_instance_rewrite([1, (2, "y")], lambda v: isinstance(v, int), lambda v: v * 10) == [10, (20, "y")]
+    out = xu.for_each_instance_rewrite([1, (2, "y")], lambda v: isinstance(v, int), lambda v: v * 10)
+    assert out == [10, (20, "y")]
     assert xu.flatten_nested_tuple((1, (2, (3,)))) == (1, 2, 3)
     assert xu.shape([torch.ones(2, 3), [torch.ones(1)]]) == [[2, 3], [[1]]]
     assert xu.parallel_work(2, lambda a, b: a + b, [1, 2], [3, 4]) == [4, 6]
