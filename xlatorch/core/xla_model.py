@@ -275,10 +275,8 @@ class RateTracker:
     rate since creation. Host-side; nothing syncs."""
 
     def __init__(self, smooth_factor: float | None = None):
-        from xlatorch.utils.utils import getenv_as
-
         if smooth_factor is None:
-            smooth_factor = getenv_as("RATE_TRACKER_SMOOTHING", float, 0.4)
+            smooth_factor = float(os.environ.get("RATE_TRACKER_SMOOTHING", "0.4"))
         self._smooth_factor = smooth_factor
         self._start_time = _time.time()
         self._partial_time = self._start_time
@@ -321,9 +319,9 @@ def _pending_tensors(tensors, who: str) -> list:
 def get_stablehlo(tensors=None) -> str:
     """The StableHLO (MLIR text) of the graph computing ``tensors``, as a sync would compile
     it. Does not sync or compile."""
-    from xlatorch.debug import dump
+    from xlatorch.runtime.execute.lowered import lower
 
-    return dump.hlo_text(_pending_tensors(tensors, "get_stablehlo"), dialect="stablehlo")
+    return lower(_pending_tensors(tensors, "get_stablehlo"), "xm.get_stablehlo")[0].as_text(dialect="stablehlo")
 
 
 def get_stablehlo_bytecode(tensors=None) -> bytes:
