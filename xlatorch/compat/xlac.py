@@ -21,3 +21,94 @@ def _get_xla_tensors_text(tensors) -> str:
 def _get_xla_tensors_hlo(tensors) -> str:
     """The HLO text a sync of ``tensors`` would compile (``xd.hlo_text``; no sync)."""
     return dump.hlo_text(tensors, dialect="hlo")
+
+
+# ---------------------------------------------------------------------------------------
+# The _XLAC functions torch_xla's tests and user scripts call most (issue 29 §4).
+# ---------------------------------------------------------------------------------------
+
+
+def _get_xla_sharding_spec(tensor) -> str:
+    """XLA's text of ``tensor``'s sharding (``{devices=[4,1]0,1,2,3}``), "" when it has none."""
+    from xlatorch.distributed.spmd import get_sharding_spec
+
+    return get_sharding_spec(tensor)
+
+
+def _xla_get_default_device() -> str:
+    """The default xla device's name (``'xla:0'``)."""
+    return "xla:0"
+
+
+def _xla_sync_multi(tensors, devices=None, wait: bool = True, sync_xla_data: bool = True) -> None:
+    """Compute ``tensors`` now (a sync of the pending graph); ``wait``: until they are ready."""
+    import xlatorch.core.xla_model as xm
+
+    xm.mark_step(wait=wait)
+
+
+def _xla_increment_counter(name: str, value: int = 1) -> None:
+    """Add ``value`` to counter ``name`` (as ``met.counter_value`` reads it)."""
+    from xlatorch.runtime.base.record import COUNTERS
+
+    COUNTERS[name] += value
+
+
+def _get_executed_fallback_ops() -> list[str]:
+    """The ATen ops that ran on CPU since the counters were cleared (``met.executed_fallback_ops``)."""
+    return _met.executed_fallback_ops()
+
+
+def _xla_set_mat_mul_precision(precision: str) -> None:
+    """``torch_xla.backends.set_mat_mul_precision``."""
+    from xlatorch.backends import set_mat_mul_precision
+
+    set_mat_mul_precision(precision)
+
+
+def _xla_get_mat_mul_precision() -> str:
+    """``torch_xla.backends.get_mat_mul_precision``."""
+    from xlatorch.backends import get_mat_mul_precision
+
+    return get_mat_mul_precision()
+
+
+def _pending(tensor) -> bool:
+    from xlatorch.runtime.ir.values import Out
+    from xlatorch.runtime.trace.tensor import value_of
+
+    return type(value_of(tensor)) is Out
+
+
+def _check_tensor_need_materialization(tensors) -> list[bool]:
+    """For each tensor, whether its value is still pending (a sync would compute it)."""
+    return [_pending(t) for t in tensors]
+
+
+def _xla_get_tensor_id(tensor) -> int:
+    """A number naming ``tensor``'s storage, unique in this process (views share it)."""
+    return tensor._st.sid
+
+
+def _get_graph_hash(tensors) -> bytes:
+    """A hash of the graph computing ``tensors``: equal for graphs that compile to the same
+    program (the compile cache's key), in this process. Does not sync."""
+    from xlatorch.runtime.execute.lowered import graph_of
+
+    nodes, leaves, root_refs = graph_of(tensors, "_XLAC._get_graph_hash")
+    key = (tuple(n.key for n in nodes), root_refs, tuple(getattr(v, "sig", None) for v in leaves))
+    return hash(key).to_bytes(8, "little", signed=True)
+
+
+def _get_xla_tensor_debug_info(tensor) -> str:
+    """What xlatorch holds for ``tensor``: its id, device, shape, and whether its value is
+    device data or a pending IR value (and that node)."""
+    from xlatorch.runtime.trace.tensor import value_of
+
+    v = value_of(tensor)
+    pending = _pending(tensor)
+    dt = str(tensor.dtype).removeprefix("torch.")
+    lines = ["XLATensor {", f"TensorID: {_xla_get_tensor_id(tensor)}", f"Device: {tensor.device}",
+             f"XLA Shape: {dt}{list(tensor.shape)}", f"ValueNode: {v if pending else 'None'}",
+             f"XLAData: {'None' if pending else type(v).__name__}", "}"]  # fmt: skip
+    return "\n".join(lines)

@@ -242,3 +242,190 @@ def mesh_reduce(tag: str, data, reduce_fn):
 
     cpu = tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, data)
     return reduce_fn(exchange(tag, cpu))
+
+
+# ---------------------------------------------------------------------------------------
+# torch_xla names users call (issue 29 §4): progress tracking, StableHLO of pending
+# tensors, host-to-device pytrees, device descriptions. Kept together, after the rest.
+# ---------------------------------------------------------------------------------------
+
+import io as _io  # noqa: E402
+import time as _time  # noqa: E402
+from typing import TypedDict as _TypedDict  # noqa: E402
+
+__all__ += [
+    "RateTracker", "get_stablehlo", "get_stablehlo_bytecode", "send_cpu_data_to_device", "xla_device_kind",
+    "xla_real_devices", "xla_replication_devices", "unlazy", "check_view_sharing",
+    "all_gather_bucketized", "do_on_ordinals", "MemoryInfo",
+]  # fmt: skip
+
+
+class MemoryInfo(_TypedDict):
+    """What ``get_memory_info`` returns: bytes used and the device's limit."""
+
+    bytes_used: int
+    bytes_limit: int
+    peak_bytes_used: int
+
+
+class RateTracker:
+    """Items per second, as a training loop reports them: ``add(n)`` after each batch,
+    ``rate()`` the rate since the last ``rate()`` (smoothed exponentially by
+    ``smooth_factor``, default ``$RATE_TRACKER_SMOOTHING`` or 0.4), ``global_rate()`` the
+    rate since creation. Host-side; nothing syncs."""
+
+    def __init__(self, smooth_factor: float | None = None):
+        if smooth_factor is None:
+            smooth_factor = float(os.environ.get("RATE_TRACKER_SMOOTHING", "0.4"))
+        self._smooth_factor = smooth_factor
+        self._start_time = _time.time()
+        self._partial_time = self._start_time
+        self._partial_count = 0.0
+        self._partial_rate = None
+        self._count = 0.0
+
+    def add(self, count: float) -> None:
+        """Count ``count`` more items."""
+        self._count += count
+
+    def rate(self) -> float:
+        """Items per second since the previous call, smoothed with the previous rate."""
+        now = _time.time()
+        delta = now - self._partial_time
+        if delta <= 0:
+            return 0.0
+        rate = self._count / delta
+        if self._partial_rate is not None:
+            rate = (1 - self._smooth_factor) * rate + self._smooth_factor * self._partial_rate
+        self._partial_count += self._count
+        self._count = 0.0
+        self._partial_time = now
+        self._partial_rate = rate
+        return rate
+
+    def global_rate(self) -> float:
+        """Items per second since the tracker was made."""
+        delta = _time.time() - self._start_time
+        return (self._partial_count + self._count) / delta if delta > 0 else 0.0
+
+
+def _pending_tensors(tensors, who: str) -> list:
+    if tensors is None:
+        raise ValueError(f"xlatorch: {who}() needs the tensors whose graph to lower (torch_xla's default, "
+                         "every live tensor, is not supported)")  # fmt: skip
+    return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+
+
+def get_stablehlo(tensors=None) -> str:
+    """The StableHLO (MLIR text) of the graph computing ``tensors``, as a sync would compile
+    it. Does not sync or compile."""
+    from xlatorch.runtime.execute.lowered import lower
+
+    return lower(_pending_tensors(tensors, "get_stablehlo"), "xm.get_stablehlo")[0].as_text(dialect="stablehlo")
+
+
+def get_stablehlo_bytecode(tensors=None) -> bytes:
+    """``get_stablehlo``'s module as MLIR bytecode. Does not sync or compile."""
+    from xlatorch.runtime.execute.lowered import lower
+
+    lowered = lower(_pending_tensors(tensors, "get_stablehlo_bytecode"), "xm.get_stablehlo_bytecode")[0]
+    buf = _io.BytesIO()
+    lowered.compiler_ir("stablehlo").operation.write_bytecode(buf)
+    return buf.getvalue()
+
+
+def send_cpu_data_to_device(datas, device, input_sharding=None):
+    """``datas`` (any nesting of lists, tuples, dicts) with each CPU tensor copied to
+    ``device`` (a transfer); other leaves as they are. ``input_sharding`` (a
+    ``ShardingSpec``) shards each copy as ``xs.mark_sharding`` would."""
+    device = torch.device(device)
+
+    def move(v):
+        if type(v) is torch.Tensor and v.device.type == "cpu":
+            t = v.to(device)
+            if input_sharding is not None:
+                input_sharding.apply(t)
+            return t
+        return v
+
+    return torch.utils._pytree.tree_map(move, datas)
+
+
+def xla_device_kind(device=None) -> str:
+    """The kind of hardware behind ``device`` (JAX's ``device_kind``: 'cpu', 'NVIDIA H100
+    80GB HBM3', 'TPU v5 lite' ...)."""
+    return jax.local_devices()[0].device_kind
+
+
+def xla_real_devices(devices=None) -> list[str]:
+    """The runtime devices (``'CPU:0'``, ``'CUDA:0'``, ``'TPU:0'``) behind ``devices``
+    (``xla:N`` names; default every local xla device)."""
+    from xlatorch.runtime import device_type
+
+    kind = device_type()
+    if devices is None:
+        return [f"{kind}:{i}" for i in range(len(jax.local_devices()))]
+    return [f"{kind}:{torch.device(d).index or 0}" for d in devices]
+
+
+def xla_replication_devices(local_devices=None) -> list[str]:
+    """The runtime devices of every replica of the job, in ordinal order."""
+    from xlatorch.runtime import device_type
+
+    return [f"{device_type()}:{i}" for i in range(xrt_world_size())]
+
+
+def unlazy(tensors) -> None:
+    """Compute ``tensors`` now (a sync of the device's pending graph) and wait for them."""
+    _sync("unlazy")
+    wait_device_ops()
+
+
+def check_view_sharing(obj) -> None:
+    """Raise ``RuntimeError`` where two xla tensors in ``obj`` (any nesting) share storage:
+    saving such a structure would write the shared data twice."""
+    seen: dict = {}
+
+    def visit(v):
+        if isinstance(v, torch.Tensor) and v.device.type == "xla":
+            key = id(getattr(v, "_st", v))  # the storage a tensor shares with its views
+            if key in seen and seen[key] is not v:
+                raise RuntimeError(f"xla tensors share storage (views of one another): shapes "
+                                   f"{tuple(seen[key].shape)} and {tuple(v.shape)}")  # fmt: skip
+            seen[key] = v
+        return v
+
+    torch.utils._pytree.tree_map(visit, obj)
+
+
+def all_gather_bucketized(
+    input_list, dim: int = 0, groups=None, output=None, pin_layout: bool = False, bucket_cap_mb: int = 160
+) -> list:
+    """``all_gather`` of each tensor of ``input_list`` (one collective each; XLA combines them),
+    into ``output``'s tensors where given."""
+    outs = [all_gather(t, dim=dim, groups=groups, pin_layout=pin_layout) for t in input_list]
+    if output is not None:
+        for o, r in zip(output, outs):
+            o.copy_(r)
+        return output
+    return outs
+
+
+def do_on_ordinals(target, data=(), ordinals=(0,)) -> None:
+    """Call ``target(*data)`` on the replicas whose ordinal is in ``ordinals``; every replica
+    then waits for the others (a rendezvous)."""
+    if get_ordinal() in ordinals:
+        target(*data)
+    rendezvous("torch_xla.core.xla_model.do_on_ordinals")
+
+
+def optimization_barrier_(tensors) -> None:
+    """In place: ``tensors`` pass through one XLA optimization barrier, so XLA neither moves
+    computation across this point nor merges what follows with what came before (a
+    recomputation stays a recomputation). Records one node; no sync."""
+    from xlatorch.runtime.trace.barrier import optimization_barrier_ as barrier
+
+    barrier(list(tensors))
+
+
+__all__ += ["optimization_barrier_"]

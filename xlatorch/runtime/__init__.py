@@ -139,3 +139,94 @@ def _from_environment() -> None:
 __all__ = ["device_type", "set_device_type", "world_size", "global_ordinal", "local_ordinal", "process_index",
            "local_process_count", "addressable_device_count", "addressable_runtime_device_count",
            "global_runtime_device_count", "use_spmd", "is_spmd"]  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------
+# torch_xla names users call (issue 29 §4): caches, device counts and attributes.
+# ---------------------------------------------------------------------------------------
+
+
+def initialize_cache(path: str, readonly: bool = False) -> None:
+    """Keep compiled programs in a persistent cache at ``path`` (shared by processes and
+    runs; JAX's persistent compilation cache). ``readonly``: use the entries there but add
+    none. Call it before the first computation.
+
+    Raises:
+      RuntimeError: something has already been compiled.
+    """
+    from xlatorch.runtime.lower import compile_cache
+
+    compile_cache.use(path, readonly)
+
+
+def get_num_cached_compilation_graph() -> int:
+    """How many compiled graphs the in-memory cache holds now (a graph loaded from the
+    persistent cache counts once loaded)."""
+    from xlatorch.runtime.lower import cache
+
+    return len(cache.CACHE)
+
+
+def global_device_count() -> int:
+    """How many devices the job has, over every process."""
+    return jax.device_count()
+
+
+def local_device_count() -> int:
+    """How many devices this host has (its processes' addressable devices)."""
+    return local_process_count() * addressable_device_count()
+
+
+def process_count() -> int:
+    """How many processes the job has."""
+    return jax.process_count()
+
+
+def host_index() -> int:
+    """This host's index in the job (0 on one host)."""
+    from xlatorch.runtime.base.topology import local_world_size
+
+    return global_ordinal() // max(1, local_world_size())
+
+
+def is_bf16_supported() -> bool:
+    """Whether the xla device computes in bfloat16 (every platform JAX runs on does)."""
+    return True
+
+
+def runtime_device_attributes(device: str) -> dict:
+    """Attributes of one runtime device (``'CPU:0'``, ``'TPU:1'``): what JAX reports of it
+    (``device_kind``, ``id``, ``process_index``, ``coords`` on TPU ...)."""
+    index = int(str(device).rpartition(":")[2] or 0)
+    d = jax.devices()[index]
+    attrs = {"name": str(device), "device_kind": d.device_kind, "id": d.id, "process_index": d.process_index}
+    for name in ("coords", "core_on_chip", "num_cores"):
+        if hasattr(d, name):
+            attrs[name] = getattr(d, name)
+    return attrs
+
+
+def global_runtime_device_attributes() -> list[dict]:
+    """``runtime_device_attributes`` of every device of the job, in device order."""
+    return [runtime_device_attributes(f"{device_type()}:{i}") for i in range(jax.device_count())]
+
+
+def get_master_ip() -> str:
+    """The address of the job's first host: ``$MASTER_ADDR``, or this host when alone.
+
+    Raises:
+      RuntimeError: a job of several hosts with no ``MASTER_ADDR`` set.
+    """
+    import os
+
+    addr = os.environ.get("MASTER_ADDR")
+    if addr:
+        return addr
+    if jax.process_count() == 1:
+        return "127.0.0.1"
+    raise RuntimeError(f"xlatorch: IP discovery is not supported for device {device_type()}; set MASTER_ADDR")
+
+
+__all__ += ["initialize_cache", "get_num_cached_compilation_graph", "global_device_count", "local_device_count",
+            "process_count", "host_index", "is_bf16_supported", "runtime_device_attributes",
+            "global_runtime_device_attributes", "get_master_ip"]  # fmt: skip

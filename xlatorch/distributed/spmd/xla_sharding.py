@@ -8,6 +8,7 @@ tensor dimension, which mesh axes split it. They become a ``jax.sharding.NamedSh
 
 from __future__ import annotations
 
+import enum
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -265,3 +266,40 @@ def enable_manual_sharding(*args, **kwargs):
 
 
 disable_manual_sharding = enable_manual_sharding
+
+
+class ShardingType(enum.IntEnum):
+    """XLA's kinds of sharding (``OpSharding.Type``), as torch_xla numbers them."""
+
+    REPLICATED = 0
+    MAXIMAL = 1
+    TUPLE = 2
+    TILED = 3
+    MANUAL = 4
+    PARTIAL = 5
+    UNKNOWN = 6
+
+
+class _ShardWithGradients(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, mesh, partition_spec):
+        ctx.mesh, ctx.partition_spec = mesh, partition_spec
+        out = t.clone()
+        mark_sharding(out, mesh, partition_spec)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        mark_sharding(grad, ctx.mesh, ctx.partition_spec)
+        return grad, None, None
+
+
+def mark_sharding_with_gradients(t, mesh: Mesh, partition_spec) -> torch.Tensor:
+    """A copy of ``t`` sharded over ``mesh`` as ``mark_sharding`` shards, whose gradient in
+    the backward is sharded the same way (not in place: for activations inside a model)."""
+    t = t.global_tensor if isinstance(t, XLAShardedTensor) else t
+    return _ShardWithGradients.apply(t, mesh, tuple(partition_spec))
+
+
+__all__ += ["ShardingType", "mark_sharding_with_gradients"]

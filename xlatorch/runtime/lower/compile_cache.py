@@ -24,12 +24,15 @@ import jax
 from xlatorch.runtime.base import config
 from xlatorch.runtime.base.record import COUNTERS
 
-__all__ = ["directory", "configure"]
+__all__ = ["directory", "configure", "use"]
 
 _EVENTS = {
     "/jax/compilation_cache/cache_hits": "PersistentCacheHit",
     "/jax/compilation_cache/cache_misses": "PersistentCacheMiss",
 }
+
+
+_listening = [False]  # our counters listen to JAX's cache events
 
 
 def directory() -> str | None:
@@ -56,3 +59,27 @@ def configure() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     jax.monitoring.register_event_listener(_count)
+    _listening[0] = True
+
+
+def use(path: str, readonly: bool = False) -> None:
+    """Keep the persistent cache in ``path`` instead (``xr.initialize_cache``); ``readonly``:
+    read entries there but write none (every compile is then below the minimum compile
+    time a write needs). Before anything compiles.
+
+    Raises:
+      RuntimeError: a computation has already been compiled (the cache is in use).
+    """
+    from jax._src import compilation_cache
+
+    if COUNTERS["UncachedCompile"]:  # an xlatorch graph was compiled: entries went to the old place
+        raise RuntimeError("xlatorch: the computation cache has already been initialized: call "
+                           "initialize_cache() before the first computation")  # fmt: skip
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf") if readonly else 0)
+    compilation_cache.reset_cache()  # JAX opened the old directory already (at import): reopen
+    if not _listening[0]:
+        jax.monitoring.register_event_listener(_count)
+        _listening[0] = True

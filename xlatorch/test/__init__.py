@@ -1,0 +1,1 @@
+"""``torch_xla.test``: helpers for tests and example scripts."""
