@@ -26,8 +26,9 @@ from xlatorch.runtime.trace.collectives import (
 
 __all__ = [
     "fork_rng",
-    "xla_device", "get_xla_supported_devices", "xla_device_hw", "mark_step", "wait_device_ops",
-    "optimizer_step", "save", "is_master_ordinal", "get_ordinal", "get_local_ordinal",
+    "xla_device", "get_xla_supported_devices", "xla_device_hw", "set_replication", "mark_step",
+    "wait_device_ops", "optimizer_step", "save", "send_cpu_data_to_device", "is_master_ordinal", "get_ordinal",
+    "get_local_ordinal",
     "xrt_world_size", "set_rng_state", "get_rng_state", "master_print", "add_step_closure", "is_xla_tensor",
     "reduce_scatter_bucketized", "broadcast_master_param",
     "get_memory_info",
@@ -61,6 +62,25 @@ def xla_device_hw(device) -> str:
         raise ValueError(f"{device} is not an xla device")
     platform = jax.local_devices()[0].platform
     return {"cpu": "CPU", "gpu": "GPU", "cuda": "GPU", "rocm": "GPU", "tpu": "TPU"}.get(platform, platform.upper())
+
+
+def set_replication(device, devices) -> None:
+    """Make ``device`` this thread's device, as one of the replicas ``devices`` (a list of xla
+    devices, or empty / None for none). Accelerate and ``dp.DataParallel``-style drivers call it
+    once per thread before the first step; it transfers and compiles nothing.
+
+    Raises:
+        ValueError: ``device`` is not an xla device, or not one of ``devices``.
+    """
+    from xlatorch.runtime.base.topology import device_index, set_current_device
+
+    device = torch.device(device)
+    if device.type != "xla":
+        raise ValueError(f"set_replication: {device} is not an xla device")
+    names = [str(torch.device(d)) for d in devices or ()]
+    if names and str(device) not in names:
+        raise ValueError(f"set_replication: {device} is not one of the replication devices {names}")
+    set_current_device(device_index(device) if device.index else 0)  # device_index: the range check
 
 
 def mark_step(wait: bool = False, reset_scope: bool = True) -> None:
@@ -140,6 +160,13 @@ def wait_device_ops(devices=None) -> None:
     wait()
 
 
+def _fetch_gradients(optimizer) -> list[torch.Tensor]:
+    """The gradients of ``optimizer``'s parameters that have one, in parameter-group order (what
+    ``reduce_gradients`` reduces; Accelerate's gradient clipping reads them)."""
+    return [p.grad.data for group in optimizer.param_groups for p in group["params"]
+            if isinstance(p, torch.Tensor) and p.grad is not None]  # fmt: skip
+
+
 def optimizer_step(optimizer, barrier: bool = False, optimizer_args: dict | None = None, groups=None,
                    pin_layout: bool = True):  # fmt: skip
     """``optimizer.step()``, after averaging gradients across replicas (one replica here).
@@ -204,6 +231,50 @@ def save(data, file_or_path, master_only: bool = True, global_master: bool = Fal
             torch.save(data, file_or_path, pickle_module=pickle_module)
 
 
+def _maybe_convert_to_cpu(data, convert: bool = True):
+    """``data`` with every xla tensor synced and (if ``convert``) replaced by a CPU copy; containers
+    are rebuilt (lists, tuples, dicts, namedtuples), everything else is kept. A tensor that occurs
+    several times gets one copy. Downloads; Hugging Face's ``Trainer`` saves models with it."""
+    _sync("save")
+    if not convert:
+        return data
+    return _map_tensors(data, is_xla_tensor, lambda t: t.cpu())
+
+
+def send_cpu_data_to_device(datas, device, input_sharding=None):
+    """``datas`` with every plain CPU tensor (not a ``Parameter``) uploaded to ``device``;
+    containers are rebuilt (lists, tuples, dicts, namedtuples), everything else is kept. A tensor
+    that occurs several times is uploaded once. A bare tensor comes back in a one-element list,
+    as in torch_xla. ``input_sharding`` (an ``xs.ShardingSpec``) annotates each upload it applies
+    to. Transfers; compiles nothing."""
+    device = torch.device(device)
+
+    def send(t):
+        x = t.to(device)
+        if input_sharding is not None and input_sharding.can_apply(x):
+            x = input_sharding.apply(x)
+        return x
+
+    if type(datas) is torch.Tensor:
+        datas = [datas]
+    return _map_tensors(datas, lambda v: type(v) is torch.Tensor and v.device.type == "cpu", send)
+
+
+def _map_tensors(data, select, fn):
+    from torch.utils._pytree import tree_map
+
+    done = {}  # id -> result: a tensor reached twice maps to one result, as torch_xla's arena does
+
+    def one(v):
+        if not select(v):
+            return v
+        if id(v) not in done:
+            done[id(v)] = (v, fn(v))  # v kept alive so its id is not reused during the walk
+        return done[id(v)][1]
+
+    return tree_map(one, data)
+
+
 def set_rng_state(seed: int, device=None) -> None:
     """Seed the device RNG (the same seed gives the same numbers in a fresh process)."""
     rng.set_seed(seed)
@@ -254,7 +325,7 @@ import time as _time  # noqa: E402
 from typing import TypedDict as _TypedDict  # noqa: E402
 
 __all__ += [
-    "RateTracker", "get_stablehlo", "get_stablehlo_bytecode", "send_cpu_data_to_device", "xla_device_kind",
+    "RateTracker", "get_stablehlo", "get_stablehlo_bytecode", "xla_device_kind",
     "xla_real_devices", "xla_replication_devices", "unlazy", "check_view_sharing",
     "all_gather_bucketized", "do_on_ordinals", "MemoryInfo",
 ]  # fmt: skip
@@ -332,23 +403,6 @@ def get_stablehlo_bytecode(tensors=None) -> bytes:
     buf = _io.BytesIO()
     lowered.compiler_ir("stablehlo").operation.write_bytecode(buf)
     return buf.getvalue()
-
-
-def send_cpu_data_to_device(datas, device, input_sharding=None):
-    """``datas`` (any nesting of lists, tuples, dicts) with each CPU tensor copied to
-    ``device`` (a transfer); other leaves as they are. ``input_sharding`` (a
-    ``ShardingSpec``) shards each copy as ``xs.mark_sharding`` would."""
-    device = torch.device(device)
-
-    def move(v):
-        if type(v) is torch.Tensor and v.device.type == "cpu":
-            t = v.to(device)
-            if input_sharding is not None:
-                input_sharding.apply(t)
-            return t
-        return v
-
-    return torch.utils._pytree.tree_map(move, datas)
 
 
 def xla_device_kind(device=None) -> str:

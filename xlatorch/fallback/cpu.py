@@ -73,9 +73,12 @@ def run_on_cpu(func, args, kwargs):
         if arg.alias_info is not None and arg.alias_info.is_write:
             src = cargs[i] if i < len(cargs) else ckwargs.get(arg.name)
             dst = args[i] if i < len(args) else kwargs.get(arg.name)
-            if type(dst) is XlaTensor:
-                write(dst, to_device(src, dst._st.dev))
-                mutated[id(src)] = dst
+            # Tensor(a!)[] (the _foreach_ and _fused_ optimizer ops): every element was written.
+            pairs = zip(src, dst) if isinstance(dst, (list, tuple)) else [(src, dst)]
+            for s, d in pairs:
+                if type(d) is XlaTensor:
+                    write(d, to_device(s, d._st.dev))
+                    mutated[id(s)] = d
 
     def up(r):
         if isinstance(r, torch.Tensor) and not isinstance(r, XlaTensor):

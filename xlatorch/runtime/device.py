@@ -2,8 +2,9 @@
 
 Importing this module registers the device with PyTorch (no C++): a device module
 (``torch.xla``), a PrivateUse1 hook and device guard (autograd's engine needs one),
-PrivateUse1 kernels for every factory op in ops.yaml, and the hand-written
-runtime ops (copies between devices, aliases, ``item()``).
+PrivateUse1 kernels for every factory op in ops.yaml, the hand-written
+runtime ops (copies between devices, aliases, ``item()``), and host-memory pinning
+for the device (CPU kernels of ``_pin_memory`` / ``is_pinned``).
 """
 
 from __future__ import annotations
@@ -124,6 +125,35 @@ def register(factories: dict) -> None:
         _lib.impl(name, _ordinal_checked(shim), "PrivateUse1")
     # torch.tensor(data, device="xla") copies below the Python key: ATen asks for _copy_from.
     _lib.impl("_copy_from", lambda self, dst, non_blocking=False: _launched(_copy_(dst, self)), "PrivateUse1")
+    _lib.impl("_pin_memory", _pin_memory, "CPU")
+    _lib.impl("is_pinned", _is_pinned, "CPU")
+
+
+# Pinning a CPU tensor for the device. PyTorch asks the accelerator's hooks for a pinned-memory
+# allocator (``getPinnedMemoryAllocator``), and Python hooks cannot provide one: the
+# DataLoader (``pin_memory=True``, Hugging Face Trainer's default) failed in its pin thread
+# once ``xla`` is the accelerator. The device needs no page-locked memory (every upload is
+# ``jax.device_put`` of a host array, which stages it itself), so for the xla device
+# ``_pin_memory`` is the copy its schema promises, in ordinary memory, and ``is_pinned`` says
+# so (False). Requests for any other device (a CUDA build's) go to PyTorch's own kernel.
+_COMPOSITE = torch._C.DispatchKey.CompositeExplicitAutograd
+
+
+def _pins_for_xla(device) -> bool:
+    target = torch.accelerator.current_accelerator() if device is None else torch.device(device)
+    return target is not None and target.type == "xla"
+
+
+def _pin_memory(self, device=None):
+    if not _pins_for_xla(device):
+        return aten._pin_memory.default._op_dk(_COMPOSITE, self, device)
+    return self.clone(memory_format=torch.contiguous_format)
+
+
+def _is_pinned(self, device=None):
+    if not _pins_for_xla(device):
+        return aten.is_pinned.default._op_dk(_COMPOSITE, self, device)
+    return False
 
 
 def _fake_tensors_stay_fake() -> None:
