@@ -16,6 +16,7 @@ import jax
 import numpy as np
 import torch
 
+from xlatorch.runtime.trace.bodies import mark_non_differentiable
 from xlatorch.runtime.trace.jax_calls import TRACED as _JAX_TO_XLA_COMPUTATION_CACHE
 from xlatorch.runtime.trace.jax_calls import call_jax as _call_jax
 
@@ -116,9 +117,7 @@ class _JaxFunction(torch.autograd.Function):
         ctx.call = call
         ctx.save_for_backward(*tensors)
         outs = call.forward(tensors)
-        for o in outs:
-            if not (o.dtype.is_floating_point or o.dtype.is_complex):
-                ctx.mark_non_differentiable(o)
+        mark_non_differentiable(ctx, outs)
         return tuple(outs)
 
     @staticmethod

@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 
 from xlatorch.runtime.ir.values import Data, Out, operands
 from xlatorch.runtime.trace import bodies, loops
-from xlatorch.runtime.trace.bodies import BodyError
+from xlatorch.runtime.trace.bodies import BodyError, mark_non_differentiable
 from xlatorch.runtime.trace.tensor import value_of, wrap
 
 __all__ = ["assume_pure", "PureModule", "j2t_autograd"]
@@ -152,9 +152,7 @@ class _Pure(torch.autograd.Function):
         for t, k in zip(ctx.inputs, tensors):
             t.requires_grad_(k.requires_grad)
         outs = entry.forward(tensors)
-        for o in outs:
-            if not (o.dtype.is_floating_point or o.dtype.is_complex):
-                ctx.mark_non_differentiable(o)
+        mark_non_differentiable(ctx, outs)
         return tuple(outs)
 
     @staticmethod

@@ -315,9 +315,7 @@ class _Scan(torch.autograd.Function):
             res = loop.run_forward(init, xs, keep_history=True)
             ctx.kept = (res[loop.n_out :] + [wrap(value_of(t)) for t in xs], kept_params)
         outs = res[: loop.n_out]
-        for o in outs:
-            if not _differentiable(o):
-                ctx.mark_non_differentiable(o)
+        bodies.mark_non_differentiable(ctx, outs)
         return tuple(outs)
 
     @staticmethod

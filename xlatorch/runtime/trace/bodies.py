@@ -268,3 +268,11 @@ def values_of(tensors, what: str, rule: str = "takes xla tensors; argument") -> 
 
 def avals_of(tensors) -> list:
     return [(tuple(t.shape), t.dtype) for t in tensors]
+
+
+def mark_non_differentiable(ctx, outs) -> None:
+    """In an ``autograd.Function`` made of bodies or JAX calls: its integer and bool outputs
+    have no gradient."""
+    for o in outs:
+        if not (o.dtype.is_floating_point or o.dtype.is_complex):
+            ctx.mark_non_differentiable(o)
