@@ -2541,3 +2541,11 @@ def _amp_foreach_non_finite_check_and_unscale_(out, self, found_inf, inv_scale):
 
 def _amp_update_scale_(out, self, growth_tracker, found_inf, scale_growth_factor, scale_backoff_factor, growth_interval):
     return L.amp.update_scale(out, self, growth_tracker, found_inf, scale_growth_factor, scale_backoff_factor, growth_interval)
+
+
+def _fused_adamw_(out, self, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, lr, beta1, beta2, weight_decay, eps, amsgrad, maximize, grad_scale, found_inf):
+    return L.optim.fused_adamw(out, self, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, lr, beta1, beta2, weight_decay, eps, amsgrad, maximize, grad_scale, found_inf)
+
+
+def _fused_adamw__tensor_lr(out, self, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, lr, beta1, beta2, weight_decay, eps, amsgrad, maximize, grad_scale, found_inf):
+    return L.optim.fused_adamw(out, self, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, lr, beta1, beta2, weight_decay, eps, amsgrad, maximize, grad_scale, found_inf)

@@ -159,21 +159,55 @@ def test_front_door_distribution_is_xlatorchs_version():
     assert dist.version == xlatorch.__version__
 
 
-def test_fused_adamw_falls_back_and_writes_every_list_element():
-    # Trainer's default optimizer (adamw_torch_fused) is aten::_fused_adamw_, which has no
-    # lowering: the CPU fallback must write back each tensor of its Tensor(a!)[] arguments.
+@pytest.mark.parametrize("opt_class,lowered", [(torch.optim.AdamW, True), (torch.optim.Adam, False)])
+def test_fused_adam_steps_update_every_parameter(opt_class, lowered):
+    # Trainer's default optimizer (adamw_torch_fused) is aten::_fused_adamw_, lowered into the
+    # step's graph (lowering/optim.py). Fused Adam (aten::_fused_adam_) has no lowering: its CPU
+    # fallback must write back each tensor of its Tensor(a!)[] arguments.
+    import xlatorch.debug.metrics as met
+
     torch.manual_seed(0)
     init, x = torch.randn(4, 3), torch.randn(5, 3)
     runs = []
     for device in ("cpu", "xla"):
         w = torch.nn.Parameter(init.clone().to(device))  # CPU: not init itself, which the step writes
         b = torch.nn.Parameter(torch.zeros(4, device=device))
-        opt = torch.optim.AdamW([w, b], lr=0.1, fused=True)
+        opt = opt_class([w, b], lr=0.1, fused=True, weight_decay=0.01)
+        met.clear_counters()
         for _ in range(2):
             opt.zero_grad()
             torch.nn.functional.linear(x.to(device), w, b).square().sum().backward()
             opt.step()
         runs.append([w.detach().cpu(), b.detach().cpu(), opt.state[w]["exp_avg_sq"].cpu()])
-    # Two AdamW steps of lr 0.1 from the same gradients (up to NOISE): see tolerances.AdaptiveSteps;
+    name = "aten::_fused_adamw_" if opt_class is torch.optim.AdamW else "aten::_fused_adam_"
+    assert (met.counter_value(name) is None) == lowered
+    # Two Adam steps of lr 0.1 from the same gradients (up to NOISE): see tolerances.AdaptiveSteps;
     # no gradient element here is near zero, so each step's relative error stays NOISE-sized.
+    torch.testing.assert_close(runs[1], runs[0], rtol=100 * NOISE, atol=100 * NOISE)
+
+
+@pytest.mark.parametrize("amsgrad,maximize,overflow", [(False, False, False), (True, True, True)])
+def test_fused_adamw_options_and_grad_scaler_equal_cpu(amsgrad, maximize, overflow):
+    # The lowering's amsgrad, maximize, grad_scale and found_inf (GradScaler hands both to fused
+    # optimizers; an overflowing step is skipped) against PyTorch's CPU kernel. Tolerance as in
+    # the test above: three Adam steps whose gradients have no element near zero.
+    import copy
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 3)
+    runs = []
+    for m, dev in ((copy.deepcopy(model), "cpu"), (copy.deepcopy(model).to("xla"), "xla")):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True, amsgrad=amsgrad, maximize=maximize)
+        scaler = torch.amp.GradScaler(dev, init_scale=1024.0)
+        g = torch.Generator().manual_seed(1)
+        x, t = torch.randn(16, 8, generator=g), torch.randn(16, 3, generator=g)
+        for i in range(3):
+            loss = torch.nn.functional.mse_loss(m(x.to(dev)), t.to(dev))
+            if overflow and i == 1:
+                loss = loss * float("inf")
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        runs.append([p.detach().cpu() for p in m.parameters()] + [torch.tensor(scaler.get_scale())])
     torch.testing.assert_close(runs[1], runs[0], rtol=100 * NOISE, atol=100 * NOISE)

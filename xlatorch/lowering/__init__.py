@@ -14,6 +14,7 @@ from xlatorch.lowering import (  # noqa: F401
     loss,
     nn,
     norm,
+    optim,
     pointwise,
     pool,
     reduce,
