@@ -368,3 +368,14 @@ def loop_collectives(index, out):
     xm.mark_step()
     _dump(out, {"total": total.cpu(), "ys": ys.cpu(), "seen": seen.cpu(), "loss": loss.cpu(),
                 "grad": model.weight.grad.cpu()})  # fmt: skip
+
+
+def broadcast_from_root(index, out):
+    """xm.collective_broadcast: every replica gets replica 1's tensors, in place."""
+    d = xm.xla_device()
+    r = xr.global_ordinal()
+    a = (torch.arange(6.0) + 10 * r).to(d)
+    b = torch.full((2, 2), float(r), device=d)
+    xm.collective_broadcast([a, b], root_ordinal=1)
+    xm.mark_step()
+    _dump(out, {"a": a.cpu(), "b": b.cpu()})

@@ -188,3 +188,47 @@ def test_the_counting_tool_on_two_modules():
     assert mods["torch_xla.backends"].names == {"set_mat_mul_precision", "get_mat_mul_precision"}
     assert uses["torch_xla.backends"]["set_mat_mul_precision"] >= 5
     assert all(tool.xlatorch_has("torch_xla.backends", n) for n in mods["torch_xla.backends"].names)
+
+
+def test_collective_broadcast_gives_every_replica_the_roots_values(tmp_path):
+    import mp_workers
+
+    import xlatorch.distributed.xla_multiprocessing as xmp
+
+    xmp.spawn(mp_workers.broadcast_from_root, args=(str(tmp_path),), nprocs=2)
+    for r in range(2):
+        got = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
+        assert got["a"].tolist() == (torch.arange(6.0) + 10).tolist()
+        assert got["b"].tolist() == [[1.0, 1.0], [1.0, 1.0]]
+
+
+def test_custom_compile_options_reach_every_compile_and_key_the_cache(tmp_path):
+    import xlatorch
+
+    x = torch.randn(8, device="xla")
+    xm.mark_step()
+    (x * 3).cpu()  # compiled once without options
+    before = met.metric_data("CompileTime")[0]
+    xlatorch.set_custom_compile_options({"xla_dump_to": str(tmp_path)})
+    try:
+        (x * 3).cpu()  # the same graph with options: another executable, dumped where asked
+        assert met.metric_data("CompileTime")[0] == before + 1
+        assert any(tmp_path.iterdir())
+    finally:
+        xlatorch.set_custom_compile_options({})
+    (x * 3).cpu()  # without them again: the first executable
+    assert met.metric_data("CompileTime")[0] == before + 1
+
+
+def test_trace_me_wraps_a_function_in_a_span():
+    from xlatorch.debug import profiler as xp
+
+    @xp.trace_me("my_scope")
+    def f(a, b=1):
+        return a + b
+
+    assert f(1, b=2) == 3 and f.__name__ == "f"
+    xp.set_tracer_marked_step(True)
+    assert xp.get_tracer_marked_step() is True
+    xp.set_tracer_marked_step(False)
+    assert xr.R is not None and xr.FN is not None

@@ -172,4 +172,13 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'xlatorch' has no attribute {name!r}")
 
 
-__all__ = ["device", "devices", "device_count", "real_devices", "manual_seed", "step", "sync", "launch", "compile"]
+def set_custom_compile_options(options: dict) -> None:
+    """XLA compiler options (fields of XLA's ``DebugOptions``) for every graph compiled from
+    now on, replacing those set before; ``{}`` clears them. Part of each graph's cache key."""
+    from xlatorch.runtime.base import regions
+
+    regions.set_custom_options(options)
+
+
+__all__ = ["device", "devices", "device_count", "real_devices", "manual_seed", "step", "sync", "launch", "compile",
+           "set_custom_compile_options"]  # fmt: skip

@@ -325,7 +325,7 @@ import time as _time  # noqa: E402
 from typing import TypedDict as _TypedDict  # noqa: E402
 
 __all__ += [
-    "RateTracker", "get_stablehlo", "get_stablehlo_bytecode", "xla_device_kind",
+    "RateTracker", "get_stablehlo", "get_stablehlo_bytecode", "xla_device_kind", "collective_broadcast",
     "xla_real_devices", "xla_replication_devices", "unlazy", "check_view_sharing",
     "all_gather_bucketized", "do_on_ordinals", "MemoryInfo",
 ]  # fmt: skip
@@ -403,6 +403,19 @@ def get_stablehlo_bytecode(tensors=None) -> bytes:
     buf = _io.BytesIO()
     lowered.compiler_ir("stablehlo").operation.write_bytecode(buf)
     return buf.getvalue()
+
+
+def collective_broadcast(tensors, root_ordinal: int = 0, groups=None, pin_layout: bool = True) -> None:
+    """Give every replica's ``tensors`` (in place) the values of replica ``root_ordinal``'s: one
+    all-reduce of each tensor, zeroed on the other replicas (the same graph on every replica:
+    whether this one is the root enters as data)."""
+    from xlatorch import runtime as xr
+
+    with torch.no_grad():
+        for t in tensors:
+            root = torch.tensor(xr.global_ordinal() == root_ordinal, device=t.device)
+            t.copy_(torch.where(root, t, torch.zeros_like(t)))
+        all_reduce(REDUCE_SUM, list(tensors), groups=groups, pin_layout=pin_layout)
 
 
 def xla_device_kind(device=None) -> str:

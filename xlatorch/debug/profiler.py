@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import os
 import sys
 import tempfile
@@ -51,7 +52,7 @@ from xlatorch.runtime.base import config, record
 
 __all__ = [
     "start_trace", "stop_trace", "trace", "trace_detached", "trace_steps", "Trace", "StepTrace",
-    "start_server", "stop_server",
+    "start_server", "stop_server", "trace_me", "set_tracer_marked_step", "get_tracer_marked_step",
 ]  # fmt: skip
 
 # True while the runtime should emit spans: a trace is running or scheduled, or a profiler
@@ -495,3 +496,31 @@ def _from_environment() -> None:
         trace_steps(log_dir, start, stop)
     except OSError as e:
         _warn(f"XLATORCH_PROFILE={log_dir}", e)
+
+
+def trace_me(scope: str):
+    """A decorator: every call of the function is a ``Trace(scope)`` span of the profile."""
+
+    def decorator(fn):
+        @functools.wraps(fn)
+        def traced(*args, **kwargs):
+            with Trace(scope):
+                return fn(*args, **kwargs)
+
+        return traced
+
+    return decorator
+
+
+# torch_xla's flag for tracer-driven step markers: recorded for programs that set and read it;
+# xlatorch's spans mark steps at every sync whatever its value.
+_TRACER_MARKED_STEP = False
+
+
+def set_tracer_marked_step(value: bool) -> None:
+    global _TRACER_MARKED_STEP
+    _TRACER_MARKED_STEP = bool(value)
+
+
+def get_tracer_marked_step() -> bool:
+    return _TRACER_MARKED_STEP

@@ -3,6 +3,8 @@ hand-written runtime: tensors, IR, dispatch, graph cutting, transfers, RNG, seri
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import jax
 
 
@@ -230,3 +232,8 @@ def get_master_ip() -> str:
 __all__ += ["initialize_cache", "get_num_cached_compilation_graph", "global_device_count", "local_device_count",
             "process_count", "host_index", "is_bf16_supported", "runtime_device_attributes",
             "global_runtime_device_attributes", "get_master_ip"]  # fmt: skip
+
+# torch_xla.runtime's type variables (its decorators' signatures use them).
+R = TypeVar("R")
+FN = TypeVar("FN")
+__all__ += ["R", "FN"]

@@ -8,15 +8,27 @@ in debug output and dumps, ``options`` are handed to XLA with every graph compil
 (and are part of their cache keys). Ops on autograd's device thread belong to the thread
 that called ``backward`` (``threads.owner``), so a backward pass inside a region is in it.
 
-Cheap when unused: the sync path tests ``ACTIVE`` (an empty dict) once per sync; nothing
-here is read per op.
+``CUSTOM`` holds the compiler options set for the whole process
+(``torch_xla.set_custom_compile_options``); a region's own options win over them.
+
+Cheap when unused: the sync path tests ``ACTIVE`` (an empty dict) and ``CUSTOM`` once per
+sync; nothing here is read per op.
 """
 
 from __future__ import annotations
 
 from xlatorch.runtime.base.threads import owner
 
-__all__ = ["Region", "Session", "ACTIVE", "current", "push", "pop", "options_key"]
+__all__ = ["Region", "Session", "ACTIVE", "CUSTOM", "current", "push", "pop", "options_key", "set_custom_options"]
+
+CUSTOM: dict = {}  # process-wide XLA compiler options (torch_xla.set_custom_compile_options)
+
+
+def set_custom_options(options: dict) -> None:
+    """XLA compiler options for every graph compiled from now on (replacing earlier ones; an
+    empty dict clears them). Part of each graph's cache key."""
+    CUSTOM.clear()
+    CUSTOM.update(options or {})
 
 
 class Session:
@@ -90,9 +102,8 @@ def pop(r: Region) -> None:
 def options_key() -> tuple | None:
     """The current region's compiler options as part of a cache key, or None (no region, or
     one that sets none): graphs compiled with other options are other executables."""
-    if not ACTIVE:
+    r = ACTIVE.get(owner()) if ACTIVE else None
+    opts = {**CUSTOM, **(r.options if r is not None and r.options else {})}
+    if not opts:
         return None
-    r = ACTIVE.get(owner())
-    if r is None or not r.options:
-        return None
-    return tuple(sorted((k, repr(v)) for k, v in r.options.items()))
+    return tuple(sorted((k, repr(v)) for k, v in opts.items()))

@@ -90,7 +90,7 @@ class Step:
         self.spmd = sharding.prepare(data, self.storages) if topology.SPMD[0] else None  # (mesh, key part, outs)
         self.key = (tuple(g.enc), g.root_refs, tuple(v.sig for v in leaves), self.donate, gdev, kept,
                     self.spmd and self.spmd[1], in_graph)  # fmt: skip
-        if regions.ACTIVE:  # a torch_xla.compile region's compiler options make another executable
+        if regions.ACTIVE or regions.CUSTOM:  # compiler options of a region, or the process's: another executable
             opts = regions.options_key()
             if opts is not None:
                 self.key += (opts,)
@@ -384,7 +384,7 @@ def _stage_key(encoded, gdev) -> tuple:
     """A stage's executable-cache key, from ``stages.encode``: no donation, no kept data."""
     sl, senc, srefs = encoded
     key = (tuple(senc), srefs, tuple(v.sig for v in sl), (), gdev, (), None)
-    opts = regions.options_key() if regions.ACTIVE else None
+    opts = regions.options_key() if regions.ACTIVE or regions.CUSTOM else None
     return key if opts is None else key + (opts,)
 
 

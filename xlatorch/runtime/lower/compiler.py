@@ -53,6 +53,8 @@ def options(once: bool = False, platform: str | None = None) -> dict | None:
     None; ``once``: the graph is expected to run once or a few times. A ``torch_xla.compile``
     region's ``custom_compile_options`` are added (they win)."""
     base = _options(once, platform)
+    if regions.CUSTOM:  # torch_xla.set_custom_compile_options
+        base = {**(base or {}), **regions.CUSTOM}
     region = regions.current() if regions.ACTIVE else None
     if region is not None and region.options:
         return {**(base or {}), **region.options}
