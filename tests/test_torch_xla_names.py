@@ -190,7 +190,7 @@ def test_the_counting_tool_on_two_modules():
     assert all(tool.xlatorch_has("torch_xla.backends", n) for n in mods["torch_xla.backends"].names)
 
 
-def test_collective_broadcast_gives_every_replica_the_roots_values(tmp_path):
+def test_collective_broadcast_bucketized_all_reduce_and_xla_rendezvous_on_two_replicas(tmp_path):
     import mp_workers
 
     import xlatorch.distributed.xla_multiprocessing as xmp
@@ -200,6 +200,8 @@ def test_collective_broadcast_gives_every_replica_the_roots_values(tmp_path):
         got = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
         assert got["a"].tolist() == (torch.arange(6.0) + 10).tolist()
         assert got["b"].tolist() == [[1.0, 1.0], [1.0, 1.0]]
+        assert got["g"].tolist() == [1.5, 1.5, 1.5]  # (1 + 2) * 0.5
+        assert got["payloads"] == [b"rank0", b"rank1"]
 
 
 def test_custom_compile_options_reach_every_compile_and_key_the_cache(tmp_path):

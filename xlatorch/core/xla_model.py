@@ -326,6 +326,7 @@ from typing import TypedDict as _TypedDict  # noqa: E402
 
 __all__ += [
     "RateTracker", "get_stablehlo", "get_stablehlo_bytecode", "xla_device_kind", "collective_broadcast",
+    "xla_rendezvous", "all_reduce_bucketized_gradients",
     "xla_real_devices", "xla_replication_devices", "unlazy", "check_view_sharing",
     "all_gather_bucketized", "do_on_ordinals", "MemoryInfo",
 ]  # fmt: skip
@@ -416,6 +417,19 @@ def collective_broadcast(tensors, root_ordinal: int = 0, groups=None, pin_layout
             root = torch.tensor(xr.global_ordinal() == root_ordinal, device=t.device)
             t.copy_(torch.where(root, t, torch.zeros_like(t)))
         all_reduce(REDUCE_SUM, list(tensors), groups=groups, pin_layout=pin_layout)
+
+
+def xla_rendezvous(payload: bytes = b"", ordinals=None, tag: str | None = None) -> list[bytes]:
+    """Share ``payload`` with the replicas in ``ordinals`` (default: all): every replica's
+    payload, by ordinal (``rendezvous`` under the tag ``tag``, default ``"xla_rendezvous"``)."""
+    return rendezvous(tag or "xla_rendezvous", payload, ordinals)
+
+
+def all_reduce_bucketized_gradients(gradients, scale: float, groups, pin_layout: bool, bucket_cap_mb: int = 0):
+    """Sum ``gradients`` (in place) over the replicas, times ``scale``. torch_xla cuts them into
+    buckets of ``bucket_cap_mb`` to bound its collectives' size; here they join the step's one
+    program, where XLA schedules the all-reduces itself."""
+    all_reduce(REDUCE_SUM, list(gradients), scale=scale, groups=groups, pin_layout=pin_layout)
 
 
 def xla_device_kind(device=None) -> str:
