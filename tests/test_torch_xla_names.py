@@ -234,3 +234,19 @@ def test_trace_me_wraps_a_function_in_a_span():
     assert xp.get_tracer_marked_step() is True
     xp.set_tracer_marked_step(False)
     assert xr.R is not None and xr.FN is not None
+
+
+def test_visualize_sharding_draws_the_tiles_and_their_devices(capsys):
+    from xlatorch.distributed.spmd import debugging
+
+    grid = debugging.visualize_sharding("{devices=[2,2]0,1,2,3}")
+    rows = [line for line in grid.splitlines() if line.startswith("|")]
+    assert [r.split("|")[1:3] for r in rows] == [["  CPU 0  ", "  CPU 1  "], ["  CPU 2  ", "  CPU 3  "]]
+    assert capsys.readouterr().out.strip() == grid
+    # XLA's iota form with a transpose: devices 0 2 / 1 3
+    assert debugging.tiles("{devices=[2,2]<=[2,2]T(1,0)}") == ((2, 2), [["0"], ["2"], ["1"], ["3"]])
+    assert debugging.tiles("{devices=[2,1,2]0,1,2,3 last_tile_dim_replicate}") == ((2, 1), [["0", "1"], ["2", "3"]])
+    assert debugging.tiles("{maximal device=3}") == ((1, 1), [["3"]])
+    with pytest.raises(ValueError, match="1-D and 2-D"):
+        debugging.tiles("{devices=[2,1,2]0,1,2,3}")
+    assert "CPU all" in debugging.visualize_tensor_sharding(torch.ones(4, device="xla"))  # not sharded
