@@ -10,13 +10,14 @@ each hold a ``Body`` that their lowering runs under ``jax.lax.scan`` / ``while_l
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 
 from xlatorch.runtime.base.dtypes import PY_SCALAR_JAX, weak
 from xlatorch.runtime.ir.emit import emit_node
 from xlatorch.runtime.ir.values import Data, Out, Scalar
 
-__all__ = ["Ref", "Const", "plan", "node_refs", "Body"]
+__all__ = ["Ref", "Const", "plan", "node_refs", "Body", "Keyed", "stack_rows"]
 
 
 class Ref:
@@ -84,10 +85,32 @@ def node_refs(args, out=None) -> list:
     return out
 
 
+def stack_rows(found):
+    """On-device check rows (``(bad, value, position, ...)`` each) as one int64 array ``rows x 3``."""
+    return jnp.stack([jnp.stack([jnp.asarray(x).astype(jnp.int64) for x in c[:3]]) for c in found])
+
+
+class Keyed:
+    """A static argument of a node that stands for a program (a body, a JAX function): equal
+    when its ``key`` is, hashed once (a node holding it is keyed by it at every call)."""
+
+    __slots__ = ("key", "_hash")
+
+    def __init__(self, key):
+        self.key = key
+        self._hash = hash(key)
+
+    def __eq__(self, other):
+        return other is self or (type(other) is type(self) and other._hash == self._hash and other.key == self.key)
+
+    def __hash__(self):
+        return self._hash
+
+
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # an odd int64 step: iterations' seeds never meet
 
 
-class Body:
+class Body(Keyed):
     """A traced function as a lowering plan over its leaves: its ``inputs`` (the function's
     arguments, in order) then its captured values (device data, host scalars and pending
     values made outside it, passed in as the owning node's operands).
@@ -101,7 +124,6 @@ class Body:
         "plan",
         "roots",
         "avals",
-        "key",
         "n_inputs",
         "n_leaves",
         "checked",
@@ -109,11 +131,11 @@ class Body:
         "where",
         "seeds",
         "collective",
-        "_hash",
     )
 
     def __init__(self, plan_rows, roots, avals, key, n_inputs, n_leaves, name, where, seeds=()):
-        self.plan, self.roots, self.avals, self.key = plan_rows, roots, avals, key
+        super().__init__(key)
+        self.plan, self.roots, self.avals = plan_rows, roots, avals
         # The leaves that are random ops' seeds: a loop runs iteration i with seeds moved by i
         # (each iteration draws new numbers, as the same code in a Python loop would).
         self.seeds = seeds
@@ -121,13 +143,6 @@ class Body:
         self.n_inputs, self.n_leaves, self.name = n_inputs, n_leaves, name
         self.where = where  # per plan row: "aten::op at file.py:12", for a failed check's message
         self.checked = any(info.checked for _, _, info in plan_rows)
-        self._hash = hash(key)  # once: a node holding the body is keyed by it at every call
-
-    def __eq__(self, other):
-        return other is self or (type(other) is Body and other._hash == self._hash and other.key == self.key)
-
-    def __hash__(self):
-        return self._hash
 
     def __repr__(self):
         return f"Body({self.name}, {len(self.plan)} nodes)"

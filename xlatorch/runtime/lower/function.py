@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from xlatorch.runtime.base.dtypes import weak
-from xlatorch.runtime.ir.body import Ref, node_refs, plan
+from xlatorch.runtime.ir.body import Ref, node_refs, plan, stack_rows
 from xlatorch.runtime.ir.emit import emit_node
 from xlatorch.runtime.lower.checks import Table
 
@@ -64,7 +64,7 @@ def lower_fn(plan, leaf_kinds, root_refs, scopes=None, table=None, keep=()):
         outs = tuple(leaf_vals[-1 - r] if r < 0 else vals[r // 4096][r % 4096] for r in root_refs)
         if not found:
             return outs
-        rows = jnp.stack([jnp.stack([jnp.asarray(x).astype(jnp.int64) for x in c[:3]]) for c in found])
+        rows = stack_rows(found)
         table.set_roots([None if r < 0 else r // 4096 for r in root_refs])
         table.undo = [table.undo_mask(i, keep[i][1]) if keep and keep[i] is not None else 0 for i in range(len(outs))]
         table.in_graph = getattr(keep, "in_graph", False)  # checks.Keep: decided with the graph's key

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from xlatorch.runtime.base.dtypes import to_jax, to_torch
+from xlatorch.runtime.ir.body import Keyed
 from xlatorch.runtime.ir.ops import STATIC, TENSOR_LIST, TUPLE, Info, OpSpec
 from xlatorch.runtime.trace.bodies import values_of
 from xlatorch.runtime.trace.nodes import _node
@@ -29,23 +30,17 @@ __all__ = ["call_jax", "JaxCall", "TRACED"]
 _TENSOR = object()  # marks where a tensor goes among a call's leaves
 
 
-class JaxCall:
+class JaxCall(Keyed):
     """What a node needs to call the function: the function, its arguments' structure (a JAX
     tree of the positional and keyword arguments) and their non-tensor leaves; identified by
     ``key`` (never by the function object's own equality)."""
 
-    __slots__ = ("fn", "tree", "leaves", "key", "out_tree", "name", "_hash")
+    __slots__ = ("fn", "tree", "leaves", "out_tree", "name")
 
     def __init__(self, fn, tree, leaves, key, name):
-        self.fn, self.tree, self.leaves, self.key, self.name = fn, tree, leaves, key, name
+        super().__init__(key)
+        self.fn, self.tree, self.leaves, self.name = fn, tree, leaves, name
         self.out_tree = None
-        self._hash = hash(key)
-
-    def __eq__(self, other):
-        return other is self or (type(other) is JaxCall and other._hash == self._hash and other.key == self.key)
-
-    def __hash__(self):
-        return self._hash
 
     def __repr__(self):
         return f"JaxCall({self.name})"

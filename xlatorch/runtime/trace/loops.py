@@ -22,7 +22,7 @@ from jax import lax
 from torch.utils import _pytree as pytree
 
 from xlatorch.runtime.base import config
-from xlatorch.runtime.ir.body import Body
+from xlatorch.runtime.ir.body import Body, stack_rows
 from xlatorch.runtime.ir.ops import STATIC, TENSOR_LIST, TUPLE, Info, OpSpec
 from xlatorch.runtime.ir.values import Out
 from xlatorch.runtime.trace.bodies import BodyError, avals_of, trace_body, values_of
@@ -90,10 +90,6 @@ def _first_bad(stacked, reverse):
     return rows.at[:, 0].set(jnp.any(bad, axis=0).astype(rows.dtype))
 
 
-def _stack_rows(found):
-    return jnp.stack([jnp.stack([jnp.asarray(x).astype(jnp.int64) for x in c[:3]]) for c in found])
-
-
 def _run_scan(ops, body, n_carry, n_xs, length, reverse, found):
     carry = tuple(_strong(v) for v in ops[:n_carry])
     xs = tuple(ops[n_carry : n_carry + n_xs])
@@ -108,7 +104,7 @@ def _run_scan(ops, body, n_carry, n_xs, length, reverse, found):
         ys = tuple(res[n_carry:])
         if rows:
             meta[:] = [c[3:] for c in rows]
-            ys += (_stack_rows(rows),)
+            ys += (stack_rows(rows),)
         return tuple(_strong(r) for r in res[:n_carry]), ys
 
     c, ys = lax.scan(step, carry, xs, length=length, reverse=reverse)
@@ -154,14 +150,14 @@ def _run_while(ops, cond_body, body, n_carry, found):
         new = _step(body, c, bcap, rows, it if seeded else None)
         if meta:  # the first failure of each check is kept
             _pred(cond_body, new, ccap, rows, it + 1 if seeded else None)
-            acc = jnp.where(acc[:, :1] != 0, acc, _stack_rows(rows))
+            acc = jnp.where(acc[:, :1] != 0, acc, stack_rows(rows))
         return new, it + 1, acc
 
     acc0 = jnp.zeros((0, 3), jnp.int64)
     if meta:
         first: list = []
         _pred(cond_body, carry, ccap, first, it0 if seeded else None)  # the condition's checks, before iterating
-        acc0 = _stack_rows([(0, 0, 0)] * (len(meta) - len(first)) + first)
+        acc0 = stack_rows([(0, 0, 0)] * (len(meta) - len(first)) + first)
     res, _, acc = lax.while_loop(test, step, (carry, it0, acc0))
     if meta:
         found.extend((acc[k, 0], acc[k, 1], acc[k, 2], *m) for k, m in enumerate(meta))
@@ -214,7 +210,7 @@ def _run_cond(ops, true_body, false_body, found):
             rows: list = []
             res = b.run([*args, *cap], rows)
             metas[mine][:] = [r[3:] for r in rows]
-            own = _stack_rows(rows) if rows else jnp.zeros((0, 3), jnp.int64)
+            own = stack_rows(rows) if rows else jnp.zeros((0, 3), jnp.int64)
             return tuple(res), own
 
         return f
