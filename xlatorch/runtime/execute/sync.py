@@ -30,7 +30,7 @@ from xlatorch.runtime.lower import cache, checks
 from xlatorch.runtime.lower.executable import CompileRequest, OutOfMemory, check_memory
 from xlatorch.runtime.lower.function import LoweringError
 from xlatorch.runtime.multi import sharding
-from xlatorch.runtime.multi.replication import run_replicated
+from xlatorch.runtime.multi.replication import ReplicaMismatch, collective_roots, run_replicated
 from xlatorch.runtime.plan import births, keep, stages
 from xlatorch.runtime.plan.collect import collect, pack
 from xlatorch.runtime.trace.bodies import BodyError
@@ -172,6 +172,8 @@ def _sync(reason, dev, timed) -> None:
     step = Step(reason, dev, storages, graph, everything, t0, timed)
     try:
         _run(step)
+    except ReplicaMismatch:
+        _run_in_two_parts(step)
     except LoweringError as le:
         # One op could not be lowered: it fails, what depends on it carries the error, the
         # rest of the step runs.
@@ -189,6 +191,26 @@ def _sync(reason, dev, timed) -> None:
     except OutOfMemory as oom:
         _isolate(step, oom)
         raise
+
+
+def _run_in_two_parts(step: Step) -> None:
+    """Run a replicated step whose program differed between the ``dp.DataParallel`` replicas
+    (nothing ran): this replica's values that read no collective alone, then the rest (what
+    every replica computes alike) as one program for all of them."""
+    COUNTERS["ReplicaMismatch"] += 1
+    shared = collective_roots(step.storages, step.graph.nodes)
+    ids = {id(st) for st in shared}
+    own = [st for st in step.storages if id(st) not in ids]
+    if own:
+        _run_part(own, step.reason, step.dev)
+    try:
+        _run_part(shared, step.reason, step.dev)
+    except ReplicaMismatch:
+        raise RuntimeError(
+            f"xlatorch: the DataParallel replicas computed different values from their collectives in one step "
+            f"(device {step.dev}, {step.reason}): every replica must run the same program (the same collectives "
+            f"on tensors of the same shapes, and the same computation on their results)"
+        ) from None
 
 
 def _where(region) -> str:
@@ -415,9 +437,11 @@ def _run_and_commit(exe, step: Step, packed) -> None:
         with step.timed("ExecuteDispatchTime"):
             arrays = [d.array for d in step.data]
             if exe.threads:
-                outs = run_replicated(exe, gdev, arrays, packed)
+                outs = run_replicated(exe, gdev, arrays, packed, step.key[:4] + step.key[5:])  # the key but the device
             else:
                 outs = exe.compiled(arrays, packed)
+    except ReplicaMismatch:
+        raise  # nothing ran: the step runs again in two parts (_run_in_two_parts)
     except Exception as e:
         faults.fail_storages(storages, e)
         raise

@@ -6,13 +6,23 @@ for its round and waits; the last to arrive runs the program once for every devi
 and hands each thread its outputs. If a replica thread fails, ``abort`` wakes the
 others with an error instead of leaving them waiting; if one returns (``leave``), a round
 that still waits for it fails: it will never arrive.
+
+The replicas of a round must have built the same program: one runs it for all. Which
+pending tensors a replica's step computes can differ by timing alone (autograd's device
+thread, shared by the replicas, may still hold a temporary of one replica's backward
+pass when that replica syncs), so every replica deposits its program's signature and a
+round whose signatures differ runs nothing: each replica gets ``ReplicaMismatch`` and
+runs its step again in two parts (``execute/sync.py``).
 """
 
 from __future__ import annotations
 
 import threading
 
-__all__ = ["run_replicated", "reset", "abort", "leave"]
+from xlatorch.runtime.ir.values import Out, operands
+from xlatorch.runtime.trace.collectives import SPECS as COLLECTIVES
+
+__all__ = ["run_replicated", "reset", "abort", "leave", "ReplicaMismatch", "collective_roots"]
 
 _cond = threading.Condition()
 _rounds: dict[int, dict] = {}
@@ -44,20 +54,30 @@ def leave(dev: int) -> None:
         _cond.notify_all()
 
 
-def run_replicated(exe, dev: int, arrays, packed):
-    """This replica's outputs of ``exe``, run once all ``exe.threads`` replicas have arrived."""
+class ReplicaMismatch(RuntimeError):
+    """The replicas of a round built different programs; nothing ran."""
+
+
+def run_replicated(exe, dev: int, arrays, packed, signature):
+    """This replica's outputs of ``exe``, run once all ``exe.threads`` replicas have arrived.
+    Raises ``ReplicaMismatch`` (nothing ran) if their programs' ``signature``s differ."""
     n = exe.threads
     with _cond:
         k = _counts.get(dev, 0)
         _counts[dev] = k + 1
-        rnd = _rounds.setdefault(k, {"inputs": {}, "outputs": None, "error": None})
+        rnd = _rounds.setdefault(k, {"inputs": {}, "signatures": {}, "outputs": None, "error": None})
         rnd["inputs"][dev] = (arrays, packed)
+        rnd["signatures"][dev] = signature
         if len(rnd["inputs"]) == n:
-            try:
-                outs = exe.run_all([rnd["inputs"][d] for d in range(n)])
-                rnd["outputs"] = dict(enumerate(outs))
-            except BaseException as e:  # noqa: BLE001 (every replica raises it)
-                rnd["error"] = e
+            sigs = list(rnd["signatures"].values())
+            if any(s != sigs[0] for s in sigs[1:]):
+                rnd["error"] = ReplicaMismatch
+            else:
+                try:
+                    outs = exe.run_all([rnd["inputs"][d] for d in range(n)])
+                    rnd["outputs"] = dict(enumerate(outs))
+                except BaseException as e:  # noqa: BLE001 (every replica raises it)
+                    rnd["error"] = e
             del _rounds[k]
             _cond.notify_all()
         while rnd["outputs"] is None and rnd["error"] is None:
@@ -72,6 +92,18 @@ def run_replicated(exe, dev: int, arrays, packed):
                     "the same number of times"
                 )
             _cond.wait(timeout=1.0)
+        if rnd["error"] is ReplicaMismatch:
+            raise ReplicaMismatch(f"xlatorch: DataParallel replicas built different programs (replicated step {k + 1})")
         if rnd["error"] is not None:
             raise rnd["error"]
         return rnd["outputs"][dev]
+
+
+def collective_roots(storages, nodes) -> list:
+    """The storages whose pending value reads a collective's result (``nodes``: post-order):
+    what every replica computes alike, unlike the values a replica's step alone holds."""
+    reads: set[int] = set()
+    for n in nodes:
+        if n.spec in COLLECTIVES or any(type(v) is Out and id(v.node) in reads for v in operands(n.args)):
+            reads.add(id(n))
+    return [st for st in storages if type(st.value) is Out and id(st.value.node) in reads]
