@@ -307,6 +307,82 @@ def test_two_threads_train_their_own_models_and_keep_their_own_errors():
     torch.testing.assert_close(losses2, cpu2, rtol=1e-5, atol=1e-6)
 
 
+def test_a_fault_found_by_another_threads_sync_is_raised_once_in_its_owner():
+    # Thread A's sync runs thread B's step while B's backward pass is still tracing: the step's
+    # check fails, B's error is left for B, and the rest of B's backward pass reads the failed
+    # values. B raises CPU's IndexError from backward(); A's next sync meets B's gradients (they
+    # read the failed values) and once gave B a second error, FailedValueError, at B's next op.
+    import threading
+
+    import torch.nn.functional as F
+
+    import xlatorch.core.xla_model as xm
+
+    in_backward, synced = threading.Event(), threading.Event()
+
+    class Pause(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            in_backward.set()
+            assert synced.wait(60)
+            return g * 1
+
+    out, crashes = {}, []
+
+    def thread_b():
+        try:
+            model = _model(3).to("xla")
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            g = torch.Generator().manual_seed(3)
+            x = torch.randn(8, 16, generator=g).to("xla")
+            y = torch.randint(0, 4, (8,), generator=g).to("xla")
+            try:
+                F.cross_entropy(Pause.apply(model(x)), torch.full_like(y, 9)).backward()
+            except IndexError as e:
+                out["first"] = e
+            in_backward.set()
+            out["a_done"] = a_done.wait(60)
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            xm.mark_step()
+            out["loss"] = loss.item()
+            out["params"] = [p.cpu() for p in model.parameters()]
+        except BaseException as e:  # noqa: BLE001 (anything escaping fails the test)
+            crashes.append(e)
+            in_backward.set()
+
+    a_done = threading.Event()
+    b = threading.Thread(target=thread_b)
+    b.start()
+    assert in_backward.wait(120)
+    xm.mark_step()  # runs B's step so far: its check fails, B's error is left for B
+    synced.set()
+    in_backward.clear()
+    assert in_backward.wait(120)  # B has raised its error
+    xm.mark_step()  # B's gradients read the failed values
+    a_done.set()
+    b.join(120)
+    assert not crashes, crashes
+    assert "Target 9 is out of bounds" in str(out["first"])
+    # B's model is untouched by the failed step: its good step equals CPU's.
+    model = _model(3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    torch.testing.assert_close(out["loss"], loss.item(), rtol=1e-5, atol=1e-6)
+    for got, want in zip(out["params"], model.parameters()):
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+
+
 def _train_skipping(seed, skip, steps=12):
     import torch.nn.functional as F
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 
 from xlatorch.runtime.base.threads import _in_backward, defer_to_owners, owner
-from xlatorch.runtime.ir.failed import failed_value, is_failed
+from xlatorch.runtime.ir.failed import cause, failed_value, is_failed
 from xlatorch.runtime.ir.values import Out, operands, replace_operands
 from xlatorch.runtime.trace.tensor import PENDING, fail_storages, pending_storages
 
@@ -116,11 +116,31 @@ def split_failed(storages, nodes):
 
 def raise_owned(error: BaseException, storages) -> None:
     """Raise ``error`` if one of ``storages`` (those it affects) is this thread's (or none is
-    known); otherwise leave it for the threads that made them."""
+    known); otherwise leave it for the threads that made them.
+
+    Another thread is not given a fault it was already given (``error`` reading a value that
+    failed with it): its values that read the failed ones were traced before it learned of
+    the fault (this thread's sync ran part of its step), as CPU would never have made them.
+    They carry the error: reading one raises it."""
     owners = {st.owner for st in storages}
+    told = _told(cause(error))
     if _in_backward() == -1:
-        if not owners or None in owners or threading.get_ident() in owners:
+        me = threading.get_ident()
+        if not owners or None in owners or me in owners:
+            told.add(me)
             raise error
     elif not owners:  # on autograd's device thread nothing may raise: the caller raises it
         owners = {owner()}
-    defer_to_owners(error, owners)
+    owners = {o for o in owners if o is None or o not in told}
+    told.update(o for o in owners if o is not None)
+    if owners:
+        defer_to_owners(error, owners)
+
+
+def _told(error: BaseException) -> set:
+    """The threads given ``error`` (raised there, or left for them to raise)."""
+    told = getattr(error, "_xlatorch_told", None)
+    if told is None:
+        told = set()
+        error._xlatorch_told = told
+    return told
