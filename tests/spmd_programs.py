@@ -181,6 +181,43 @@ def shards_and_dumps(out):
     return res
 
 
+def uneven():
+    """Dimensions the mesh does not divide (10 rows over 4 or 8 devices): shards as torch_xla
+    pads them, values, and training with an unevenly sharded weight."""
+    import xlatorch.core.xla_model as xm
+    import xlatorch.debug.metrics as met
+    import xlatorch.distributed.spmd as xs
+
+    d = xm.xla_device()
+    mesh = xs.Mesh(np.arange(8), (4, 2), ("data", "model"))
+    w_cpu = torch.arange(10 * 3, dtype=torch.float32).reshape(10, 3)
+    sw = xs.mark_sharding(w_cpu.to(d), mesh, ("data", "model"))  # 10 rows / 4, 3 columns / 2
+    res = {"spec": sw.sharding_spec, "value": ((sw * 2 + 1).sum(0)).cpu()}
+    res["shards"] = [(s.data, s.indices, s.shard_device, s.replica_id, s.unpadded_data) for s in sw.local_shards]
+    model = torch.nn.Linear(3, 10)
+    torch.manual_seed(0)
+    model.reset_parameters()
+    model = model.to(d)
+    xs.mark_sharding(model.weight, xs.get_1d_mesh("x"), ("x", None))  # 10 rows over 8 devices
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for x, _ in batches(3, n=6):
+        opt.zero_grad()
+        loss = model(x[:, :3].to(d)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        xm.mark_step()
+        losses.append(loss.item())
+    res["losses"] = losses
+    res["params"] = [p.cpu() for p in model.parameters()]
+    res["weight_spec"] = xs.get_sharding_spec(model.weight)
+    res["uneven"] = met.counter_value("SpmdUnevenSharding")
+    import os as _os
+
+    res["env"] = _os.environ.get("XLA_USE_SPMD")
+    return res
+
+
 def main(out):
     import xlatorch.runtime as xr
 
@@ -192,6 +229,7 @@ def main(out):
     res["mlp"] = {k: train_mlp(k) for k in MESHES}
     res["fsdp"] = fsdp_transformer()
     res["misc"] = shards_and_dumps(out)
+    res["uneven"] = uneven()
     torch.save(res, os.path.join(out, "spmd.pt"))
 
 

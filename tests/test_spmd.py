@@ -96,7 +96,7 @@ def test_local_shards(spmd):
     assert len(misc["shards"]) == 8
     for data, idx, replica in misc["shards"]:
         assert data.shape == (4, 4) and replica == 0
-        torch.testing.assert_close(data, w[idx])
+        torch.testing.assert_close(data, w[tuple(idx)])
     assert {tuple((s.start, s.stop) for s in idx) for _, idx, _ in misc["shards"]} == {
         ((r, r + 4), (c, c + 4)) for r in range(0, 16, 4) for c in (0, 4)
     }
@@ -104,7 +104,53 @@ def test_local_shards(spmd):
     row = misc["row_shards"]
     assert sorted((idx[0].start, rep) for _, idx, rep in row) == [(s, r) for s in (0, 4) for r in range(4)]
     for data, idx, _ in row:
-        torch.testing.assert_close(data, torch.arange(8.0)[idx])
+        torch.testing.assert_close(data, torch.arange(8.0)[tuple(idx)])
+
+
+def test_a_dimension_the_mesh_does_not_divide_is_padded_as_torch_xla_pads_it(spmd):
+    res = spmd["uneven"]
+    assert res["env"] == "1"  # use_spmd() leaves XLA_USE_SPMD set, as torch_xla's does
+    w = torch.arange(10 * 3, dtype=torch.float32).reshape(10, 3)
+    assert res["spec"] == "{devices=[4,2]<=[8]}"
+    torch.testing.assert_close(res["value"], (w * 2 + 1).sum(0))
+    # Blocks of ceil(10/4) = 3 rows and ceil(3/2) = 2 columns; the last ones padded with zeros.
+    assert len(res["shards"]) == 8
+    bounds = set()
+    for data, idx, device, replica, unpadded in res["shards"]:
+        assert data.shape == (3, 2) and replica == 0 and device.startswith("CPU:")
+        torch.testing.assert_close(unpadded, w[tuple(idx)])
+        assert data.sum() == w[tuple(idx)].sum()  # the padding is zeros
+        bounds.add(tuple((s.start, s.stop) for s in idx))
+    assert bounds == {(r, c) for r in ((0, 3), (3, 6), (6, 9), (9, 10)) for c in ((0, 2), (2, 3))}
+    # Training with a weight of 10 rows over 8 devices equals CPU.
+    model = torch.nn.Linear(3, 10)
+    torch.manual_seed(0)
+    model.reset_parameters()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for x, _ in prog.batches(3, n=6):
+        opt.zero_grad()
+        loss = model(x[:, :3]).pow(2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    np.testing.assert_allclose(res["losses"], losses, rtol=1e-5)
+    for got, want in zip(res["params"], model.parameters()):
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+    assert res["weight_spec"] == "{devices=[8,1]<=[8]}"
+    assert res["uneven"] >= 2
+
+
+def test_xla_use_spmd_in_the_environment_runs_spmd_from_the_first_use():
+    code = (
+        "import torch, xlatorch.core.xla_model as xm, xlatorch.runtime as xr\n"
+        "print(xr.is_spmd(), xr.global_runtime_device_count(), xm.xla_device(),\n"
+        "      (torch.ones(3).to('xla') * 2).sum().item())"
+    )
+    env = dict(os.environ, XLA_USE_SPMD="1", CPU_NUM_DEVICES="4", PYTHONPATH=ROOT)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["True", "4", "xla:0", "6.0"]
 
 
 def test_constraint_on_an_intermediate_value_and_dumps(spmd):

@@ -89,6 +89,11 @@ _profiler._from_environment()  # XLATORCH_PROFILE=<dir>: capture the first steps
 if _config.env("XLATORCH_GC_FREEZE"):
     gc.freeze()
 
+if _config.env("XLA_USE_SPMD"):  # torch_xla's switch: SPMD from the start, as xr.use_spmd() gives
+    from xlatorch.runtime.base import topology as _topology
+
+    _topology.start_spmd(join=False)
+
 __version__ = "0.1.0"
 
 

@@ -139,12 +139,23 @@ def _named(mesh: Mesh, partition_spec, ndim: int) -> NamedSharding:
 
 @dataclass
 class XLAShard:
-    """One local shard: its data (a CPU tensor), where it sits in the global tensor
-    (``indices``: one slice per dimension) and which copy of that block it is."""
+    """One local shard, as torch_xla reports it: its data (a CPU tensor; a block of a
+    dimension the mesh does not divide is padded with zeros to the size of the others), where
+    it sits in the global tensor (``indices``: one slice per dimension, without the padding;
+    ``Ellipsis`` for a replicated tensor), the device holding it and which copy of that block
+    it is."""
 
     data: torch.Tensor
-    indices: tuple
+    indices: object
+    shard_device: str
     replica_id: int
+
+    @property
+    def unpadded_data(self) -> torch.Tensor:
+        """``data`` without the padding."""
+        if self.indices is Ellipsis:
+            return self.data
+        return self.data[tuple(slice(0, s.stop - s.start) for s in self.indices)]
 
 
 class XLAShardedTensor:
@@ -171,9 +182,30 @@ class XLAShardedTensor:
         from xlatorch.runtime.execute.materialize import materialized
         from xlatorch.runtime.execute.transfer import from_array
 
-        arr = materialized(self.global_tensor).array
-        dtype = self.global_tensor.dtype
-        return [XLAShard(from_array(s.data, dtype), s.index, s.replica_id) for s in arr.addressable_shards]
+        t = self.global_tensor
+        arr = materialized(t).array
+        dtype, shape = t.dtype, tuple(t.shape)
+        sharding = _sh.sharding_of(t)
+        name = lambda d: f"{d.platform.upper()}:{d.id}"  # noqa: E731
+        if sharding is None or sharding.is_fully_replicated:
+            return [XLAShard(from_array(x.data, dtype), Ellipsis, name(x.device), x.replica_id)
+                    for x in arr.addressable_shards]  # fmt: skip
+        if _sh.divides(sharding, shape):
+            return [XLAShard(from_array(x.data, dtype), _bounded(x.index, shape), name(x.device), x.replica_id)
+                    for x in arr.addressable_shards]  # fmt: skip
+        # Uneven blocks (the data is held replicated): cut the padded tensor as torch_xla pads it.
+        padded_shape = _sh.padded_shape(sharding, shape)
+        whole = from_array(arr.addressable_shards[0].data, dtype)
+        padded = whole.new_zeros(padded_shape)
+        padded[tuple(slice(0, n) for n in shape)] = whole
+        seen: dict = {}
+        out = []
+        for dev, index in sorted(sharding.devices_indices_map(padded_shape).items(), key=lambda kv: kv[0].id):
+            key = tuple((sl.start, sl.stop) for sl in index)
+            replica = seen[key] = seen.get(key, -1) + 1
+            if dev.process_index == jax.process_index():
+                out.append(XLAShard(padded[index].clone(), _bounded(index, shape), name(dev), replica))
+        return out
 
     def __getattr__(self, name):
         return getattr(self.global_tensor, name)
@@ -187,6 +219,16 @@ class XLAShardedTensor:
 
         unwrap = lambda x: x.global_tensor if isinstance(x, XLAShardedTensor) else x  # noqa: E731
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+
+
+def _bounded(index, shape) -> list:
+    """A shard's slices in the global tensor: explicit bounds, the padding cut off."""
+    out = []
+    for sl, n in zip(index, shape):
+        start = 0 if sl.start is None else min(sl.start, n)
+        stop = n if sl.stop is None else min(sl.stop, n)
+        out.append(slice(start, stop))
+    return out
 
 
 def _forward(name):

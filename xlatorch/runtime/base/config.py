@@ -165,6 +165,7 @@ VARS: dict[str, Var] = {
     "XLATORCH_DEFER_SIGINT": Var(_switch, True, _SWITCH),
     # devices, processes and hosts
     "CPU_NUM_DEVICES": Var(_whole(1), None, "a whole number >= 1"),
+    "XLA_USE_SPMD": Var(_switch, False, _SWITCH),  # torch_xla's: SPMD from the device's first use
     "XLATORCH_COORDINATOR": Var(_address, None, "HOST:PORT"),
     "XLATORCH_WORLD_SIZE": Var(_whole(1), None, "a whole number >= 1"),
     "XLATORCH_RANK": Var(_whole(0), None, "a whole number >= 0"),

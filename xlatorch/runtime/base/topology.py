@@ -131,6 +131,24 @@ def set_spmd(on: bool) -> None:
     SPMD[0] = on
 
 
+def start_spmd(join: bool = True) -> None:
+    """Enter SPMD before the device's first use: ``$CPU_NUM_DEVICES`` CPU devices (as torch_xla's
+    PJRT CPU client has), the job joined (``join``; else at the device's first use), and
+    ``XLA_USE_SPMD=1`` set as torch_xla's ``use_spmd`` leaves it (processes started from here
+    inherit it)."""
+    from jax._src import xla_bridge
+
+    n = config.env("CPU_NUM_DEVICES")
+    if n and not xla_bridge.backends_are_initialized():
+        import jax
+
+        jax.config.update("jax_num_cpu_devices", n)
+    if join:
+        initialize()  # a multi-process job joins before JAX's backend starts
+    SPMD[0] = True
+    os.environ["XLA_USE_SPMD"] = "1"
+
+
 def world_size() -> int:
     """Number of replicas in the job: processes, or the devices of ``dp.DataParallel`` (1 under SPMD:
     one program over every device, as torch_xla counts it)."""

@@ -8,6 +8,10 @@ node to the step's program. A graph is compiled with its inputs' shardings and X
 partitioner chooses the rest; a storage annotated with a sharding keeps it across steps
 (its new value is constrained to it). The graph's key includes its inputs' shardings.
 
+A dimension the mesh does not divide is padded, as torch_xla does, inside the programs that
+compute the tensor (XLA's partitioner pads uneven blocks); between steps such a tensor's data is
+held replicated, since a ``jax.Array`` has equal blocks (``SpmdUnevenSharding`` counts them).
+
 Every graph runs over one mesh: the mesh of its sharded inputs, else the mesh last used in
 an annotation, else every device in one axis. Replicated data on another mesh of the same
 devices is re-labelled (no copy); a sharded array on another mesh is replicated first
@@ -22,7 +26,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from xlatorch.runtime.base import config, record, topology
+from xlatorch.runtime.base import record, topology
 from xlatorch.runtime.ir.ops import STATIC, TENSOR, Info, OpSpec, signature
 from xlatorch.runtime.ir.values import Data, Node
 from xlatorch.runtime.lower import compiler
@@ -30,7 +34,8 @@ from xlatorch.runtime.lower.executable import Executable
 from xlatorch.runtime.trace.tensor import XlaTensor, value_of, write
 
 __all__ = ["use_spmd", "is_spmd", "devices", "default_mesh", "set_mesh", "annotate", "clear",
-           "sharding_of", "hlo_sharding_text", "host_value", "gathered", "prepare", "compile_sharded"]  # fmt: skip
+           "sharding_of", "hlo_sharding_text", "host_value", "gathered", "prepare", "compile_sharded", "tiles",
+           "divides", "padded_shape"]  # fmt: skip
 
 _mesh: dict = {"current": None, "default": None}
 
@@ -44,20 +49,16 @@ def use_spmd() -> None:
 
     On CPU, ``$CPU_NUM_DEVICES`` sets how many CPU devices this process has (as torch_xla's
     PJRT CPU client does); in a multi-process job every process's devices join the mesh.
+    Sets ``XLA_USE_SPMD=1`` as torch_xla does; a program started with it set runs SPMD from
+    its first use of the device.
     Raises ``RuntimeError`` once the xla device has been used without SPMD.
     """
     if topology.SPMD[0]:
         return
-    from jax._src import xla_bridge
-
     if topology._devices:
         raise RuntimeError("xlatorch: use_spmd() must be called before the xla device is first used "
                            "(its device data already lives on one device)")  # fmt: skip
-    n = config.env("CPU_NUM_DEVICES")
-    if n and not xla_bridge.backends_are_initialized():
-        jax.config.update("jax_num_cpu_devices", n)
-    topology.initialize()  # a multi-process job joins before JAX's backend starts
-    topology.set_spmd(True)
+    topology.start_spmd()
 
 
 def devices() -> list:
@@ -104,6 +105,14 @@ def annotate(t, sharding: NamedSharding) -> None:
     graph. The storage keeps the sharding: later values of it are constrained to it too."""
     set_mesh(sharding.mesh)
     st = t._st
+    if not divides(sharding, t.shape):
+        # A jax.Array cannot hold uneven blocks: the data stays replicated between steps, and
+        # every program that computes it constrains it (XLA pads the blocks inside it).
+        record.COUNTERS["SpmdUnevenSharding"] += 1
+        if type(st.value) is Data and t._vw is None:
+            write(t, _constrain(st.value, sharding))
+            st.sharding = sharding
+            return
     if t._vw is not None:  # a view (``out.view(...)``): its value as read now is constrained
         v = value_of(t)
         t._vc = (st.gen, _constrain(v, sharding))  # until its base changes; the base keeps its sharding
@@ -116,6 +125,31 @@ def annotate(t, sharding: NamedSharding) -> None:
     else:
         write(t, _constrain(v, sharding))
     st.sharding = sharding
+
+
+def tiles(sharding, shape) -> tuple[int, ...]:
+    """How many blocks ``sharding`` splits each dimension of ``shape`` into."""
+    sizes = sharding.mesh.shape
+    out = []
+    for i in range(len(shape)):
+        a = sharding.spec[i] if i < len(sharding.spec) else None
+        names = () if a is None else a if isinstance(a, tuple) else (a,)
+        k = 1
+        for name in names:
+            k *= sizes[name]
+        out.append(k)
+    return tuple(out)
+
+
+def divides(sharding, shape) -> bool:
+    """Whether ``sharding`` splits every dimension of ``shape`` into equal blocks."""
+    return all(n % k == 0 for n, k in zip(shape, tiles(sharding, shape)))
+
+
+def padded_shape(sharding, shape) -> tuple[int, ...]:
+    """``shape`` with each split dimension rounded up to a multiple of its blocks (torch_xla's
+    padding of a dimension the mesh does not divide)."""
+    return tuple(-(-n // k) * k for n, k in zip(shape, tiles(sharding, shape)))
 
 
 def _constrain(v, sharding):
@@ -142,9 +176,9 @@ def sharding_of(t):
     """The ``NamedSharding`` of ``t``'s data (its annotation while it is pending; None if none)."""
     st = t._st
     v = st.value
-    if type(v) is Data:
+    if type(v) is Data and (st.sharding is None or divides(st.sharding, v.aval[0])):
         return v.array.sharding
-    return st.sharding
+    return st.sharding  # pending, or unevenly sharded (its data is held replicated)
 
 
 def hlo_sharding_text(sharding, ndim: int) -> str:
