@@ -79,7 +79,7 @@ def _leaf_text(v) -> str:
 
 
 def _sharding_text(v) -> str:
-    """`` {sharding={devices=[4,2]<=[8]}}`` for device data under SPMD (how the graph input is split)."""
+    """`` {sharding={devices=[4,2]0,1,...}}`` for device data under SPMD (how the graph input is split)."""
     from xlatorch.runtime.multi import sharding
 
     if not topology.SPMD[0]:

@@ -10,6 +10,7 @@ import jax
 
 def device_type() -> str:
     """The platform behind the xla device: 'CPU', 'GPU' or 'TPU'."""
+    _join()
     p = jax.local_devices()[0].platform
     return {"cpu": "CPU", "gpu": "GPU", "cuda": "GPU", "rocm": "GPU", "tpu": "TPU"}.get(p, p.upper())
 
@@ -37,6 +38,7 @@ def local_ordinal() -> int:
 
 def addressable_device_count() -> int:
     """How many devices this process can address."""
+    _join()
     return len(jax.local_devices())
 
 
@@ -45,6 +47,7 @@ addressable_runtime_device_count = addressable_device_count
 
 def global_runtime_device_count() -> int:
     """How many devices the whole job has (every process's)."""
+    _join()
     return jax.device_count()
 
 
@@ -171,7 +174,15 @@ def get_num_cached_compilation_graph() -> int:
 
 def global_device_count() -> int:
     """How many devices the job has, over every process."""
+    _join()
     return jax.device_count()
+
+
+def _join() -> None:
+    """Join the job before JAX's backend starts (it sees the devices of the job then)."""
+    from xlatorch.runtime.base.topology import initialize
+
+    initialize()
 
 
 def local_device_count() -> int:

@@ -26,6 +26,10 @@ __all__ = ["Mesh", "HybridMesh", "get_1d_mesh", "set_global_mesh", "get_global_m
            "enable_manual_sharding", "disable_manual_sharding"]  # fmt: skip
 
 
+class MeshError(ValueError, AssertionError):
+    """A mesh that cannot be built (torch_xla raises ``AssertionError`` for these)."""
+
+
 class Mesh:
     """A logical mesh of the job's devices (torch_xla's ``xs.Mesh``).
 
@@ -40,14 +44,19 @@ class Mesh:
         ids = np.asarray(device_ids).reshape(-1)
         mesh_shape = tuple(int(s) for s in mesh_shape)
         n = len(_sh.devices())
-        if len(ids) != math.prod(mesh_shape):
-            raise ValueError(f"xlatorch: {len(ids)} device ids do not fill a mesh of shape {mesh_shape}")
-        if sorted(ids.tolist()) != list(range(n)):
-            raise ValueError(
-                f"xlatorch: a mesh must use every device of the job once (ids 0..{n - 1}), got {list(ids)}"
-            )
+        # torch_xla's checks, in its order and words (its tests expect AssertionError).
+        if len(ids) != n:
+            raise MeshError(f"Number of device IDs ({len(ids)}) must match the global number of devices ({n})")
         if axis_names is not None and len(axis_names) != len(mesh_shape):
-            raise ValueError(f"xlatorch: {len(axis_names)} axis names for a {len(mesh_shape)}-d mesh")
+            raise MeshError(f"Number of axis names ({len(axis_names)}) must match mesh dimensions ({len(mesh_shape)})")
+        if axis_names is not None and len(set(axis_names)) != len(axis_names):
+            raise MeshError(f"Axis names must be unique, got: {tuple(axis_names)}")
+        if len(ids) != math.prod(mesh_shape):
+            raise MeshError(f"Number of device IDs ({len(ids)}) must match mesh size ({math.prod(mesh_shape)})")
+        if len(np.unique(ids)) != len(ids):
+            raise MeshError(f"Device IDs must be unique, got: {ids.tolist()}")
+        if not all(0 <= d < n for d in ids.tolist()):
+            raise MeshError(f"Device IDs must be less than mesh size ({n}), got: {ids.tolist()}")
         self.device_ids = ids
         self.mesh_shape = mesh_shape
         self.axis_names = tuple(axis_names) if axis_names is not None else None
@@ -345,3 +354,24 @@ def mark_sharding_with_gradients(t, mesh: Mesh, partition_spec) -> torch.Tensor:
 
 
 __all__ += ["ShardingType", "mark_sharding_with_gradients"]
+
+
+class MarkShardingFunction(torch.autograd.Function):
+    """``mark_sharding`` as an autograd function (torch_xla's): the forward annotates its input
+    in place and returns it; the backward annotates the gradient the same way.
+
+    ``MarkShardingFunction.apply(t, mesh, partition_spec)``."""
+
+    @staticmethod
+    def forward(ctx, t, mesh, partition_spec):
+        mark_sharding(t, mesh, partition_spec)
+        ctx.mesh, ctx.partition_spec = mesh, partition_spec
+        return t
+
+    @staticmethod
+    def backward(ctx, grad):
+        mark_sharding(grad, ctx.mesh, ctx.partition_spec)
+        return grad, None, None
+
+
+__all__ += ["MarkShardingFunction"]

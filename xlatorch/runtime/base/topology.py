@@ -56,6 +56,7 @@ def initialize() -> None:
     _world.update(size=size, rank=rank, local_rank=rank if local_rank is None else local_rank,
                   local_size=local_size or size, joined=True)  # fmt: skip
     if size == 1:
+        _cpu_devices()
         return
     import jax
 
@@ -67,6 +68,19 @@ def initialize() -> None:
                            "(process 0's coordination service)")  # fmt: skip
     timeout = config.env("XLATORCH_INIT_TIMEOUT")
     jax.distributed.initialize(coordinator, num_processes=size, process_id=rank, initialization_timeout=timeout)
+
+
+def _cpu_devices() -> None:
+    """A one-process job on CPU has ``$CPU_NUM_DEVICES`` devices, as torch_xla's PJRT CPU client
+    has (SPMD's mesh, ``dp.DataParallel``'s replicas; several processes take it as their count)."""
+    n = config.env("CPU_NUM_DEVICES")
+    if n:
+        from jax._src import xla_bridge
+
+        if not xla_bridge.backends_are_initialized():
+            import jax
+
+            jax.config.update("jax_num_cpu_devices", n)
 
 
 def _from_torchrun() -> None:
@@ -136,13 +150,7 @@ def start_spmd(join: bool = True) -> None:
     PJRT CPU client has), the job joined (``join``; else at the device's first use), and
     ``XLA_USE_SPMD=1`` set as torch_xla's ``use_spmd`` leaves it (processes started from here
     inherit it)."""
-    from jax._src import xla_bridge
-
-    n = config.env("CPU_NUM_DEVICES")
-    if n and not xla_bridge.backends_are_initialized():
-        import jax
-
-        jax.config.update("jax_num_cpu_devices", n)
+    _cpu_devices()  # every process of a multi-process SPMD job too
     if join:
         initialize()  # a multi-process job joins before JAX's backend starts
     SPMD[0] = True

@@ -21,6 +21,7 @@ devices is re-labelled (no copy); a sharded array on another mesh is replicated 
 from __future__ import annotations
 
 import contextlib
+import os
 
 import jax
 import numpy as np
@@ -177,15 +178,26 @@ def sharding_of(t):
     st = t._st
     v = st.value
     if type(v) is Data and (st.sharding is None or divides(st.sharding, v.aval[0])):
-        return v.array.sharding
+        s = v.array.sharding
+        # Replicated data nobody annotated has no sharding, as torch_xla reports it.
+        return None if st.sharding is None and s.is_fully_replicated else s
     return st.sharding  # pending, or unevenly sharded (its data is held replicated)
 
 
 def hlo_sharding_text(sharding, ndim: int) -> str:
-    """XLA's text of a sharding (``{devices=[4,2]0,1,...}``, ``{replicated}``), as torch_xla prints it."""
+    """XLA's text of a sharding as torch_xla prints it: the devices listed
+    (``{devices=[4,2]0,1,...}``), or in iota form (``{devices=[4,2]<=[8]}``) with
+    ``CONVERT_SHLO_TO_SHARDY`` set, as torch_xla does then; ``{replicated}``."""
     if sharding is None:
         return ""
-    return str(sharding._to_xla_hlo_sharding(ndim))
+    hs = sharding._to_xla_hlo_sharding(ndim)
+    text = str(hs)
+    if not text.startswith("{devices=[") or "last_tile_dims" in text or os.environ.get("CONVERT_SHLO_TO_SHARDY"):
+        return text
+    dims = ",".join(str(d) for d in hs.tile_assignment_dimensions())
+    devices = ",".join(str(d) for d in hs.tile_assignment_devices())
+    last = " last_tile_dim_replicate" if hs.replicate_on_last_tile_dim() else ""
+    return f"{{devices=[{dims}]{devices}{last}}}"
 
 
 _GATHERED: dict = {}  # id(jax.Array) -> (array, its whole value on the host), while a save runs

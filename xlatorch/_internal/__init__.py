@@ -1,0 +1,1 @@
+"""torch_xla's ``_internal`` helpers that its tests and launchers import (``pjrt``, ``tpu``)."""
