@@ -178,15 +178,24 @@ def _exported_program_to_stablehlo_bundle(ep, options: StableHLOExportOptions) -
         def main(*arrays):  # the numbers are constants of the module
             return tuple(fn(list(arrays), packed)[:n_out])  # [:n_out]: no on-device check rows
 
-    else:
+    else:  # as torch_xla: 0 and 1 stay constants, every other number is an argument of main
+        slots = []  # per packed group: each value's numpy scalar, or its argument's index
         for p in packed:
-            locations.append(InputLocation.constant(len(constants)))
-            constants.append(p)
-            in_sigs.append(VariableSignature(shape=list(p.shape), dtype=str(p.dtype)))
-        avals += [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in packed]
+            row = []
+            for x in p:
+                if x == 0 or x == 1:
+                    row.append(x)
+                    continue
+                row.append(len(avals))
+                locations.append(InputLocation.constant(len(constants)))
+                constants.append(np.asarray(x))
+                in_sigs.append(VariableSignature(shape=[], dtype=str(p.dtype)))
+                avals.append(jax.ShapeDtypeStruct((), p.dtype))
+            slots.append(row)
 
         def main(*arrays):
-            return tuple(fn(list(arrays[:n_data]), list(arrays[n_data:]))[:n_out])
+            groups = [[arrays[x] if type(x) is int else x for x in row] for row in slots]
+            return tuple(fn(list(arrays[:n_data]), groups)[:n_out])
 
     exported = jax.export.export(jax.jit(main, keep_unused=True))(*avals)
     code = exported.mlir_module_serialized

@@ -137,9 +137,9 @@ def _input(x, sig, where) -> torch.Tensor:
     dtype = _torch_dtype(sig.dtype)
     if isinstance(x, np.ndarray):
         if x.dtype.kind == "V" or x.dtype.name in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
-            x = torch.from_numpy(np.ascontiguousarray(x).view(np.uint8)).view(dtype).reshape(x.shape)
+            x = torch.from_numpy(_c_order(x).view(f"u{x.dtype.itemsize}")).view(dtype)
         else:
-            x = torch.from_numpy(np.ascontiguousarray(x))
+            x = torch.from_numpy(_c_order(x))
     elif not isinstance(x, torch.Tensor):
         x = torch.tensor(x, dtype=dtype)
     if list(x.shape) != list(sig.shape) or x.dtype != dtype:
@@ -148,6 +148,11 @@ def _input(x, sig, where) -> torch.Tensor:
     if type(x) is not XlaTensor:
         x = x.detach().to("xla")
     return x
+
+
+def _c_order(x: np.ndarray) -> np.ndarray:
+    # (not np.ascontiguousarray: it makes 0-d arrays 1-d)
+    return x if x.flags.c_contiguous and x.flags.writeable else x.copy(order="C")
 
 
 def _aval(sig):
