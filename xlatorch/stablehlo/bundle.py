@@ -296,7 +296,7 @@ def load_bundle(directory: os.PathLike | str) -> StableHLOModelBundle:
     state_dict = {}
     data_dir = os.path.join(directory, "data")
     if os.path.isdir(data_dir):
-        for (kind, key), sig in needs.items():
+        for kind, key in needs:
             path = os.path.join(data_dir, str(key))
             if kind is VariableType.PARAMETER and not os.path.exists(path):
                 raise FileNotFoundError(f"xlatorch.stablehlo: weight file {path} is missing (weight {key!r})")

@@ -23,12 +23,14 @@ from xlatorch.runtime.base import topology
 from xlatorch.runtime.base.dtypes import to_jax
 from xlatorch.runtime.base.record import COUNTERS
 from xlatorch.runtime.execute.lowered import graph_of
+from xlatorch.runtime.execute.materialize import materialized
+from xlatorch.runtime.execute.transfer import to_device
 from xlatorch.runtime.ir.emit import hlo_scopes
 from xlatorch.runtime.ir.values import Data
 from xlatorch.runtime.lower.function import lower_fn, plan
 from xlatorch.runtime.plan.collect import pack
 from xlatorch.runtime.trace.collectives import SPECS as COLLECTIVES
-from xlatorch.runtime.trace.tensor import XlaTensor, value_of
+from xlatorch.runtime.trace.tensor import XlaTensor, value_of, wrap
 from xlatorch.stablehlo.bundle import (
     InputLocation,
     StableHLOFunc,
@@ -80,9 +82,13 @@ class XLAExportInterpreter(torch.fx.Interpreter):
 
 
 def _to_device(x):
-    if isinstance(x, torch.Tensor) and type(x) is not XlaTensor:
-        return x.detach().to("xla")
-    return x
+    """``x`` as an xla tensor holding device data (never a pending value): each input is then
+    exactly one argument of ``main``, found by its data."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    if type(x) is XlaTensor or x.device.type == "xla":
+        return wrap(materialized(x.detach()))
+    return wrap(to_device(x.detach()))
 
 
 def _example(ep, options) -> tuple[tuple, dict]:
@@ -231,7 +237,9 @@ def exported_program_to_stablehlo(exported_model, options: StableHLOExportOption
       TypeError: ``exported_model`` is not an ``ExportedProgram``.
       RuntimeError: an op of the program has no lowering (it would run on CPU).
     """
-    return StableHLOGraphModule(_exported_program_to_stablehlo_bundle(exported_model, options or StableHLOExportOptions()))
+    return StableHLOGraphModule(
+        _exported_program_to_stablehlo_bundle(exported_model, options or StableHLOExportOptions())
+    )
 
 
 def save_as_stablehlo(exported_model, stablehlo_dir: os.PathLike | str, options: StableHLOExportOptions | None = None):

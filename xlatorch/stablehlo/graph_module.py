@@ -88,7 +88,7 @@ class StableHLOGraphModule:
         else:
             flat = list(args)
         call_args = []
-        for i, (loc, sig) in enumerate(zip(meta.input_locations, meta.input_signature)):
+        for loc, sig in zip(meta.input_locations, meta.input_signature):
             if loc.type_ is VariableType.INPUT_ARG:
                 if loc.position >= len(flat):
                     raise TypeError(f"xlatorch.stablehlo: {meta.name} takes at least {loc.position + 1} inputs "
@@ -182,4 +182,3 @@ def exported_of(func: StableHLOFunc) -> jax.export.Exported:
         mlir_module_serialized=code, calling_convention_version=jax.export.maximum_supported_calling_convention_version,
         module_kept_var_idx=tuple(range(n)), uses_global_constants=False, _get_vjp=None,
     )  # fmt: skip
-
