@@ -350,3 +350,26 @@ def test_interpreter_wraps_floats_and_moves_factories():
     torch.testing.assert_close(out.cpu(), 2.0 - x)
     with pytest.raises(NotImplementedError, match="custom_call"):
         XLAExportInterpreter(ep.graph_module, torch.device("xla"), {"aten"}).run(x.to("xla"))
+
+
+def test_keyword_inputs_and_assert_metadata_nodes(tmp_path):
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4).to(torch.bfloat16)
+
+        def forward(self, x, *, bias, gain):
+            # .float() / .to(dtype) leave aten._assert_tensor_metadata nodes in the exported graph.
+            h = self.lin(x.to(torch.bfloat16)).float()
+            return h * gain + bias
+
+    model = M().eval()
+    x, bias, gain = torch.randn(2, 4), torch.randn(4), torch.randn(2, 1)
+    ep = torch.export.export(model, (x,), {"gain": gain, "bias": bias})
+    assert any(n.target is torch.ops.aten._assert_tensor_metadata.default for n in ep.graph.nodes)
+    save_as_stablehlo(ep, tmp_path)
+    loaded = StableHLOGraphModule.load(tmp_path)
+    with torch.no_grad():
+        x2, b2, g2 = torch.randn(2, 4), torch.randn(4), torch.randn(2, 1)
+        got = loaded(x2, bias=b2, gain=g2).cpu()  # keywords in another order than exported
+        torch.testing.assert_close(got, model(x2, bias=b2, gain=g2))

@@ -64,6 +64,8 @@ class XLAExportInterpreter(torch.fx.Interpreter):
         self.gm_serializer = gm_serializer
 
     def call_function(self, target, args: tuple, kwargs: dict) -> Any:
+        if target is torch.ops.aten._assert_tensor_metadata.default:
+            return _assert_metadata(*args, **kwargs)
         if "device" in kwargs:
             kwargs = {**kwargs, "device": self._device}
         schema = getattr(target, "_schema", None)
@@ -79,6 +81,17 @@ class XLAExportInterpreter(torch.fx.Interpreter):
             raise NotImplementedError(f"xlatorch.stablehlo: {n.target} would be a stablehlo.custom_call "
                                       "(custom_ops_allowed_in_graph), which xlatorch does not export")  # fmt: skip
         return super().run_node(n)
+
+
+def _assert_metadata(a, size=None, stride=None, dtype=None, *, device=None, layout=None):
+    """``aten._assert_tensor_metadata`` (torch.export's check of a value's metadata) on the
+    device tensor's own metadata: no CPU fallback. Strides and device are not checked: device
+    tensors are contiguous and on the export's device by construction."""
+    if dtype is not None and a.dtype != dtype:
+        raise AssertionError(f"xlatorch.stablehlo: a tensor of the program has dtype {a.dtype}, expected {dtype}")
+    if size is not None and tuple(a.shape) != tuple(size):
+        raise AssertionError(f"xlatorch.stablehlo: a tensor of the program has shape {tuple(a.shape)}, expected "
+                             f"{tuple(size)}")  # fmt: skip
 
 
 def _to_device(x):

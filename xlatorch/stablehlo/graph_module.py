@@ -14,7 +14,6 @@ import os
 import jax
 import numpy as np
 import torch
-from torch.fx import _pytree as fx_pytree
 from torch.utils import _pytree as pytree
 
 from xlatorch.runtime.base.dtypes import to_jax
@@ -79,14 +78,16 @@ class StableHLOGraphModule:
         func = self._func(method_name)
         meta = func.meta
         args = tuple(args)
-        if meta.input_pytree_spec is not None:
-            if kwargs:
-                spec = pytree.treespec_loads(meta.input_pytree_spec)
-                flat = fx_pytree.tree_flatten_spec((args, dict(kwargs)), spec)
-            else:
-                flat = pytree.tree_flatten(args)[0]
-        else:
-            flat = list(args)
+        # The positions are those of torch.export's flattening: pytree leaves of (args, kwargs),
+        # the keyword arguments in the exported order.
+        kwargs = dict(kwargs or {})
+        if kwargs and meta.input_pytree_spec is not None:
+            spec = pytree.treespec_loads(meta.input_pytree_spec)
+            kids = spec.children()
+            if len(kids) == 2 and kids[1].type is dict:
+                order = list(kids[1].context)
+                kwargs = {k: kwargs[k] for k in order if k in kwargs} | kwargs
+        flat = pytree.tree_flatten((args, kwargs))[0]
         call_args = []
         for loc, sig in zip(meta.input_locations, meta.input_signature):
             if loc.type_ is VariableType.INPUT_ARG:
