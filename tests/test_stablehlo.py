@@ -301,6 +301,9 @@ def test_bad_directories_name_the_file(tmp_path):
     (d / "version").write_text('{"format_version": 99}')
     with pytest.raises(ValueError, match="version"):
         StableHLOGraphModule.load(d)
+    d = broken("torch_xla_like")  # torch_xla writes no version file
+    os.unlink(d / "version")
+    torch.testing.assert_close(StableHLOGraphModule.load(d)(x).cpu(), model(x).detach())
     loaded = StableHLOGraphModule.load(good)
     with pytest.raises(ValueError, match=r"exported for float32\[2, 4\]"):
         loaded(torch.randn(3, 4))
