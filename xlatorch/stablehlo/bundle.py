@@ -282,7 +282,10 @@ def load_bundle(directory: os.PathLike | str) -> StableHLOModelBundle:
         with open(code_path, "rb") as f:
             code = portable(f.read(), code_path)  # checked here: a corrupt file is named at load
         text_path = os.path.join(func_dir, stem + ".mlir")
-        text = open(text_path, encoding="utf-8").read() if os.path.exists(text_path) else None
+        text = None
+        if os.path.exists(text_path):
+            with open(text_path, encoding="utf-8") as f:
+                text = f.read()
         funcs.append(StableHLOFunc(meta, code, text))
     if not funcs:
         raise FileNotFoundError(f"xlatorch.stablehlo: {func_dir} holds no function (<name>.meta)")
