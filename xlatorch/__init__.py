@@ -185,5 +185,19 @@ def set_custom_compile_options(options: dict) -> None:
     regions.set_custom_options(options)
 
 
+def save_as_stablehlo(exported_model, stablehlo_dir, options=None) -> None:
+    """``xlatorch.stablehlo.save_as_stablehlo``: write a ``torch.export`` program as StableHLO files."""
+    from xlatorch.stablehlo import save_as_stablehlo as save
+
+    save(exported_model, stablehlo_dir, options)
+
+
+def save_torch_model_as_stablehlo(torchmodel, args, path, options=None) -> None:
+    """``xlatorch.stablehlo.save_torch_model_as_stablehlo``: export ``torchmodel`` on ``args`` and save it."""
+    from xlatorch.stablehlo import save_torch_model_as_stablehlo as save
+
+    save(torchmodel, args, path, options)
+
+
 __all__ = ["device", "devices", "device_count", "real_devices", "manual_seed", "step", "sync", "launch", "compile",
-           "set_custom_compile_options"]  # fmt: skip
+           "set_custom_compile_options", "save_as_stablehlo", "save_torch_model_as_stablehlo"]  # fmt: skip
