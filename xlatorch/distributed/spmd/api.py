@@ -95,7 +95,8 @@ def _hook_fn(fn: Callable, what: str):
 
 
 def xla_distribute_module(module: torch.nn.Module, device_mesh=None, partition_fn: Callable | None = None,
-                          input_fn: Callable | None = None, output_fn: Callable | None = None) -> torch.nn.Module:  # fmt: skip
+                          input_fn: Callable | None = None,
+                          output_fn: Callable | None = None) -> torch.nn.Module:  # fmt: skip
     """Shard ``module`` over ``device_mesh``: ``partition_fn(name, submodule, device_mesh)`` is
     called on every submodule (it shards parameters, e.g. with ``xla_distribute_tensor``); what
     it leaves is replicated. ``input_fn(module, inputs, device_mesh)`` becomes a forward pre-hook
