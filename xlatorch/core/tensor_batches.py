@@ -8,8 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-
-from xlatorch.utils.utils import for_each_instance, for_each_instance_rewrite
+from torch.utils._pytree import tree_map
 
 __all__ = ["ToXlaTensorArena", "CoalescingBuckets"]
 
@@ -30,16 +29,24 @@ class ToXlaTensorArena:
         self._tensors: list = []
 
     def transform(self, inputs: Any) -> Any:
-        """``inputs`` with each selected value replaced (lists, tuples, sets and dicts rebuilt;
-        objects' attributes set in place). A value reached twice is converted once."""
+        """``inputs`` with each selected value replaced; containers (lists, tuples, dicts,
+        namedtuples) are rebuilt as ``torch.utils._pytree`` rebuilds them. A value reached
+        twice is converted once."""
+        index: dict = {}  # id -> position in the batch (values stay alive in self._tensors)
         self._tensors = []
-        for_each_instance(inputs, self._select_fn, self._tensors.append)
+
+        def collect(v):
+            if self._select_fn(v) and id(v) not in index:
+                index[id(v)] = len(self._tensors)
+                self._tensors.append(v)
+            return v
+
+        tree_map(collect, inputs)
         converted = list(self._convert_fn(self._tensors)) if self._tensors else []
         if len(converted) != len(self._tensors):
             raise ValueError(f"xlatorch: ToXlaTensorArena's convert_fn returned {len(converted)} values for "
                              f"{len(self._tensors)} inputs")  # fmt: skip
-        it = iter(converted)
-        return for_each_instance_rewrite(inputs, self._select_fn, lambda _: next(it))
+        return tree_map(lambda v: converted[index[id(v)]] if id(v) in index else v, inputs)
 
 
 class CoalescingBuckets:

@@ -280,13 +280,12 @@ _REFERENCE_NAMES = [(TensorReference, "torch_xla.utils.serialization.TensorRefer
 def _resolve_references(data, path: str, weights_only: bool):
     """``data`` (a torch_xla-format structure) with each ``TensorReference`` replaced by its
     tensor file, loaded once; a missing file raises ``CheckpointError`` naming it."""
-    from xlatorch.core.tensor_batches import ToXlaTensorArena
-    from xlatorch.utils.utils import for_each_instance
+    from torch.utils._pytree import tree_leaves
 
-    found = []
-    for_each_instance(data, lambda v: type(v) is TensorReference, found.append)
-    if not found:  # a torch.save / xm.save file: returned as torch.load gives it
-        return data
+    from xlatorch.core.tensor_batches import ToXlaTensorArena
+
+    if not any(type(v) is TensorReference for v in tree_leaves(data)):
+        return data  # a torch.save / xm.save file: as torch.load gives it (a state dict keeps its metadata)
 
     def load_all(refs):
         out = []
