@@ -511,3 +511,40 @@ def test_backward_optimization_barrier_keeps_gradients():
     assert "optimization_barrier" in text
     for p, g in zip(md.parameters(), ref):
         torch.testing.assert_close(p.grad.cpu(), g, rtol=1e-5, atol=1e-5)
+
+
+_DP_PERMUTE = r"""
+import json, torch
+import xlatorch.core.xla_model as xm
+import xlatorch.distributed.data_parallel as dp
+import xlatorch.runtime as xr
+
+def loop(model, loader, device, context):
+    r = xr.global_ordinal()
+    x = torch.full((3,), float(r + 1), device=device)
+    swapped = xm.collective_permute(x, [[0, 1], [1, 0]])
+    one_way = xm.collective_permute(x, [[0, 1]])
+    xm.mark_step()
+    try:
+        xm.send(x, 1 - r)
+        error = None
+    except NotImplementedError as e:
+        error = str(e)
+    return r, swapped.cpu().tolist(), one_way.cpu().tolist(), error
+
+print(json.dumps(dp.DataParallel(torch.nn.Identity, device_ids=xm.get_xla_supported_devices())(loop, [1, 2])))
+"""
+
+
+def test_collective_permute_between_data_parallel_threads():
+    import json
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", PYTHONPATH=ROOT)
+    r = subprocess.run([sys.executable, "-c", _DP_PERMUTE], capture_output=True, text=True, cwd=ROOT, env=env,
+                       timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    (r0, swap0, one0, err0), (r1, swap1, one1, err1) = json.loads(r.stdout.strip().splitlines()[-1])
+    assert (r0, r1) == (0, 1)
+    assert swap0 == [2.0] * 3 and swap1 == [1.0] * 3
+    assert one0 == [0.0] * 3 and one1 == [1.0] * 3
+    assert "collective_permute" in err0 and "collective_permute" in err1  # send/recv: a clear refusal

@@ -343,6 +343,9 @@ def _pairs(pairs) -> tuple:
 
 
 def _permute(t, pairs: tuple, keep: bool):
+    if _traced([t]):
+        raise NotImplementedError("xlatorch: collective_permute / send / recv inside torch.compile is not supported: "
+                                  "call them outside the compiled function")  # fmt: skip
     if world_size() == 1:  # the only pair there can be is (0, 0)
         return t.clone() if pairs or keep else torch.zeros_like(t)
     return wrap(_node(_PERMUTE, (value_of(t), pairs, keep), [(tuple(t.shape), t.dtype)]).outs[0])
