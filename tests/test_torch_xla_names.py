@@ -376,7 +376,7 @@ def test_bucketized_collectives_in_one_process_match_cpu():
     assert [g.cpu().tolist() for g in got] == [(x * 0.5).tolist() for x in xs]
     outs = [torch.zeros(4, 2, device=d) for _ in xs]
     gathered = xm.all_gather_bucketized([x.to(d) for x in xs], output=outs)
-    assert all(g is o for g, o in zip(gathered, outs)) and [o.cpu().tolist() for o in outs] == [x.tolist() for x in xs]
+    assert gathered is outs and [o.cpu().tolist() for o in outs] == [x.tolist() for x in xs]
 
 
 def test_parallel_loader_queues_are_per_device_queues():

@@ -162,7 +162,8 @@ def reduce_scatter_bucketized(reduce_type: str, input_list, scale: float, scatte
         return reduce_scatter(reduce_type, inputs, scale, scatter_dim, shard_count, groups=groups, output=outputs,
                               pin_layout=pin_layout)  # fmt: skip
 
-    return CoalescingBuckets(coalesced, list(input_list), output, bucket_cap_mb=bucket_cap_mb)()
+    res = CoalescingBuckets(coalesced, list(input_list), output, bucket_cap_mb=bucket_cap_mb)()
+    return output if output is not None else res  # the same tensors; the caller's list itself
 
 
 def broadcast_master_param(model: torch.nn.Module) -> None:
@@ -511,7 +512,8 @@ def all_gather_bucketized(
         outs = outputs or [None] * len(inputs)
         return [all_gather(t, dim=dim, groups=groups, output=o, pin_layout=pin_layout) for t, o in zip(inputs, outs)]
 
-    return CoalescingBuckets(gather, list(input_list), output, bucket_cap_mb=bucket_cap_mb)()
+    res = CoalescingBuckets(gather, list(input_list), output, bucket_cap_mb=bucket_cap_mb)()
+    return output if output is not None else res  # the same tensors; the caller's list itself
 
 
 def do_on_ordinals(target, data=(), ordinals=(0,)) -> None:
