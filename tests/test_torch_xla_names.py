@@ -548,3 +548,22 @@ def test_collective_permute_between_data_parallel_threads():
     assert swap0 == [2.0] * 3 and swap1 == [1.0] * 3
     assert one0 == [0.0] * 3 and one1 == [1.0] * 3
     assert "collective_permute" in err0 and "collective_permute" in err1  # send/recv: a clear refusal
+
+
+def test_apply_xla_patch_to_nn_linear_keeps_modules_and_values():
+    from xlatorch.distributed.spmd import xla_sharding as xsh
+
+    class Scaled(torch.nn.Linear):  # a subclass keeps its own forward
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), Scaled(6, 3))
+    x = torch.randn(5, 4)
+    ref = model(x)
+    md = model.to(xm.xla_device())
+    first, weight = md[0], md[0].weight
+    assert xsh.apply_xla_patch_to_nn_linear(md) is md
+    assert type(md[0]) is xsh.EinsumLinear and md[0] is first and md[0].weight is weight
+    assert type(md[2]) is Scaled
+    torch.testing.assert_close(md(x.to(xm.xla_device())).detach().cpu(), ref.detach(), rtol=1e-5, atol=1e-5)

@@ -12,13 +12,25 @@ import torch
 
 from xlatorch.distributed.spmd.xla_sharding import Mesh, XLAShardedTensor, mark_sharding
 
-__all__ = ["auto_policy", "convert_to_xla_mesh", "convert_to_xla_partition_spec", "xla_distribute_tensor",
+__all__ = ["auto_policy", "with_xla", "convert_to_xla_mesh", "convert_to_xla_partition_spec", "xla_distribute_tensor",
            "xla_distribute_module"]  # fmt: skip
 
 
 def auto_policy(mod_name: str, mod: torch.nn.Module, mesh) -> None:
     """The ``partition_fn`` that asks ``xla_distribute_module`` for XLA's automatic sharding
     (``xr.use_spmd(auto=True)``) instead of partitioning parameters itself."""
+
+
+def with_xla(func: Callable) -> Callable:
+    """``func`` (a method) with ``xr.use_spmd()`` called before each call."""
+    import functools
+
+    @functools.wraps(func)
+    def wrapper(self, *args, **kwargs):
+        _spmd()
+        return func(self, *args, **kwargs)
+
+    return wrapper
 
 
 def _spmd() -> None:

@@ -402,6 +402,23 @@ def xla_patched_nn_linear_forward(m: torch.nn.Module, input: torch.Tensor) -> to
     return XLAPatchedLinear.apply(input, m.weight, m.bias)
 
 
+class EinsumLinear(torch.nn.Linear):
+    """A ``torch.nn.Linear`` computed by ``XLAPatchedLinear`` (einsums)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return xla_patched_nn_linear_forward(self, input)
+
+
+def apply_xla_patch_to_nn_linear(module: torch.nn.Module) -> torch.nn.Module:
+    """Make every ``torch.nn.Linear`` inside ``module`` an ``EinsumLinear``, in place: the same
+    module objects, parameters and hooks, computed with einsums. Subclasses of ``nn.Linear``
+    keep their own ``forward`` (replacing it would change what they compute). Returns ``module``."""
+    for child in module.modules():
+        if type(child) is torch.nn.Linear:
+            child.__class__ = EinsumLinear
+    return module
+
+
 def apply_backward_optimization_barrier(m: torch.nn.Module) -> None:
     """After ``m``'s backward, pass its parameters' gradients and the gradients of its inputs
     through one XLA optimization barrier (a full backward hook): XLA then does not fuse this
@@ -416,4 +433,5 @@ def apply_backward_optimization_barrier(m: torch.nn.Module) -> None:
 
 
 __all__ += ["annotate_custom_sharding", "wrap_if_sharded", "shard_as", "XLAPatchedLinear",
-            "xla_patched_nn_linear_forward", "apply_backward_optimization_barrier"]  # fmt: skip
+            "xla_patched_nn_linear_forward", "apply_backward_optimization_barrier", "EinsumLinear",
+            "apply_xla_patch_to_nn_linear"]  # fmt: skip
