@@ -174,6 +174,14 @@ def __getattr__(name: str):
         import importlib
 
         return importlib.import_module("xlatorch.experimental" if name == "experimental" else "xlatorch.core.xla_model")
+    if name == "eager_mode":  # torch_xla.eager_mode(True): experimental.eager_mode, also at the top
+        from xlatorch.experimental import eager_mode
+
+        return eager_mode
+    if name == "dist":  # torch.distributed, which torch_xla's package re-exports
+        import torch.distributed as dist
+
+        return dist
     raise AttributeError(f"module 'xlatorch' has no attribute {name!r}")
 
 

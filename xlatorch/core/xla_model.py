@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 
 import jax
 import torch
 
 from xlatorch.core import step_closures
+from xlatorch.core.tensor_batches import CoalescingBuckets, ToXlaTensorArena
 from xlatorch.runtime.base import record
 from xlatorch.runtime.base.memory import get_memory_info
 from xlatorch.runtime.base.record import COUNTERS
@@ -20,9 +22,13 @@ from xlatorch.runtime.trace.collectives import (
     all_reduce,
     all_to_all,
     broadcast,
+    collective_permute,
+    recv,
     reduce_gradients,
     reduce_scatter,
+    send,
 )
+from xlatorch.runtime.trace.library import XlaLibrary
 
 __all__ = [
     "fork_rng",
@@ -34,9 +40,37 @@ __all__ = [
     "get_memory_info",
     "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "reduce_gradients", "rendezvous", "mesh_reduce",
     "REDUCE_SUM", "REDUCE_MUL", "REDUCE_AND", "REDUCE_OR", "REDUCE_MIN", "REDUCE_MAX",
+    "send", "recv", "collective_permute", "ToXlaTensorArena", "CoalescingBuckets", "XLA_LIB", "DeviceContext",
 ]  # fmt: skip
 
 REDUCE_SUM, REDUCE_MUL, REDUCE_AND, REDUCE_OR, REDUCE_MIN, REDUCE_MAX = "sum", "mul", "and", "or", "min", "max"
+
+# The ``xla`` op namespace (``torch.ops.xla``), for custom ops: ``XLA_LIB.define(schema)``, then
+# ``torch.library.impl(XLA_LIB, name, "XLA")`` gives the op's kernel for xla tensors.
+XLA_LIB = XlaLibrary("xla", "DEF")
+
+
+class DeviceContext:
+    """Per-device state that lives as long as the process (one object per device name)."""
+
+    def __init__(self, device):
+        self.device = device
+
+
+_DEVICE_CONTEXTS: dict = {}
+_DEVICE_CONTEXTS_LOCK = threading.Lock()
+
+
+def _get_device_context(device=None) -> DeviceContext:
+    """The ``DeviceContext`` of ``device`` (default: this thread's device), made on first use."""
+    from xlatorch.runtime.base.topology import current_device
+
+    device = str(device) if device is not None else f"xla:{current_device()}"
+    with _DEVICE_CONTEXTS_LOCK:
+        ctx = _DEVICE_CONTEXTS.get(device)
+        if ctx is None:
+            ctx = _DEVICE_CONTEXTS[device] = DeviceContext(device)
+        return ctx
 
 
 def get_xla_supported_devices(devkind: str | None = None, max_devices: int | None = None) -> list[str]:
@@ -120,30 +154,16 @@ def is_xla_tensor(tensor) -> bool:
 def reduce_scatter_bucketized(reduce_type: str, input_list, scale: float, scatter_dim: int, shard_count: int,
                               groups=None, output=None, pin_layout: bool = False,
                               bucket_cap_mb: int = 160) -> list:  # fmt: skip
-    """``reduce_scatter`` of each tensor of ``input_list``, coalesced into buckets of at most
-    ``bucket_cap_mb`` MB (a tensor larger than the cap is a bucket of its own); returns the
-    outputs in input order (written into ``output``'s tensors if given)."""
-    cap = bucket_cap_mb * 1024 * 1024
-    results, bucket, size = [], [], 0
+    """``reduce_scatter`` of each tensor of ``input_list``, coalesced into buckets of about
+    ``bucket_cap_mb`` MB (``CoalescingBuckets``); returns the outputs in input order (written
+    into ``output``'s tensors if given)."""
 
-    def flush():
-        if bucket:
-            results.extend(reduce_scatter(reduce_type, list(bucket), scale, scatter_dim, shard_count, groups=groups))
-            bucket.clear()
+    def coalesced(inputs, outputs=None):
+        return reduce_scatter(reduce_type, inputs, scale, scatter_dim, shard_count, groups=groups, output=outputs,
+                              pin_layout=pin_layout)  # fmt: skip
 
-    for t in input_list:
-        n = t.numel() * t.element_size()
-        if bucket and size + n > cap:
-            flush()
-            size = 0
-        bucket.append(t)
-        size += n
-    flush()
-    if output is not None:
-        for o, r in zip(output, results):
-            o.copy_(r)
-        return output
-    return results
+    res = CoalescingBuckets(coalesced, list(input_list), output, bucket_cap_mb=bucket_cap_mb)()
+    return output if output is not None else res  # the same tensors; the caller's list itself
 
 
 def broadcast_master_param(model: torch.nn.Module) -> None:
@@ -482,14 +502,18 @@ def check_view_sharing(obj) -> None:
 def all_gather_bucketized(
     input_list, dim: int = 0, groups=None, output=None, pin_layout: bool = False, bucket_cap_mb: int = 160
 ) -> list:
-    """``all_gather`` of each tensor of ``input_list`` (one collective each; XLA combines them),
-    into ``output``'s tensors where given."""
-    outs = [all_gather(t, dim=dim, groups=groups, pin_layout=pin_layout) for t in input_list]
-    if output is not None:
-        for o, r in zip(output, outs):
-            o.copy_(r)
-        return output
-    return outs
+    """``all_gather`` of each tensor of ``input_list`` (into ``output``'s tensors where given),
+    in buckets of about ``bucket_cap_mb`` MB (``CoalescingBuckets``); the step's one program
+    holds them all and XLA schedules them."""
+
+    def gather(inputs, outputs=None):
+        if isinstance(inputs, torch.Tensor):
+            return all_gather(inputs, dim=dim, groups=groups, output=outputs, pin_layout=pin_layout)
+        outs = outputs or [None] * len(inputs)
+        return [all_gather(t, dim=dim, groups=groups, output=o, pin_layout=pin_layout) for t, o in zip(inputs, outs)]
+
+    res = CoalescingBuckets(gather, list(input_list), output, bucket_cap_mb=bucket_cap_mb)()
+    return output if output is not None else res  # the same tensors; the caller's list itself
 
 
 def do_on_ordinals(target, data=(), ordinals=(0,)) -> None:

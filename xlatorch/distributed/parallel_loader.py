@@ -16,13 +16,14 @@ disjoint.
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 
 import torch
 from torch.utils._pytree import tree_map
 
-__all__ = ["MpDeviceLoader", "ParallelLoader", "PerDeviceLoader"]
+__all__ = ["MpDeviceLoader", "ParallelLoader", "PerDeviceLoader", "PerDeviceQueue"]
 
 _END = object()
 
@@ -99,6 +100,19 @@ def _shard(batch, spec):
     return type(batch)(_shard(b, s) for b, s in zip(batch, spec))
 
 
+class PerDeviceQueue:
+    """The queues of one device of a ``ParallelLoader``: ``queue`` holds up to
+    ``device_prefetch_size`` batches already on ``device``; ``cpu_loader_queue`` (up to
+    ``loader_prefetch_size``) is for CPU batches waiting for their upload, where a loader stages
+    them (this one uploads each batch as it reads it); ``close_queue_count`` counts closings."""
+
+    def __init__(self, device, loader_prefetch_size: int, device_prefetch_size: int):
+        self.device = device
+        self.cpu_loader_queue = queue.Queue(maxsize=max(1, loader_prefetch_size))
+        self.queue = queue.Queue(maxsize=max(1, device_prefetch_size))
+        self.close_queue_count = itertools.count()
+
+
 class PerDeviceLoader:
     """Iterates one device's batches; calls ``mark_step`` between batches."""
 
@@ -157,7 +171,7 @@ class ParallelLoader:
         self._loader = loader
         self._input_sharding = input_sharding
         self._batches_per_execution = batches_per_execution
-        self._queues = [queue.Queue(maxsize=max(1, device_prefetch_size)) for _ in self._devices]
+        self._queues = [PerDeviceQueue(d, loader_prefetch_size, device_prefetch_size) for d in self._devices]
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._worker, name="xlatorch-prefetch", daemon=True)
         self._thread.start()
@@ -175,7 +189,7 @@ class ParallelLoader:
     def _put(self, slot: int, item) -> bool:
         while not self._stop.is_set():
             try:
-                self._queues[slot].put(item, timeout=0.1)
+                self._queues[slot].queue.put(item, timeout=0.1)
                 return True
             except queue.Full:
                 continue
@@ -198,7 +212,7 @@ class ParallelLoader:
             self._put(slot, _END)
 
     def _next(self, slot: int):
-        q = self._queues[slot]
+        q = self._queues[slot].queue
         while True:
             try:
                 item = q.get(timeout=0.1)

@@ -25,7 +25,8 @@ import threading
 import time
 import traceback
 
-__all__ = ["spawn", "WorkerError", "MpModelWrapper", "MpSerialExecutor"]
+__all__ = ["spawn", "WorkerError", "MpModelWrapper", "MpSerialExecutor", "device_kind_handler_dict",
+           "create_optimized_replica_groups"]  # fmt: skip
 
 
 class WorkerError(RuntimeError):
@@ -204,3 +205,48 @@ class MpSerialExecutor:
                 result = fn()
             distributed.rendezvous(f"xlatorch.serial.{turn}")
         return result
+
+
+# Replica orders for collectives on small TPU slices: each visits the chips once along a ring of
+# the torus, so neighbours in the order are neighbours on the interconnect. Device ids number the
+# chips x-fastest; bounds are (x, y, z) chips.
+def _tpu_bounds() -> tuple[int, int, int]:
+    from xlatorch import runtime as xr
+
+    coords = [tuple(d.get("coords", (0, 0, 0))) for d in xr.global_runtime_device_attributes()]
+    return tuple(max(c[i] for c in coords) + 1 for i in range(3))
+
+
+def _v5p_replica_groups() -> list | None:
+    """A 2x2x2 v5p slice: the ring JAX's mesh_utils uses for it; other shapes: None."""
+    if _tpu_bounds() == (2, 2, 2):
+        from jax._src.mesh_utils import _V5P_2x2x2_ORDER
+
+        return [list(_V5P_2x2x2_ORDER)]
+    return None
+
+
+def _v6e_replica_groups() -> list | None:
+    """A 2x4 v6e slice: along y at x=0, then back along y at x=1; other shapes: None."""
+    bx, by, bz = _tpu_bounds()
+    if (bx, by) == (2, 4):
+        return [[x + 2 * y for x, ys in ((0, range(4)), (1, range(3, -1, -1))) for y in ys]]
+    return None
+
+
+# TPU generation -> the replica groups of its slice's best order (None where the default is best).
+device_kind_handler_dict: dict = {"v5p": _v5p_replica_groups, "v6e": _v6e_replica_groups}
+
+_TPU_TYPES = {"TPU v5p": "v5p", "TPU v6 lite": "v6e", "TPU v6e": "v6e", "TPU v5 lite": "v5e", "TPU v5e": "v5e",
+              "TPU v5": "v5p", "TPU v4": "v4", "TPU v4 lite": "v4", "TPU v3": "v3", "TPU v2": "v2"}  # fmt: skip
+
+
+def create_optimized_replica_groups() -> list | None:
+    """Replica groups (one group of every replica, reordered) whose collectives follow the TPU
+    slice's interconnect ring, for the slices ``device_kind_handler_dict`` knows; None
+    elsewhere (other TPUs and shapes, GPU, CPU): the default order is used."""
+    import jax
+
+    kind = jax.devices()[0].device_kind
+    handler = device_kind_handler_dict.get(_TPU_TYPES.get(kind, kind))
+    return handler() if handler is not None else None

@@ -47,7 +47,7 @@ from xlatorch.runtime.execute.serialization import (
 )
 from xlatorch.runtime.trace.tensor import XlaTensor
 
-__all__ = ["save", "load", "CheckpointError"]
+__all__ = ["save", "load", "CheckpointError", "TensorReference"]
 
 MAGIC = b"xlatorch.xser\n"
 VERSION = 1
@@ -236,7 +236,9 @@ def load(path, weights_only: bool = True):
     with open(path, "rb") as f:
         blob = f.read()
     if not blob.startswith(MAGIC):
-        return torch.load(path, map_location="cpu", weights_only=weights_only)
+        with torch.serialization.safe_globals(_REFERENCE_NAMES):
+            data = torch.load(path, map_location="cpu", weights_only=weights_only)
+        return _resolve_references(data, path, weights_only)
     head = blob[len(MAGIC) : len(MAGIC) + _HEADER.size]
     if len(head) < _HEADER.size:
         raise CheckpointError(f"{path}: truncated xser structure file ({len(blob)} bytes)")
@@ -257,6 +259,44 @@ def load(path, weights_only: bool = True):
             return torch.load(io.BytesIO(manifest["data"]), map_location="cpu", weights_only=weights_only)
     finally:
         _LOADING.reset(token)
+
+
+class TensorReference:
+    """Where torch_xla's ``xser.save`` put a tensor: ``<path>.tensors/tensor_<tid>.pt`` (its
+    structure file holds one of these in the tensor's place). ``load`` reads such checkpoints:
+    each reference becomes its tensor."""
+
+    def __init__(self, tid: int):
+        self.tid = tid
+
+    def __repr__(self) -> str:
+        return f"TensorReference({self.tid})"
+
+
+# The class under both names a structure file may record (torch_xla's, and this module's).
+_REFERENCE_NAMES = [(TensorReference, "torch_xla.utils.serialization.TensorReference"), TensorReference]
+
+
+def _resolve_references(data, path: str, weights_only: bool):
+    """``data`` (a torch_xla-format structure) with each ``TensorReference`` replaced by its
+    tensor file, loaded once; a missing file raises ``CheckpointError`` naming it."""
+    from torch.utils._pytree import tree_leaves
+
+    from xlatorch.core.tensor_batches import ToXlaTensorArena
+
+    if not any(type(v) is TensorReference for v in tree_leaves(data)):
+        return data  # a torch.save / xm.save file: as torch.load gives it (a state dict keeps its metadata)
+
+    def load_all(refs):
+        out = []
+        for r in refs:
+            fname = os.path.join(path + ".tensors", f"tensor_{int(r.tid)}.pt")
+            if not os.path.exists(fname):
+                raise CheckpointError(f"{fname}: tensor file missing")
+            out.append(torch.load(fname, map_location="cpu", weights_only=weights_only))
+        return out
+
+    return ToXlaTensorArena(load_all, lambda v: type(v) is TensorReference).transform(data)
 
 
 def _component(name, where: str) -> str:

@@ -375,3 +375,135 @@ class MarkShardingFunction(torch.autograd.Function):
 
 
 __all__ += ["MarkShardingFunction"]
+
+
+def annotate_custom_sharding(t, mesh: Mesh, partition_spec) -> XLAShardedTensor:
+    """Constrain ``t``'s current value to the sharding of ``partition_spec`` over ``mesh`` inside
+    the step's program (a ``with_sharding_constraint``), without re-placing its data or changing
+    the sharding it keeps (unlike ``mark_sharding``): a hint to XLA's partitioner, e.g. a
+    different sharding for one use of a tensor already sharded with ``mark_sharding``."""
+    t = _device_tensor(t)
+    if t.dim() != len(partition_spec):
+        raise ValueError(f"xlatorch: partition spec length ({len(partition_spec)}) should be equal to the input "
+                         f"rank ({t.dim()})")  # fmt: skip
+    _sh.constrain(t, _named(mesh, tuple(partition_spec), t.dim()))
+    return XLAShardedTensor(t, mesh, tuple(partition_spec))
+
+
+def wrap_if_sharded(x):
+    """``x`` as an ``XLAShardedTensor`` if it is an xla tensor with a sharding (annotated, or
+    split data); anything else unchanged."""
+    if type(x) is XlaTensor and _sh.is_sharded(x):
+        return XLAShardedTensor(x)
+    return x
+
+
+def shard_as(a, b):
+    """``(a, b)`` such that corresponding tensors of the two pytrees (same structure) are
+    sharded alike, whichever sharding XLA's partitioner picks for them (JAX's ``shard_alike``
+    inside the step's program; nothing syncs). Use at least one of the outputs."""
+    from jax.experimental.shard_alike import shard_alike
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    from xlatorch.core.xla_builder import call_jax
+
+    a_flat, a_spec = tree_flatten(a)
+    b_flat, b_spec = tree_flatten(b)
+    if a_spec != b_spec:
+        raise ValueError(f"xlatorch: shard_as takes two pytrees of the same structure, got {a_spec} and {b_spec}")
+    outs_a, outs_b = [], []
+    for x, y in zip(a_flat, b_flat):
+        if x is None or y is None:
+            if x is not None or y is not None:
+                raise ValueError("xlatorch: shard_as: a leaf is None in one pytree only")
+        else:
+            x, y = call_jax(shard_alike, (x, y), name="shard_as")
+        outs_a.append(x)
+        outs_b.append(y)
+    return tree_unflatten(outs_a, a_spec), tree_unflatten(outs_b, b_spec)
+
+
+# One dot_general over the last dimension, with no reshapes: XLA's partitioner propagates the
+# shardings of every leading dimension (torch's einsum flattens them into one for a matmul).
+_EINSUMS: dict = {}
+
+
+def _einsum(spec: str, *ts):
+    if all(type(t) is XlaTensor for t in ts):
+        import functools
+
+        import jax.numpy as jnp
+
+        from xlatorch.core.xla_builder import call_jax
+
+        fn = _EINSUMS.get(spec)
+        if fn is None:
+            fn = _EINSUMS[spec] = functools.partial(jnp.einsum, spec)
+        return call_jax(fn, ts, name="einsum")
+    return torch.einsum(spec, *ts)
+
+
+class XLAPatchedLinear(torch.autograd.Function):
+    """``torch.nn.functional.linear`` as einsums (forward and backward), so the sharding of
+    every leading dimension of the input carries through to the output. Autocast on the xla
+    device casts its inputs to the autocast dtype, as for a linear layer."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="xla", cast_inputs=torch.get_autocast_dtype("xla"))
+    def forward(ctx, input, weight, bias=None):
+        ctx.save_for_backward(input, weight, bias)
+        out = _einsum("...n,mn->...m", input, weight)
+        return out if bias is None else out + bias
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="xla")
+    def backward(ctx, grad_output):
+        input, weight, bias = ctx.saved_tensors
+        grad_input = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_input = _einsum("...m,mn->...n", grad_output, weight)
+        if ctx.needs_input_grad[1]:
+            grad_weight = _einsum("...m,...n->mn", grad_output, input)
+        if bias is not None and ctx.needs_input_grad[2]:
+            grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0)
+        return grad_input, grad_weight, grad_bias
+
+
+def xla_patched_nn_linear_forward(m: torch.nn.Module, input: torch.Tensor) -> torch.Tensor:
+    """``m(input)`` for a ``torch.nn.Linear`` ``m``, through ``XLAPatchedLinear``."""
+    return XLAPatchedLinear.apply(input, m.weight, m.bias)
+
+
+class EinsumLinear(torch.nn.Linear):
+    """A ``torch.nn.Linear`` computed by ``XLAPatchedLinear`` (einsums)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return xla_patched_nn_linear_forward(self, input)
+
+
+def apply_xla_patch_to_nn_linear(module: torch.nn.Module) -> torch.nn.Module:
+    """Make every ``torch.nn.Linear`` inside ``module`` an ``EinsumLinear``, in place: the same
+    module objects, parameters and hooks, computed with einsums. Subclasses of ``nn.Linear``
+    keep their own ``forward`` (replacing it would change what they compute). Returns ``module``."""
+    for child in module.modules():
+        if type(child) is torch.nn.Linear:
+            child.__class__ = EinsumLinear
+    return module
+
+
+def apply_backward_optimization_barrier(m: torch.nn.Module) -> None:
+    """After ``m``'s backward, pass its parameters' gradients and the gradients of its inputs
+    through one XLA optimization barrier (a full backward hook): XLA then does not fuse this
+    module's backward with the rest, which keeps the buffers of gradient collectives small."""
+    from xlatorch.core.xla_model import optimization_barrier_
+
+    def barrier(module, grad_input, grad_output):
+        grads = [p.grad for p in module.parameters() if p.grad is not None]
+        optimization_barrier_([g for g in grads + list(grad_input) if isinstance(g, torch.Tensor)])
+
+    m.register_full_backward_hook(barrier)
+
+
+__all__ += ["annotate_custom_sharding", "wrap_if_sharded", "shard_as", "XLAPatchedLinear",
+            "xla_patched_nn_linear_forward", "apply_backward_optimization_barrier", "EinsumLinear",
+            "apply_xla_patch_to_nn_linear"]  # fmt: skip

@@ -34,7 +34,7 @@ from xlatorch.runtime.lower import compiler
 from xlatorch.runtime.lower.executable import Executable
 from xlatorch.runtime.trace.tensor import XlaTensor, value_of, write
 
-__all__ = ["use_spmd", "is_spmd", "devices", "default_mesh", "set_mesh", "annotate", "clear",
+__all__ = ["use_spmd", "is_spmd", "devices", "default_mesh", "set_mesh", "annotate", "clear", "constrain", "is_sharded",
            "sharding_of", "hlo_sharding_text", "host_value", "gathered", "prepare", "compile_sharded", "tiles",
            "divides", "padded_shape"]  # fmt: skip
 
@@ -151,6 +151,26 @@ def padded_shape(sharding, shape) -> tuple[int, ...]:
     """``shape`` with each split dimension rounded up to a multiple of its blocks (torch_xla's
     padding of a dimension the mesh does not divide)."""
     return tuple(-(-n // k) * k for n, k in zip(shape, tiles(sharding, shape)))
+
+
+def constrain(t, sharding: NamedSharding) -> None:
+    """Constrain ``t``'s current value to ``sharding`` inside its graph (device data too: it
+    becomes a pending value), without re-placing its data or annotating its storage."""
+    set_mesh(sharding.mesh)
+    v = _constrain(value_of(t), sharding)
+    if t._vw is not None:
+        t._vc = (t._st.gen, v)  # a view: until its base changes
+    else:
+        write(t, v)
+
+
+def is_sharded(t) -> bool:
+    """Whether ``t`` carries a sharding: an annotation (replicated ones too) or split data."""
+    st = t._st
+    if st.sharding is not None:
+        return True
+    v = st.value
+    return type(v) is Data and not v.array.sharding.is_fully_replicated
 
 
 def _constrain(v, sharding):

@@ -28,9 +28,9 @@ import torch
 from jax import lax
 
 from xlatorch.runtime.base.record import COUNTERS
-from xlatorch.runtime.base.topology import world_size
+from xlatorch.runtime.base.topology import global_ordinal, thread_replicas, world_size
 from xlatorch.runtime.ir.ops import STATIC, TENSOR, TENSOR_LIST, Info, OpSpec, signature
-from xlatorch.runtime.ir.values import Node
+from xlatorch.runtime.ir.values import Node, Out
 from xlatorch.runtime.trace.dispatch import RUNTIME_OPS
 from xlatorch.runtime.trace.tensor import XlaTensor, value_of, wrap, write
 
@@ -43,6 +43,9 @@ __all__ = [
     "reduce_scatter",
     "all_to_all",
     "broadcast",
+    "collective_permute",
+    "send",
+    "recv",
     "REDUCE_TYPES",
     "TRACED",
 ]
@@ -147,6 +150,16 @@ def _emit_all_to_all(out, x, split_dimension, concat_dimension, split_count):
     return lax.all_to_all(_opaque(x), AXIS, split_dimension % x.ndim, concat_dimension % x.ndim, tiled=True)
 
 
+def _emit_collective_permute(out, x, pairs, keep):
+    got = lax.ppermute(_opaque(x), AXIS, pairs)  # XLA's CollectivePermute: zeros where nothing arrives
+    if not keep:
+        return got
+    # send/recv: a replica that receives nothing keeps its own value (the sender gets its input back)
+    targets = np.zeros(world_size(), dtype=bool)
+    targets[[t for _, t in pairs]] = True
+    return jnp.where(jnp.asarray(targets)[lax.axis_index(AXIS)], got, x)
+
+
 def _spec(name, emit, arg_names, returns):
     kinds = (TENSOR_LIST if arg_names[0] == "inputs" else TENSOR,) + (STATIC,) * (len(arg_names) - 1)
     return OpSpec(name, None, emit, arg_names, kinds, (False,) * len(arg_names), returns)
@@ -160,8 +173,9 @@ _REDUCE_SCATTER = _spec("xla::reduce_scatter", _emit_reduce_scatter,
 _ALL_TO_ALL = _spec("xla::all_to_all", _emit_all_to_all,
                     ["input", "split_dimension", "concat_dimension", "split_count"], 0)  # fmt: skip
 _BROADCAST = _spec("xla::broadcast", _emit_broadcast, ["input", "root"], 0)
+_PERMUTE = _spec("xla::collective_permute", _emit_collective_permute, ["input", "pairs", "keep"], 0)
 # A set: a compiled graph holding a traced collective (runtime/trace/fx.py) joins it.
-SPECS = {_ALL_REDUCE, _ALL_GATHER, _REDUCE_SCATTER, _ALL_TO_ALL, _BROADCAST}
+SPECS = {_ALL_REDUCE, _ALL_GATHER, _REDUCE_SCATTER, _ALL_TO_ALL, _BROADCAST, _PERMUTE}
 
 
 def _node(spec, vals, avals) -> Node:
@@ -310,6 +324,72 @@ def broadcast(value, root: int = 0):
     if world_size() == 1:
         return t.clone()
     return wrap(_node(_BROADCAST, (value_of(t), int(root)), [(tuple(t.shape), t.dtype)]).outs[0])
+
+
+def _pairs(pairs) -> tuple:
+    """Validated (source, target) ordinal pairs: each replica sends at most once and receives at
+    most once (XLA's rule for CollectivePermute)."""
+    ps = tuple((int(s), int(t)) for s, t in pairs)
+    n = world_size()
+    for what, col in (("source", 0), ("target", 1)):
+        seen = [p[col] for p in ps]
+        if len(set(seen)) != len(seen):
+            raise ValueError(f"xlatorch: collective_permute pairs {list(pairs)} name a {what} replica twice")
+    bad = [o for p in ps for o in p if not 0 <= o < n]
+    if bad:
+        raise ValueError(f"xlatorch: collective_permute pairs {list(pairs)} name ordinal {bad[0]}, but the "
+                         f"job has {n} replicas")  # fmt: skip
+    return ps
+
+
+def _permute(t, pairs: tuple, keep: bool):
+    if _traced([t]):
+        raise NotImplementedError("xlatorch: collective_permute / send / recv inside torch.compile is not supported: "
+                                  "call them outside the compiled function")  # fmt: skip
+    if world_size() == 1:  # the only pair there can be is (0, 0)
+        return t.clone() if pairs or keep else torch.zeros_like(t)
+    return wrap(_node(_PERMUTE, (value_of(t), pairs, keep), [(tuple(t.shape), t.dtype)]).outs[0])
+
+
+def collective_permute(value, pairs):
+    """XLA's CollectivePermute: for each ``[source, target]`` of ``pairs``, replica ``target``
+    gets replica ``source``'s ``value``; a replica that is no pair's target gets zeros. Every
+    replica calls it with the same pairs (it is one collective in each one's step)."""
+    return _permute(_device_tensor(value, "collective_permute"), _pairs(pairs), False)
+
+
+# Sends whose result the caller may drop: kept until the sync that runs them, since the
+# receiving replica's step waits for the send (torch_xla keeps them alive with its token).
+_SENDS: list = []
+
+
+def _point_to_point(t, pair, what: str):
+    """The collective permute of one send or receive: the sender and the receiver record the
+    same node (same pair), each in its own step."""
+    if thread_replicas():  # their steps differ, and threads' replicas run one program together
+        raise NotImplementedError(f"xlatorch: xm.{what} between dp.DataParallel threads is not supported: use "
+                                  "xm.collective_permute with the same pairs on every replica")  # fmt: skip
+    return _permute(_device_tensor(t, what), _pairs([pair]), True)
+
+
+def send(value, channel_id: int):
+    """Send ``value`` to replica ``channel_id``, which receives it with ``recv(out, channel_id=<this
+    replica's ordinal>)`` in its step. Returns ``value`` (the same values). The pair is one
+    collective permute in both replicas' steps: both must reach the same sync, with the same
+    collectives before it."""
+    res = _point_to_point(value, (global_ordinal(), channel_id), "send")
+    _SENDS[:] = [s for s in _SENDS if type(s._st.value) is Out]  # drop the sends already run
+    _SENDS.append(res)
+    return res
+
+
+def recv(output, channel_id: int):
+    """Receive, into ``output`` (in place), the tensor that replica ``channel_id`` ``send``s to this
+    one (same shape and dtype); returns it."""
+    res = _point_to_point(output, (channel_id, global_ordinal()), "recv")
+    with torch.no_grad():
+        output.copy_(res)
+    return res
 
 
 def reduce_gradients(optimizer, groups=None, pin_layout: bool = True) -> None:
