@@ -382,3 +382,12 @@ def broadcast_from_root(index, out):
     xm.mark_step()
     payloads = xm.xla_rendezvous(f"rank{r}".encode())
     _dump(out, {"a": a.cpu(), "b": b.cpu(), "g": g.cpu(), "payloads": payloads})
+
+
+def slow_last(index, out):
+    """Replica 0 keeps working well past the heartbeat timeout after replica 1 is done."""
+    t = torch.ones(3, device=xm.xla_device())
+    xm.all_reduce(xm.REDUCE_SUM, t).cpu()
+    if index == 0:
+        time.sleep(6)
+    torch.save(index, os.path.join(out, f"rank{index}.pt"))

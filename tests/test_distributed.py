@@ -28,7 +28,11 @@ def _load(out, n=N):
 
 def test_collectives_match_numpy(tmp_path):
     xmp.spawn(mp_workers.collectives, args=(str(tmp_path),), nprocs=N)
-    res = _load(tmp_path)
+    assert_collectives_match_numpy(_load(tmp_path))
+
+
+def assert_collectives_match_numpy(res):
+    """What mp_workers.collectives computed on each of N replicas, against NumPy."""
     xs = [np.arange(24.0).reshape(4, 6) + 100 * r for r in range(N)]
     ints = [np.arange(8).reshape(2, 4) % (r + 2) for r in range(N)]
     bools = [np.arange(4) % (r + 2) == 0 for r in range(N)]
@@ -145,10 +149,16 @@ def test_torch_distributed_on_the_xla_backend(tmp_path):
         assert set(err) == {"bad_ranks", "send", "gather"} | ({"subgroup"} if r == 0 else set()), err
 
 
+DDP_STEPS, DDP_PER = 6, 6
+
+
 def test_ddp_with_the_xla_backend(tmp_path):
-    steps, per = 6, 6
-    xmp.spawn(mp_workers.ddp, args=(str(tmp_path), steps, per), nprocs=N)
-    res = _load(tmp_path)
+    xmp.spawn(mp_workers.ddp, args=(str(tmp_path), DDP_STEPS, DDP_PER), nprocs=N)
+    assert_ddp_equals_one_process(_load(tmp_path))
+
+
+def assert_ddp_equals_one_process(res):
+    steps, per = DDP_STEPS, DDP_PER
     _assert_equals_one_process(res, steps, per)  # DDP broadcast replica 0's initial weights
     for r in res:  # DDP rebuilds its buckets after the first step; then the step is cached
         assert r["compiles"][-1] == r["compiles"][2], r["compiles"]

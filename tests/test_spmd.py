@@ -195,6 +195,11 @@ def test_two_processes_of_four_devices(tmp_path):
         xmp.spawn(prog.multiprocess_worker, args=(str(tmp_path),), nprocs=2)
     finally:
         del os.environ["CPU_NUM_DEVICES"]
+    assert_two_processes_of_four_devices(tmp_path)
+
+
+def assert_two_processes_of_four_devices(tmp_path):
+    """What spmd_programs.multiprocess_worker wrote from 2 processes x 4 devices, against CPU."""
     res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     losses, params = _reference_mlp()
     for r, got in enumerate(res):

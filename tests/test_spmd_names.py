@@ -26,7 +26,7 @@ def res(tmp_path_factory):
     return torch.load(out / "spmd_names.pt", weights_only=False)
 
 
-ROWS, COLS = "{devices=[8,1]<=[8]}", "{devices=[1,8]<=[8]}"
+ROWS, COLS = "{devices=[8,1]0,1,2,3,4,5,6,7}", "{devices=[1,8]0,1,2,3,4,5,6,7}"
 
 
 def test_annotate_custom_sharding_constrains_the_graph_not_the_storage(res):
@@ -67,7 +67,7 @@ def test_patched_linear_matches_f_linear_forward_and_backward(res):
 
 def test_xla_distribute_tensor_maps_placements_to_partition_specs(res):
     c = prog.data()["c"]
-    expect = {"s0s1": ("{devices=[2,4]<=[8]}", (0, 1)), "rs0": (None, (1, None)),
+    expect = {"s0s1": ("{devices=[2,4]0,1,2,3,4,5,6,7}", (0, 1)), "rs0": (None, (1, None)),
               "s0s0": (ROWS, ((0, 1), None)), "none": ("{replicated}", (None, None))}  # fmt: skip
     for name, (spec, pspec) in expect.items():
         got_spec, got_pspec, value = res["distribute"][name]
@@ -76,7 +76,7 @@ def test_xla_distribute_tensor_maps_placements_to_partition_specs(res):
             assert got_spec == spec, name
         assert torch.equal(value, c), name
     # mesh axis 1 (size 4) splits rows; mesh axis 0 (size 2) replicates
-    assert res["distribute"]["rs0"][0] == "{devices=[4,1,2]<=[2,4]T(1,0) last_tile_dim_replicate}"
+    assert res["distribute"]["rs0"][0] == "{devices=[4,1,2]0,4,1,5,2,6,3,7 last_tile_dim_replicate}"
 
 
 def test_xla_distribute_module_partitions_and_hooks(res):
@@ -85,5 +85,5 @@ def test_xla_distribute_module_partitions_and_hooks(res):
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     torch.testing.assert_close(y, model(prog.data()["c"]), rtol=1e-5, atol=1e-4)
     assert same and seen == ["in", "out"]
-    assert spec == "{devices=[2,1,4]<=[8] last_tile_dim_replicate}"
+    assert spec == "{devices=[2,1,4]0,1,2,3,4,5,6,7 last_tile_dim_replicate}"
     assert "auto=True" in res["auto"]

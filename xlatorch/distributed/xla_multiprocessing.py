@@ -74,6 +74,7 @@ def _worker(index: int, fn, args, env: dict, conn) -> None:
     try:
         from xlatorch.runtime.base import topology as distributed
 
+        distributed.LOST_HOOKS.append(lambda msg: conn.send(("LostProcess", msg)))
         distributed.initialize()
         fn(distributed.global_ordinal(), *args)
         distributed.shutdown()  # a barrier: process 0 hosts the coordination service
@@ -122,7 +123,8 @@ def spawn(fn, args=(), nprocs: int | None = None, join: bool = True, daemon: boo
         return None
     ctx = multiprocessing.get_context(start_method)
     procs, conns = [], []
-    for i, env in enumerate(_job_env(n)):
+    envs = _job_env(n)
+    for i, env in enumerate(envs):
         env["XLATORCH_LAUNCHER_PID"] = str(os.getpid())  # workers exit when it dies
         recv, send = ctx.Pipe(duplex=False)
         p = ctx.Process(target=_worker, args=(i, fn, args, env, send), daemon=daemon, name=f"xlatorch-worker-{i}")
@@ -132,11 +134,15 @@ def spawn(fn, args=(), nprocs: int | None = None, join: bool = True, daemon: boo
         conns.append(recv)
     if not join:
         return procs
-    _join(procs, conns)
+    hosts = int(os.environ.get("XLATORCH_NUM_HOSTS", "1"))
+    names = [f"xlatorch worker {i}" + (f" (process {e['XLATORCH_RANK']} of the job, host "
+                                       f"{os.environ.get('XLATORCH_HOST_INDEX', '0')})" if hosts > 1 else "")
+             for i, e in enumerate(envs)]  # fmt: skip
+    _join(procs, conns, names)
     return None
 
 
-def _join(procs, conns) -> None:
+def _join(procs, conns, names=None) -> None:
     alive = {p.sentinel: i for i, p in enumerate(procs)}
     try:
         while alive:
@@ -145,16 +151,18 @@ def _join(procs, conns) -> None:
                 p = procs[i]
                 p.join()
                 if p.exitcode != 0:
-                    raise WorkerError(i, _failure(i, p.exitcode, conns[i]))
+                    raise WorkerError(i, _failure(names[i] if names else f"xlatorch worker {i}", p.exitcode, conns[i]))
     finally:
         _stop(procs)
 
 
-def _failure(i: int, code: int, conn) -> str:
+def _failure(who: str, code: int, conn) -> str:
     if conn.poll(1.0):
         try:
             kind, tb = conn.recv()
-            return f"xlatorch worker {i} raised {kind}:\n{tb}"
+            if kind == "LostProcess":  # another host's process is gone (topology._lost)
+                return f"{who} stopped: {tb}"
+            return f"{who} raised {kind}:\n{tb}"
         except EOFError:
             pass
     if code < 0:
@@ -162,8 +170,8 @@ def _failure(i: int, code: int, conn) -> str:
             name = signal.Signals(-code).name
         except ValueError:
             name = str(-code)
-        return f"xlatorch worker {i} died with signal {name}"
-    return f"xlatorch worker {i} exited with code {code}"
+        return f"{who} died with signal {name}"
+    return f"{who} exited with code {code}"
 
 
 def _stop(procs, grace: float = 3.0) -> None:

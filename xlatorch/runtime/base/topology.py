@@ -23,7 +23,9 @@ from __future__ import annotations
 import base64
 import os
 import pickle
+import sys
 import threading
+import time
 
 from xlatorch.runtime.base import config, record
 
@@ -67,7 +69,74 @@ def initialize() -> None:
         raise RuntimeError(f"xlatorch: XLATORCH_WORLD_SIZE={size} needs XLATORCH_COORDINATOR=HOST:PORT "
                            "(process 0's coordination service)")  # fmt: skip
     timeout = config.env("XLATORCH_INIT_TIMEOUT")
-    jax.distributed.initialize(coordinator, num_processes=size, process_id=rank, initialization_timeout=timeout)
+    heartbeat = config.env("XLATORCH_HEARTBEAT_TIMEOUT")
+    # JAX's own heartbeat check aborts with a C++ stack trace naming no one: ours fires first.
+    jax.distributed.initialize(coordinator, num_processes=size, process_id=rank, initialization_timeout=timeout,
+                               heartbeat_timeout_seconds=2 * heartbeat + 10)  # fmt: skip
+    threading.Thread(target=_watch_peers, args=(size, rank, heartbeat), daemon=True, name="xlatorch-peers").start()
+
+
+# Called with the message when this process learns that the job lost a process (the launcher of
+# an xmp worker reports it: xla_multiprocessing.py); then the process exits.
+LOST_HOOKS: list = []
+_ALIVE = "xlatorch/alive/"
+
+
+def _watch_peers(size: int, rank: int, timeout: int) -> None:
+    """Each process of the job counts up a key of the job's key-value store every second and
+    reads the others': one whose count has not moved for ``timeout`` seconds is lost (it died,
+    or its host is gone), and so is the coordination service when the store fails. A process
+    waiting in a collective with it would otherwise wait for JAX's heartbeat check."""
+    from jax._src import distributed as jd
+
+    client = jd.global_state.client
+    last: dict[int, tuple[str, float]] = {}
+    beat = 0
+    while True:
+        now = time.monotonic()
+        try:
+            if _done[0]:
+                client.key_value_set(_ALIVE + str(rank), "done", allow_overwrite=True)
+                return
+            beat += 1
+            client.key_value_set(_ALIVE + str(rank), str(beat), allow_overwrite=True)
+            for r in range(size):
+                if r == rank:
+                    continue
+                try:
+                    v = client.key_value_try_get(_ALIVE + str(r))
+                except Exception:  # noqa: BLE001 (not there yet: it has not beaten once)
+                    v = ""
+                if v == "done":
+                    continue
+                if r not in last or last[r][0] != v:
+                    last[r] = (v, now)
+                elif now - last[r][1] > timeout:
+                    _lost(r, f"its heartbeat stopped {timeout}s ago")
+        except Exception as e:  # noqa: BLE001 (the store is gone: process 0 hosts it)
+            if _done[0]:
+                return
+            _lost(0, f"the job's coordination service (in process 0) stopped answering: {e}")
+        time.sleep(1.0)
+
+
+_done = [False]  # this process is leaving the job normally (shutdown)
+
+
+def _lost(who: int, why: str) -> None:
+    """The job lost process ``who``: say which, and exit (a process blocked in a collective with
+    it would otherwise wait)."""
+    per_host = max(_world["local_size"], 1)
+    me = _world["rank"]
+    msg = (f"xlatorch: the job lost process {who} (host {who // per_host}): {why} (it died, or its host is "
+           f"gone); process {me} (host {me // per_host}) stops")  # fmt: skip
+    try:
+        for hook in LOST_HOOKS:
+            hook(msg)
+        sys.stderr.write(msg + "\n")
+        sys.stderr.flush()
+    finally:
+        os._exit(1)
 
 
 def _cpu_devices() -> None:
@@ -115,6 +184,13 @@ def shutdown() -> None:
     if _world["size"] > 1 and _world["joined"]:
         import jax
 
+        _done[0] = True
+        try:  # the others stop watching this process's heartbeat
+            from jax._src import distributed as jd
+
+            jd.global_state.client.key_value_set(_ALIVE + str(_world["rank"]), "done", allow_overwrite=True)
+        except Exception:  # noqa: BLE001 (the store is gone: nothing watches any more)
+            pass
         jax.distributed.shutdown()
 
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import threading
 
+import torch
+
 from xlatorch.runtime.ir.values import Out, operands
 from xlatorch.runtime.trace.collectives import SPECS as COLLECTIVES
 
@@ -70,7 +72,7 @@ def run_replicated(exe, dev: int, arrays, packed, signature):
         rnd["signatures"][dev] = signature
         if len(rnd["inputs"]) == n:
             sigs = list(rnd["signatures"].values())
-            if any(s != sigs[0] for s in sigs[1:]):
+            if any(not _same_program(s, sigs[0]) for s in sigs[1:]):
                 rnd["error"] = ReplicaMismatch
             else:
                 try:
@@ -97,6 +99,20 @@ def run_replicated(exe, dev: int, arrays, packed, signature):
         if rnd["error"] is not None:
             raise rnd["error"]
         return rnd["outputs"][dev]
+
+
+def _same_program(a, b) -> bool:
+    """Whether two replicas' program signatures are one program: equal but for the device a
+    factory op names (each replica's own, placed by the replicated execution)."""
+    return a == b or _canon(a) == _canon(b)
+
+
+def _canon(x):
+    if type(x) is tuple:
+        return tuple(_canon(y) for y in x)
+    if type(x) is torch.device:
+        return x.type
+    return x
 
 
 def collective_roots(storages, nodes) -> list:
