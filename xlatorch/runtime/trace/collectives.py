@@ -313,10 +313,14 @@ def broadcast(value, root: int = 0):
 
 
 def reduce_gradients(optimizer, groups=None, pin_layout: bool = True) -> None:
-    """Average the gradients of ``optimizer``'s parameters across replicas (an IR all-reduce)."""
+    """Average the gradients of ``optimizer``'s parameters across replicas (an IR all-reduce).
+
+    FSDP's shards (parameters marked ``_is_sharded``) are skipped: their gradients were
+    reduce-scattered in the backward, and each replica holds a different slice."""
     if world_size() == 1:
         return
-    grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    grads = [p.grad for g in optimizer.param_groups for p in g["params"]
+             if p.grad is not None and not getattr(p, "_is_sharded", False)]  # fmt: skip
     if grads:
         count = len(groups[0]) if groups else world_size()
         all_reduce("sum", grads, scale=1.0 / count, groups=groups)
