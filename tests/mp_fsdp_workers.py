@@ -5,8 +5,10 @@ CPU process trained on the whole batch.
 """
 
 import functools
+import gc
 import os
 
+import jax
 import torch
 import torch.nn as nn
 
@@ -123,25 +125,28 @@ def _state_bytes(model, opt) -> dict:
     return {"params": params, "optimizer": state}
 
 
-def memory(index, out, width, depth):
-    """Bytes of parameters + Adam state this replica holds after one step: replicated (DDP-style,
-    ``xm.optimizer_step``) and FSDP-wrapped (each of ``depth`` layers a unit)."""
+def _device_bytes() -> int:
+    return sum(a.nbytes for a in jax.live_arrays())
+
+
+def memory(index, out, kind, width, depth):
+    """Bytes of parameters + Adam state this replica holds after two steps, ``kind`` "replicated"
+    (DDP-style, ``xm.optimizer_step``) or "fsdp" (each of the ``depth`` layers a unit).
+    ``device``: the bytes of every array alive on this process's device then, gradients and
+    the batch included (one kind per process: a sync keeps the arrays of the step before)."""
     d = xm.xla_device()
-    n = xr.world_size()
-    build = lambda: nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])  # noqa: E731
-    x = torch.randn(4, width).to(d)
-    res = {}
-    for kind in ("replicated", "fsdp"):
-        torch.manual_seed(0)
-        if kind == "fsdp":
-            model = FSDP(build(), auto_wrap_policy=functools.partial(transformer_auto_wrap_policy,
-                                                                     transformer_layer_cls={nn.Linear}))  # fmt: skip
-        else:
-            model = build().to(d)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-        model(x).square().mean().backward()
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
+    if kind == "fsdp":
+        model = FSDP(model, auto_wrap_policy=functools.partial(transformer_auto_wrap_policy,
+                                                               transformer_layer_cls={nn.Linear}))  # fmt: skip
+    else:
+        model = model.to(d)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(4, width).to(d)).square().mean().backward()
         xm.optimizer_step(opt) if kind == "replicated" else opt.step()
         xm.mark_step()
-        res[kind] = _state_bytes(model, opt)
-    res["world_size"] = n
-    _dump(out, "memory", res)
+    gc.collect()
+    _dump(out, f"memory_{kind}", {**_state_bytes(model, opt), "device": _device_bytes()})

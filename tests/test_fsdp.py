@@ -7,7 +7,9 @@ Workers live in tests/mp_fsdp_workers.py. The one-process checks at the end run 
 
 import copy
 import functools
+import gc
 import math
+import weakref
 
 import mp_fsdp_workers as W
 import pytest
@@ -111,26 +113,28 @@ def test_checkpoint_consolidation_command_line(trained, tmp_path):
     model.load_state_dict(torch.load(path)["model"])
 
 
-def _memory(tmp_path, n, width=64, depth=4):
-    xmp.spawn(W.memory, args=(str(tmp_path), width, depth), nprocs=n)
-    return [torch.load(tmp_path / f"memory_rank{r}.pt") for r in range(n)]
+def _memory(out, n, kind, width, depth):
+    xmp.spawn(W.memory, args=(str(out), kind, width, depth), nprocs=n)
+    return [torch.load(out / f"memory_{kind}_rank{r}.pt") for r in range(n)]
 
 
 def test_parameter_and_optimizer_bytes_fall_as_one_over_n(tmp_path):
     width, depth = 64, 4
-    res = _memory(tmp_path, N, width, depth)
-    numel = width * width + width
-    per_param_shards = 2 * depth  # weight and bias of each layer: one shard each
-    padded = sum(math.ceil(k / N) for k in [width * width, width] * depth)
-    for r in res:
-        rep, fs = r["replicated"], r["fsdp"]
-        assert rep["params"] == depth * numel * 4
-        assert fs["params"] == padded * 4 <= rep["params"] / N + per_param_shards * 4
-        # Adam: exp_avg and exp_avg_sq the size of the parameters, plus one step count per parameter
-        steps = per_param_shards * 4
-        assert rep["optimizer"] == 2 * rep["params"] + steps
-        assert fs["optimizer"] == 2 * fs["params"] + steps
-        print(f"bytes per process, N={N}: replicated {rep}, FSDP {fs}")
+    rep = _memory(tmp_path, N, "replicated", width, depth)
+    fsdp = _memory(tmp_path, N, "fsdp", width, depth)
+    sizes = [width * width, width] * depth  # weight and bias of each layer: one shard each
+    steps = len(sizes) * 4  # Adam's step count: a float32 scalar per parameter
+    for r, f in zip(rep, fsdp):
+        assert r["params"] == sum(sizes) * 4
+        assert f["params"] == sum(math.ceil(k / N) for k in sizes) * 4 <= r["params"] / N + len(sizes) * 4
+        # Adam: exp_avg and exp_avg_sq the size of the parameters
+        assert r["optimizer"] == 2 * r["params"] + steps and f["optimizer"] == 2 * f["params"] + steps
+        # on the device: parameters, gradients, Adam's moments, the batch and a few scalars (and at times
+        # one more parameter-sized set: the step before's, not yet released); FSDP's gathered parameters
+        # are gone after the step
+        for got in (r, f):
+            assert 4 * got["params"] <= got["device"] <= 5 * got["params"] + 8192
+        print(f"bytes per process, N={N}: replicated {r}, FSDP {f}")
 
 
 # ---- one process (a world of one replica) --------------------------------------------------
@@ -226,3 +230,16 @@ def test_checkpoint_module_recomputes_in_the_backward():
     ref(x).sum().backward()
     torch.testing.assert_close(xd.grad.cpu(), x.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(m.fc.weight.grad.cpu(), ref.fc.weight.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_resharded_units_drop_their_gathered_parameters_after_forward():
+    _, m = _one_process_model()
+    seen = {}
+    for name, mod in [("b2.fc", m.module.b2.module.fc), ("b2.ln", m.module.b2.module.ln), ("out", m.module.out)]:
+        mod.register_forward_pre_hook(lambda mod, args, name=name: seen.update({name: weakref.ref(mod.weight)}))
+    out = m(torch.randn(4, 8).to(xm.xla_device()))
+    gc.collect()
+    assert seen["b2.fc"]() is None and seen["b2.ln"]() is None  # autograd keeps keys, not the tensors
+    assert seen["out"]() is not None  # the root keeps its parameters for the backward
+    out.sum().backward()
+    assert all(p.grad is not None for p in m.parameters())
