@@ -127,9 +127,15 @@ def _emit_all_gather(out, x, dim, groups):
 def _emit_reduce_scatter(out, xs, reduce_type, scale, dim, shard_count, groups):
     res = []
     for x in xs:
+        d = dim % x.ndim
+        if reduce_type == "sum" and groups is None and x.dtype != jnp.bool_:
+            # XLA's reduce-scatter: each replica receives only its slice (an all-reduce would hold
+            # the whole sum on every replica first, which FSDP's gradients cannot afford).
+            r = lax.psum_scatter(_opaque(x), AXIS, scatter_dimension=d, tiled=True)
+            res.append(r if scale == 1.0 else (r * scale).astype(r.dtype))
+            continue
         r = _reduce_one(x, reduce_type, groups)
         r = r if scale == 1.0 else (r * scale).astype(r.dtype)
-        d = dim % x.ndim
         size = x.shape[d] // shard_count
         if groups is None:
             pos = lax.axis_index(AXIS)
