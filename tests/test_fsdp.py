@@ -243,3 +243,13 @@ def test_resharded_units_drop_their_gathered_parameters_after_forward():
     assert seen["out"]() is not None  # the root keeps its parameters for the backward
     out.sum().backward()
     assert all(p.grad is not None for p in m.parameters())
+
+
+def test_autocast_runs_the_unpatched_linear():
+    torch.manual_seed(0)
+    m = FSDP(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)))
+    with torch.autocast("xla", dtype=torch.bfloat16):
+        out = m(torch.randn(4, 8).to(xm.xla_device()))
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert all(p.grad.dtype == torch.float32 for p in m.parameters())

@@ -71,6 +71,8 @@ class XLAPatchedLinear(torch.autograd.Function):
 
 
 def _patched_forward(self, input):
+    if torch.is_autocast_enabled(input.device.type):  # autocast saves its own cast copy anyway
+        return F.linear(input, self.weight, self.bias)
     return XLAPatchedLinear.apply(input, self.weight, self.bias)
 
 
