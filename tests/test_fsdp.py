@@ -214,7 +214,8 @@ def test_flattened_state_dict_round_trip_and_bf16_compute():
     out = m(torch.randn(3, 8).to(xm.xla_device()))
     assert out.dtype == torch.bfloat16
     out.float().sum().backward()
-    assert next(m.parameters()).grad.dtype == torch.float32
+    grad = next(m.parameters()).grad
+    assert grad.dtype == torch.float32 and torch.isfinite(grad.cpu()).all()  # LayerNorm's bf16 backward
 
 
 def test_checkpoint_module_recomputes_in_the_backward():
