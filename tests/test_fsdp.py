@@ -9,6 +9,9 @@ import copy
 import functools
 import gc
 import math
+import os
+import subprocess
+import sys
 import weakref
 
 import mp_fsdp_workers as W
@@ -103,12 +106,15 @@ def test_collectives_per_step(trained):
 
 
 def test_checkpoint_consolidation_command_line(trained, tmp_path):
-    from xlatorch.distributed.fsdp import consolidate_sharded_ckpts
-
+    # torch_xla's guide: python3 -m torch_xla.distributed.fsdp.consolidate_sharded_ckpts --ckpt_prefix ...
     out, _ = trained
     path = tmp_path / "full.pth"
-    consolidate_sharded_ckpts.main(["--ckpt_prefix", str(out / "root_ckpt"), "--ckpt_suffix", "_rank-*-of-*.pth",
-                                    "--save_path", str(path)])  # fmt: skip
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "xlatorch.compat", "-m", "torch_xla.distributed.fsdp.consolidate_sharded_ckpts",
+           "--ckpt_prefix", str(out / "root_ckpt"), "--ckpt_suffix", "_rank-*-of-*.pth",
+           "--save_path", str(path)]  # fmt: skip
+    p = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": root}, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
     model = W.Net()
     model.load_state_dict(torch.load(path)["model"])
 
