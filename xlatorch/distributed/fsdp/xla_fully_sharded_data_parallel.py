@@ -102,7 +102,6 @@ class _Regather:
         self.owner = owner
         self.ids = {id(t): (u, i) for u, ts in enumerate(gathered) for i, t in enumerate(ts)}
         self.full = None  # [[tensor, ...] per unit]: the backward's gather, detached
-        self.fired = False
 
     def pack(self, t):
         key = self.ids.get(id(t))
