@@ -104,6 +104,10 @@ class _AliasLoader(importlib.abc.Loader):
     def exec_module(self, module) -> None:
         sys.modules[module.__name__] = importlib.import_module(self.target)
 
+    def get_code(self, fullname: str):
+        """The xlatorch module's code: ``-m torch_xla.x.y`` (runpy) runs what ``-m xlatorch.x.y`` runs."""
+        return importlib.util.find_spec(self.target).loader.get_code(self.target)
+
 
 class _FrontLoader(importlib.abc.Loader):
     """Fills a front module: an empty package that lends the attributes of ``lender``."""
@@ -148,7 +152,8 @@ class AliasFinder(importlib.abc.MetaPathFinder):
         new = target_of(fullname)
         if new is None or not _exists(new):
             raise _missing(fullname, new)
-        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(new))
+        # origin: the file runpy names as sys.argv[0] for ``-m torch_xla.x.y``
+        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(new), origin=importlib.util.find_spec(new).origin)
 
 
 def installed() -> bool:

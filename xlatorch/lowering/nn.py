@@ -173,8 +173,9 @@ def native_layer_norm(out, input, normalized_shape, weight, bias, eps):
 
 
 def native_layer_norm_backward(out, grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask):
-    _, vjp = jax.vjp(lambda x, w, b: _ln_full(x, normalized_shape, w, b, mean, rstd), input, weight, bias)
-    gi, gw, gb = vjp(grad_out.astype(input.dtype))
+    # Low-precision inputs: the saved statistics are float32, so the recomputation is float32 too.
+    y, vjp = jax.vjp(lambda x, w, b: _ln_full(x, normalized_shape, w, b, mean, rstd), input, weight, bias)
+    gi, gw, gb = vjp(grad_out.astype(y.dtype))
     return gi, gw, gb
 
 

@@ -130,9 +130,15 @@ def _emit_all_gather(out, x, dim, groups):
 def _emit_reduce_scatter(out, xs, reduce_type, scale, dim, shard_count, groups):
     res = []
     for x in xs:
+        d = dim % x.ndim
+        if reduce_type == "sum" and groups is None and x.dtype != jnp.bool_:
+            # XLA's reduce-scatter: each replica receives only its slice (an all-reduce would hold
+            # the whole sum on every replica first, which FSDP's gradients cannot afford).
+            r = lax.psum_scatter(_opaque(x), AXIS, scatter_dimension=d, tiled=True)
+            res.append(r if scale == 1.0 else (r * scale).astype(r.dtype))
+            continue
         r = _reduce_one(x, reduce_type, groups)
         r = r if scale == 1.0 else (r * scale).astype(r.dtype)
-        d = dim % x.ndim
         size = x.shape[d] // shard_count
         if groups is None:
             pos = lax.axis_index(AXIS)
@@ -393,10 +399,14 @@ def recv(output, channel_id: int):
 
 
 def reduce_gradients(optimizer, groups=None, pin_layout: bool = True) -> None:
-    """Average the gradients of ``optimizer``'s parameters across replicas (an IR all-reduce)."""
+    """Average the gradients of ``optimizer``'s parameters across replicas (an IR all-reduce).
+
+    FSDP's shards (parameters marked ``_is_sharded``) are skipped: their gradients were
+    reduce-scattered in the backward, and each replica holds a different slice."""
     if world_size() == 1:
         return
-    grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    grads = [p.grad for g in optimizer.param_groups for p in g["params"]
+             if p.grad is not None and not getattr(p, "_is_sharded", False)]  # fmt: skip
     if grads:
         count = len(groups[0]) if groups else world_size()
         all_reduce("sum", grads, scale=1.0 / count, groups=groups)
