@@ -1,0 +1,184 @@
+"""torch_xla's less central modules and ``_XLAC`` functions: env var names, metrics report
+parsing and comparison, the model comparator, the StableHLO test helpers without TensorFlow,
+``_XLAC``'s buffer donation / dynamic marks / dot_general / device data nodes, the XLA op
+builder, StableHLO composites and custom calls, and ``assume_pure_torch``. Values are checked
+against PyTorch (or NumPy) on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import xlatorch
+import xlatorch.debug.metrics as met
+
+DEV = xlatorch.device()
+
+
+# --- xla_env_vars ---------------------------------------------------------------------------
+
+
+def test_env_vars_are_torch_xla_names():
+    from xlatorch.core import xla_env_vars as xenv
+
+    names = [n for n in dir(xenv) if n.isupper()]
+    assert len(names) >= 30
+    for n in names:
+        assert getattr(xenv, n) == n or (n, getattr(xenv, n)) in {
+            ("TPU_MESH_CTLER_ADDR", "TPU_MESH_CONTROLLER_ADDRESS"),
+            ("TPU_MESH_CTLER_PORT", "TPU_MESH_CONTROLLER_PORT"),
+        }
+    assert xenv.TPU_PROCESS_BOUNDS == "TPU_PROCESS_BOUNDS" and xenv.CLOUD_TPU_TASK_ID == "CLOUD_TPU_TASK_ID"
+
+
+# --- metrics_compare_utils --------------------------------------------------------------------
+
+_R1 = """Metric: InboundData
+  TotalSamples: 1728
+  Accumulator: 10GB
+  Rate: 16.8665 / second
+  Percentiles: 1%=393.00KB; 5%=393.00KB; 10%=786.00KB; 20%=1.54MB; 50%=1.54MB; 99%=1.54MB
+Metric: TransferToDeviceTime
+  TotalSamples: 2616
+  Accumulator: 01m29s615ms
+  ValueRate: 783ms426.227us / second
+  Percentiles: 1%=05m003ms; 5%=05m004ms; 10%=05m010ms; 95%=05m108ms; 99%=05m129ms
+Counter: CachedSyncTensors
+  Value: 11336
+"""
+_R2 = """noise\n\nMetric: TransferToDeviceTime
+  TotalSamples: 247016
+  Accumulator: 04d17h11m07s495ms546.299us
+  Percentiles: 1%=1s; 5%=1s; 10%=1s; 20%=1s; 50%=1s; 80%=1s; 90%=1s; 95%=1s; 99%=451.358ms
+Counter: CachedSyncTensors
+  Value: 1022168
+Counter: UniqueCounter
+  Value: 9000
+"""
+
+
+def test_data_points_from_reports():
+    import xlatorch.debug.metrics_compare_utils as mcu
+
+    pts = mcu.get_data_points_from_metrics_reports([_R1, _R2])
+    assert pts["InboundData__Accumulator_mb"] == [10000.0, None]
+    assert pts["InboundData__Percentile_1_mb"] == [pytest.approx(0.393), None]
+    assert pts["TransferToDeviceTime__Accumulator_sec"] == [pytest.approx(89.615), pytest.approx(407467.495546299)]
+    assert pts["TransferToDeviceTime__Percentile_1_sec"] == [pytest.approx(300.003), 1.0]
+    assert pts["TransferToDeviceTime__Percentile_99_sec"][1] == pytest.approx(0.451358)
+    assert pts["TransferToDeviceTime__TotalSamples"] == [2616.0, 247016.0]
+    assert pts["CachedSyncTensors__Value"] == [11336, 1022168]
+    assert pts["UniqueCounter__Value"] == [None, 9000]
+
+
+def test_data_points_of_a_real_report():
+    import xlatorch.debug.metrics_compare_utils as mcu
+
+    x = torch.flip(torch.roll(torch.rand(3, 5, device=DEV), 1, 0), [0, 1])
+    xlatorch.sync()
+    assert x.device.type == "xla"
+    pts = mcu.get_data_points_from_metrics_reports([met.metrics_report()])
+    assert "CompileTime__Percentile_99_sec" in pts and "CompileTime__TotalSamples" in pts
+    assert pts["CompileTime__Accumulator_sec"][0] > 0
+
+
+def test_compare_metrics():
+    import xlatorch.debug.metrics_compare_utils as mcu
+
+    r3 = _R2.replace("9000", "9999")
+    pts = mcu.get_data_points_from_metrics_reports([_R2, _R2, r3])
+    same = mcu.get_data_points_from_metrics_reports([_R2] * 3)
+    assert mcu.compare_metrics(same, _R2, {"base_expression": "v == v_mean"}) == ""
+    assert mcu.compare_metrics(pts, r3) == ""  # within 2 stddev
+    strict = mcu.compare_metrics(pts, r3, config={"base_expression": "v == v_mean"})
+    assert strict == (
+        "UniqueCounter__Value failed its expression check. Expression: v == v_mean.  Mean: 9333.0.  "
+        "Stddev: 470.93311627024065.  Actual Value: 9999\n"
+    )
+    custom = {"base_expression": "v == v_mean", "UniqueCounter__Value_expression": "v > v_mean"}
+    assert mcu.compare_metrics(pts, r3, config=custom) == ""
+    new = r3 + "Counter: aten::_local_scalar_dense\n  Value: 7\nCounter: xla::mean\n  Value: 1\n"
+    assert mcu.compare_metrics(pts, new) == "Found new aten counter: aten::_local_scalar_dense__Value: 7\n"
+
+
+# --- model_comparator -------------------------------------------------------------------------
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(6, 5), torch.nn.Linear(5, 3)
+
+    def forward(self, x, step=None):
+        import xlatorch.debug.model_comparator as mc
+
+        mc.save(None, x, step=step)
+        x = mc.save("relu", torch.relu(self.fc1(x)), step=step)
+        x = mc.save("relu", x * 2, step=step)
+        return mc.save("out", self.fc2(x), step=step)
+
+
+def test_model_comparator_cpu_and_device_runs_agree(tmp_path):
+    import xlatorch.debug.model_comparator as mc
+
+    torch.manual_seed(0)
+    net, x = _Net(), torch.randn(4, 6)
+    mc.configure(str(tmp_path / "a"))
+    os.makedirs(tmp_path / "a")
+    net(x)
+    net(x, step=1)
+    mc.configure(str(tmp_path / "b"))
+    os.makedirs(tmp_path / "b")
+    dev_net = _Net()
+    dev_net.load_state_dict(net.state_dict())
+    dev_net.to(DEV)
+    dev_net(x.to(DEV))
+    dev_net(x.to(DEV), step=1)
+    mc.configure(None)
+    files = sorted(os.listdir(tmp_path / "a"))
+    line = files[-1].removeprefix("test_misc_names.py.l").removesuffix(".0")
+    assert files == ["out.0", "relu.0", "relu.1", "step-1", f"test_misc_names.py.l{line}.0"] and line.isdigit()
+    assert sorted(os.listdir(tmp_path / "a" / "step-1")) == sorted(files[:3] + files[4:])
+    assert mc.compare(str(tmp_path / "a"), str(tmp_path / "b"), rtol=1e-4, atol=1e-5) == ""
+    # A changed tensor and a missing one are reported.
+    t = torch.load(tmp_path / "b" / "relu.1")
+    t[1, 2] += 1
+    torch.save(t, tmp_path / "b" / "relu.1")
+    os.remove(tmp_path / "b" / "step-1" / "relu.0")
+    report = mc.compare(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert 'Changes in saved tensor "relu" with id=1' in report and "[1, 2]: " in report
+    assert f"Mismatch: {os.path.join('step-1', 'relu.0')} not in {tmp_path / 'b'}" in report
+
+
+def test_model_comparator_tensors_and_noop():
+    import xlatorch.debug.model_comparator as mc
+
+    a = torch.tensor([[1.0, 2.0], [float("nan"), 4.0]])
+    assert mc.compare_tensors(a, a.clone()) == ""
+    b = a.clone()
+    b[1, 0] = 0.0
+    assert mc.compare_tensors(a, b).startswith("[1, 0]: nan vs. 0.0")
+    assert "different shape" in mc.compare_tensors(a, a[0])
+    mc.configure(None)
+    x = torch.ones(2, device=DEV)
+    assert mc.save("x", x) is x  # no directory: nothing written
+
+
+# --- stablehlo_test_utils ---------------------------------------------------------------------
+
+
+def test_stablehlo_test_utils_without_tensorflow():
+    from xlatorch.utils import stablehlo_test_utils as stu
+
+    assert stu.has_tf_package() is False
+    m = stu.wrap_func_as_nn_module(torch.add)
+    assert isinstance(m, torch.nn.Module) and not m.training
+    torch.testing.assert_close(m(torch.ones(2), torch.ones(2)), torch.full((2,), 2.0))
+    ep = torch.export.export(m, (torch.ones(2), torch.ones(2)))
+    with pytest.raises(ModuleNotFoundError, match="tensorflow"):
+        stu.compare_exported_program_and_saved_model_result(ep, "/nonexistent", (torch.ones(2), torch.ones(2)))
+    with pytest.raises(ModuleNotFoundError, match="tensorflow"):
+        stu.load_save_model_and_inference("/nonexistent", ())
