@@ -182,3 +182,138 @@ def test_stablehlo_test_utils_without_tensorflow():
         stu.compare_exported_program_and_saved_model_result(ep, "/nonexistent", (torch.ones(2), torch.ones(2)))
     with pytest.raises(ModuleNotFoundError, match="tensorflow"):
         stu.load_save_model_and_inference("/nonexistent", ())
+
+
+# --- _XLAC ------------------------------------------------------------------------------------
+
+
+def _xlac():
+    from xlatorch.compat import xlac
+
+    return xlac
+
+
+def test_buffer_donation_flag():
+    xlac = _xlac()
+    t0 = torch.randn(4, 2).to(DEV)
+    t1 = torch.randn(4, 2).to(DEV)
+    assert xlac._set_buffer_donation(t0, True) and xlac._get_buffer_donation(t0)
+    assert not xlac._get_buffer_donation(t1)
+    assert met.counter_value("XlaSetBufferDonation") == 1
+    pending = t0 + 1
+    assert not xlac._set_buffer_donation(pending, True) and not xlac._get_buffer_donation(pending)
+    assert met.counter_value("XlaSetBufferDonation") == 1
+    xlatorch.sync()  # t0 is not read by this step: it keeps its buffer and its mark
+    assert xlac._get_buffer_donation(t0)
+    assert xlac._set_buffer_donation(t0, False) and not xlac._get_buffer_donation(t0)
+    assert not xlac._get_buffer_donation(torch.ones(2))
+
+
+def test_buffer_donation_is_real():
+    xlac = _xlac()
+    t0 = torch.randn(4, 2).to(DEV)
+    want = t0.cpu() * 2
+    xlac._set_buffer_donation(t0, True)
+    met.clear_all()
+    t0 *= 2  # the step's output reuses t0's buffer
+    xlatorch.sync()
+    assert met.metric_data("InputOutputAliasCount")[1] == 1
+    torch.testing.assert_close(t0.cpu(), want)
+    assert not xlac._get_buffer_donation(t0)  # the mark stays with the old buffer
+    # A marked buffer a live tensor still holds is donated too; that tensor is then unusable.
+    a = torch.randn(3).to(DEV)
+    xlac._set_buffer_donation(a, True)
+    b = a + 1
+    xlatorch.sync()
+    assert b.cpu().shape == (3,)
+    assert "Data Handle: Deleted" in xlac._get_xla_tensor_debug_info(a)
+    assert "Data Handle: Live" in xlac._get_xla_tensor_debug_info(b)
+    with pytest.raises(Exception, match="deleted|donated"):
+        a.cpu()
+
+
+def test_mark_dynamic_records_and_warns():
+    xlac = _xlac()
+    b = torch.randn(10, 5).to(DEV)
+    with pytest.warns(UserWarning, match="static shapes"):
+        xlac._xla_mark_dynamic(b, 1)
+    assert b._xla_dynamic_dims == {1} and met.counter_value("XlaMarkDynamic") == 1
+    torch.testing.assert_close((b * 2).cpu(), b.cpu() * 2)
+    with pytest.raises(IndexError):
+        xlac._xla_mark_dynamic(b, 2)
+    with pytest.raises(RuntimeError, match="xla device"):
+        xlac._xla_mark_dynamic(torch.ones(2), 0)
+
+
+@pytest.mark.parametrize(
+    "xs, ws, dims, pref",
+    [
+        ((10, 3, 4), (10, 4, 5), (([2], [1]), ([0], [0])), None),
+        ((10, 3, 4), (10, 4, 5), (([-1], [-2]), ([0], [0])), None),
+        ((10, 3, 4), (5, 4), (([2], [1]), ()), None),
+        ((10, 3, 4), (10, 4, 5), (([2], [1]), ([0], [0])), torch.int32),
+    ],
+)
+def test_xla_dot_general(xs, ws, dims, pref):
+    xlac = _xlac()
+    if pref is torch.int32:
+        x, w = torch.randint(-15, 15, xs, dtype=torch.int32), torch.randint(-15, 15, ws, dtype=torch.int32)
+        out = xlac._xla_dot_general(
+            x.to(torch.int8).to(DEV), w.to(torch.int8).to(DEV), dims, preferred_element_type=pref
+        )
+        assert out.dtype == torch.int32
+        torch.testing.assert_close(out.cpu(), torch.matmul(x, w))
+        return
+    x, w = torch.rand(xs), torch.rand(ws)
+    want = torch.matmul(x, w if len(ws) == 3 else w.t())
+    xd, wd = x.to(DEV).requires_grad_(), w.to(DEV).requires_grad_()
+    out = xlac._xla_dot_general(xd, wd, dims)
+    torch.testing.assert_close(out.cpu(), want, rtol=1e-5, atol=1e-5)
+    out.sum().backward()
+    xc, wc = x.clone().requires_grad_(), w.clone().requires_grad_()
+    torch.matmul(xc, wc if len(ws) == 3 else wc.t()).sum().backward()
+    torch.testing.assert_close(xd.grad.cpu(), xc.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(wd.grad.cpu(), wc.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_xla_dot_general_bf16_and_errors():
+    xlac = _xlac()
+    x, w = torch.rand(2, 3, 4).to(torch.bfloat16), torch.rand(2, 4, 5).to(torch.bfloat16)
+    out = xlac._xla_dot_general(x.to(DEV), w.to(DEV), (([2], [1]), ([0], [0])))
+    assert out.dtype == torch.bfloat16
+    assert torch.allclose(out.cpu(), torch.matmul(x, w))
+    msg = (
+        "Expected input tensor (first argument) to be an actual XLA tensor. Got: CPUBFloat16Type. "
+        "Consider moving it (first argument) to XLA."
+    )
+    with pytest.raises(RuntimeError) as e:
+        xlac._xla_dot_general(x, w.to(DEV), (([2], [1]), ([0], [0])))
+    assert str(e.value) == msg
+    with pytest.raises(RuntimeError, match="second argument"):
+        xlac._xla_dot_general(x.to(DEV), w, (([2], [1]), ([0], [0])))
+
+
+def test_tpu_custom_call_off_tpu_says_what_to_do():
+    with pytest.raises(RuntimeError, match="only a TPU.*call_jax"):
+        _xlac()._xla_tpu_custom_call([torch.ones(2, device=DEV)], "payload", [[2]], [torch.float32])
+
+
+def test_tensors_device_data_node():
+    xlac = _xlac()
+    t1 = torch.randn(20, 5).to(DEV)
+    t2 = torch.randn(20, 5).to(DEV)
+    t4 = (t2 + t1) * t2
+    ids, tensors = xlac._get_tensors_xla_device_data_node([t4])
+    assert sorted(ids) == sorted([xlac._xla_get_tensor_id(t1), xlac._xla_get_tensor_id(t2)])
+    assert {id(t) for t in tensors} == {id(t1), id(t2)}
+    ids2, tensors2 = xlac._get_tensors_xla_device_data_node([t4], [t1])
+    assert tensors2[ids2.index(xlac._xla_get_tensor_id(t1))] is t1
+    # A buffer no tensor holds any more comes back as a new tensor on it.
+    t5 = torch.randn(3).to(DEV)
+    want = t5.cpu()
+    t6 = t5 * 3
+    del t5
+    ids, tensors = xlac._get_tensors_xla_device_data_node([t6])
+    assert len(tensors) == 1 and ids == [xlac._xla_get_tensor_id(tensors[0])]
+    torch.testing.assert_close(tensors[0].cpu(), want)
+    assert xlac._check_tensor_need_materialization([t4]) == [True]  # nothing synced
