@@ -317,3 +317,77 @@ def test_tensors_device_data_node():
     assert len(tensors) == 1 and ids == [xlac._xla_get_tensor_id(tensors[0])]
     torch.testing.assert_close(tensors[0].cpu(), want)
     assert xlac._check_tensor_need_materialization([t4]) == [True]  # nothing synced
+
+
+# --- assume_pure_torch ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_grad():
+    with torch.no_grad():
+        yield
+
+
+def test_assume_pure_torch_values_and_one_node(no_grad):
+    from xlatorch.debug.dump import ir_text
+    from xlatorch.experimental import assume_pure as ap
+
+    model = torch.nn.Sequential(torch.nn.Linear(9, 9), torch.nn.LayerNorm(9), torch.nn.ReLU(), torch.nn.Linear(9, 3))
+    x = torch.randn(5, 9)
+    want = model(x)
+    model.to(DEV)
+
+    @ap.assume_pure_torch
+    def call(params, x):
+        return torch.func.functional_call(model, params, x)
+
+    out = call(dict(model.named_parameters()), x.to(DEV).requires_grad_())
+    assert "addmm" not in ir_text([out])  # one node, not the traced ops
+    torch.testing.assert_close(out.cpu(), want, rtol=1e-5, atol=1e-5)
+
+    @ap.assume_pure_torch
+    def inner(a, b):
+        return a @ b
+
+    @ap.assume_pure_torch
+    def outer(a, b):
+        return inner(a, b) + 1
+
+    a, b = torch.randn(3, 3), torch.randn(3, 3)
+    torch.testing.assert_close(outer(a.to(DEV), b.to(DEV)).cpu(), a @ b + 1, rtol=1e-5, atol=1e-5)
+
+
+def test_assume_pure_torch_cache_traces_once(no_grad):
+    from xlatorch.experimental import assume_pure as ap
+
+    traces = 0
+
+    def f(a, b):
+        nonlocal traces
+        traces += 1
+        return torch.sin(a @ b)
+
+    cached, uncached = ap.assume_pure_torch(f, use_cache=True), ap.assume_pure_torch(f)
+    for _ in range(3):
+        a = torch.ones(3, 3, device=DEV)
+        torch.testing.assert_close(cached(a, a).cpu(), torch.sin(torch.ones(3, 3) @ torch.ones(3, 3)))
+        xlatorch.sync()
+    assert traces == 1
+    uncached(a, a)
+    uncached(a, a)
+    assert traces == 3
+    cached(torch.ones(2, 2, device=DEV), torch.ones(2, 2, device=DEV))  # a new signature: traced anew
+    assert traces == 4
+    ap._XLA_COMPUTATION_CACHE.clear()
+
+
+def test_assume_pure_torch_is_forward_only():
+    from xlatorch.experimental import assume_pure as ap
+
+    with pytest.raises(RuntimeError, match="forward-only"):
+        ap.assume_pure_torch(torch.sin)
+    with torch.no_grad():
+        f = ap.assume_pure_torch(torch.sin)
+    with pytest.raises(RuntimeError, match="forward-only"):
+        f(torch.ones(2, device=DEV, requires_grad=True))
+    assert not f(torch.ones(2, device=DEV)).requires_grad
