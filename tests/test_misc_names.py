@@ -391,3 +391,110 @@ def test_assume_pure_torch_is_forward_only():
     with pytest.raises(RuntimeError, match="forward-only"):
         f(torch.ones(2, device=DEV, requires_grad=True))
     assert not f(torch.ones(2, device=DEV)).requires_grad
+
+
+# --- xla_builder: Op, Type, create_placeholder_tensor -----------------------------------------
+
+
+def _run_op(fn, tensors, **kwargs):
+    from xlatorch.core import xla_op_registry as xor
+
+    return xor.register(fn.__name__, fn)(*[t.to(DEV) for t in tensors], **kwargs)
+
+
+def test_xla_builder_ops_against_torch():
+    from xlatorch.core import xla_builder as xb
+
+    a, b = torch.randn(2, 3), torch.randn(2, 3)
+
+    def arith(a, b):
+        return xb.Op.sin(a) + b * a - (a.max(b) - a.min(b)) / b.exp()
+
+    torch.testing.assert_close(_run_op(arith, [a, b]).cpu(), a.sin() + b * a - (a.max(b) - a.min(b)) / b.exp())
+
+    def mixed(a):
+        return xb.Op.tuple((a, a.cast(xb.Type.BF16), a.reshape((3, 2)).transpose((1, 0)), (a > a.zeros_like())))
+
+    x, x16, xt, pos = _run_op(mixed, [a])
+    assert (x.dtype, x16.dtype, pos.dtype) == (torch.float32, torch.bfloat16, torch.bool)
+    torch.testing.assert_close(x16.cpu(), a.bfloat16())
+    torch.testing.assert_close(xt.cpu(), a.reshape(3, 2).t())
+    assert torch.equal(pos.cpu(), a > 0)
+
+    def scalar_mul(a, k=None):
+        return a * xb.Op.scalar(a.builder(), k, dtype=a.shape().dtype)
+
+    torch.testing.assert_close(_run_op(scalar_mul, [a], k=2.5).cpu(), a * 2.5)
+
+
+@pytest.mark.parametrize("k0", [0.1, 0.9])
+def test_xla_builder_conditional(k0):
+    from xlatorch.core import xla_builder as xb
+
+    def op_fn(k, a, b, k0=None):
+        cond = k > xb.Op.scalar(k.builder(), k0, dtype=k.shape().dtype)
+        return cond.mkconditional((a, b), lambda a, b: a + b, lambda a, b: a - b)
+
+    k, a, b = torch.tensor(0.2), torch.randn(2, 2), torch.randn(2, 2)
+    out = _run_op(op_fn, [k, a, b], k0=k0)
+    torch.testing.assert_close(out.cpu(), a + b if 0.2 > k0 else a - b)
+
+
+def test_xla_builder_while_and_solve():
+    from xlatorch.core import xla_builder as xb
+
+    def op_fn(a, b, limit=None):
+        def cond(counter, a, b):
+            return counter < xb.Op.scalar(counter.builder(), limit, dtype=xb.Type.S32)
+
+        def body(counter, a, b):
+            return xb.Op.tuple((counter + xb.Op.scalar(counter.builder(), 1, dtype=xb.Type.S32), a + b, b))
+
+        zero = xb.Op.scalar(a.builder(), 0, dtype=xb.Type.S32)
+        return xb.Op.mkwhile((zero, a, b), cond, body).get_tuple_element(1)
+
+    a, b = torch.randn(2, 2), torch.randn(2, 2)
+    torch.testing.assert_close(_run_op(op_fn, [a, b], limit=10).cpu(), a + 10 * b, rtol=1e-5, atol=1e-5)
+
+    def solve(b, A):
+        return A.triangualr_solve(b, True, False, False, False)
+
+    b, A = torch.randn(2, 3), torch.randn(2, 2).triu() + 2 * torch.eye(2)
+    want = torch.linalg.solve_triangular(A, b, upper=True)
+    torch.testing.assert_close(_run_op(solve, [b, A]).cpu(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_xla_builder_types_and_computation():
+    from xlatorch.core import xla_builder as xb
+
+    for xla_type in xb._XLA_PT_TYPE_MAP:
+        assert xla_type == xb.Op.from_torch_type(xb.Op.to_torch_type(xla_type))
+    assert xb.Type.S32 == "s32" and xb.Op.to_torch_type(None) is torch.float32
+    t = torch.randn(2, 3)
+    shape = xb.tensor_shape(t)
+    assert (shape.dtype, shape.sizes, shape.rank) == ("f32", (2, 3), 2)
+    comp = xb.create_computation("c", lambda a, b: xb.Op.tuple([a.max(b) - a.min(b)]), [shape, shape])
+    assert "maximum" in xb.get_computation_hlo(comp)
+    (out,) = xb.xla_computation_as_func(comp)([t.to(DEV), (-t).to(DEV)])
+    torch.testing.assert_close(out.cpu(), 2 * t.abs())
+
+
+def test_create_placeholder_tensor():
+    from xlatorch.compat import xlac
+    from xlatorch.core.xla_builder import create_placeholder_tensor
+    from xlatorch.debug.dump import hlo_text, ir_text
+
+    for shape, dtype in (((1, 2), torch.float32), ((2, 3, 4), torch.bfloat16), ((3, 4, 5, 6), torch.int8)):
+        p = create_placeholder_tensor(shape, dtype)
+        assert p.device.type == "xla" and p.dtype == dtype and p.shape == shape
+        assert xlac._is_placecholder(p)
+    with pytest.raises(RuntimeError):
+        create_placeholder_tensor((1,), torch.bfloat16).cpu()
+    met.clear_all()
+    p1 = create_placeholder_tensor((2, 3), torch.bfloat16)
+    p2 = create_placeholder_tensor((3, 4), torch.bfloat16)
+    b = (torch.sin(p1) @ p2) @ p2.T
+    assert ir_text([b]).count("%i") >= 2
+    assert "bf16[3,4]" in hlo_text([b], dialect="hlo") and "bf16[2,3]" in hlo_text([b], dialect="hlo")
+    assert not met.metric_data("TransferToDeviceTime")
+    assert not xlac._is_placecholder(torch.ones(2, device=DEV))

@@ -265,3 +265,10 @@ def _get_tensors_xla_device_data_node(output_tensors, uncloned_tensors=()) -> tu
                 by_data[key] = t
     tensors = [by_data[id(d)] if id(d) in by_data else wrap(d) for d in datas]
     return [_xla_get_tensor_id(t) for t in tensors], tensors
+
+
+def _is_placecholder(tensor) -> bool:
+    """Whether ``tensor`` holds a device buffer that has no value (torch_xla's spelling): a
+    placeholder (``xla_builder.create_placeholder_tensor``) or a buffer donated away."""
+    data = _device_data(tensor)
+    return data is not None and data.array.is_deleted()
