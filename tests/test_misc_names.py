@@ -498,3 +498,90 @@ def test_create_placeholder_tensor():
     assert "bf16[3,4]" in hlo_text([b], dialect="hlo") and "bf16[2,3]" in hlo_text([b], dialect="hlo")
     assert not met.metric_data("TransferToDeviceTime")
     assert not xlac._is_placecholder(torch.ones(2, device=DEV))
+
+
+# --- stablehlo_custom_call --------------------------------------------------------------------
+
+
+def test_place_to_host_and_device():
+    from xlatorch.debug.dump import hlo_text
+    from xlatorch.experimental.stablehlo_custom_call import place_to_device, place_to_host
+
+    a = torch.arange(10.0, device=DEV)
+    b = place_to_host(a)
+    text = hlo_text([b])
+    assert "@annotate_device_placement" in text and "has_side_effect = true" in text
+    assert 'mhlo.frontend_attributes = {_xla_buffer_placement = "pinned_host"}}' in text
+    c = place_to_device(b * 2)
+    assert '_xla_buffer_placement = "device"' in hlo_text([c])
+    torch.testing.assert_close(c.cpu(), torch.arange(10.0) * 2)
+    torch.testing.assert_close((b + 1).cpu(), torch.arange(10.0) + 1)  # a committed placed value is usable
+    x = torch.ones(10, device=DEV, requires_grad=True)
+    (place_to_device(place_to_host(x)) * 3).sum().backward()
+    torch.testing.assert_close(x.grad.cpu(), torch.full((10,), 3.0))
+    torch.testing.assert_close(place_to_host(torch.ones(2)), torch.ones(2))  # CPU: the identity
+
+
+def test_stablehlo_custom_call_text():
+    from xlatorch.debug.dump import hlo_text
+    from xlatorch.experimental.stablehlo_custom_call import stablehlo_custom_call
+
+    x = torch.randn(3, 3, device=DEV)
+    y = stablehlo_custom_call((torch.sin(x),), "custom_op3", [x.shape[1:]], [torch.int8], True, "backend_config", 1)
+    assert y.shape == (3,) and y.dtype == torch.int8
+    text = hlo_text([y])
+    assert "stablehlo.custom_call @custom_op3" in text and 'backend_config = "backend_config"' in text
+    assert "has_side_effect = true" in text and "-> tensor<3xi8>" in text
+    a, b = stablehlo_custom_call([x, x], "two", [(3, 3), (2,)], [torch.float32, torch.int32])
+    assert a.shape == (3, 3) and b.dtype == torch.int32
+
+
+# --- mark_pattern_utils -----------------------------------------------------------------------
+
+
+def test_composite_builder_marks_are_identity():
+    from xlatorch.experimental.mark_pattern_utils import StableHLOCompositeBuilder
+
+    def f(x, y):
+        b = StableHLOCompositeBuilder("test.scaled_add", {"scale": 2.0, "dims": [1, 2]})
+        x, y = b.mark_inputs(x, y)
+        z = x * 2.0 + y
+        return b.mark_outputs(z)
+
+    x, y = torch.randn(3), torch.randn(3)
+    torch.testing.assert_close(f(x, y), x * 2 + y)
+    xd = x.to(DEV).requires_grad_()
+    with pytest.warns(UserWarning, match="composites") if not _composite_warned() else _nothing():
+        out = f(xd, y.to(DEV))
+    torch.testing.assert_close(out.cpu(), x * 2 + y)
+    out.sum().backward()
+    torch.testing.assert_close(xd.grad.cpu(), torch.full((3,), 2.0))
+    ep = torch.export.export(_Fn(f), (x, y))
+    assert "xla.mark_tensor" in str(ep.graph)
+    with pytest.raises(ValueError, match="attr value"):
+        StableHLOCompositeBuilder("bad", {"a": [1, "x"]})
+    with pytest.raises(ValueError, match="torch tensor"):
+        StableHLOCompositeBuilder("p").mark_inputs(1.0)
+
+
+def _composite_warned():
+    from xlatorch.experimental import mark_pattern_utils
+
+    return bool(mark_pattern_utils._WARNED)
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _Fn(torch.nn.Module):
+    def __init__(self, f):
+        super().__init__()
+        self.f = f
+
+    def forward(self, *args):
+        return self.f(*args)
