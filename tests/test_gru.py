@@ -107,3 +107,7 @@ def test_gru_second_step_does_not_compile():
         out.sum().backward()
         xlatorch.sync()
     assert met.metric_data("CompileTime") is None
+
+
+def test_gru_orig_is_torch_gru():
+    assert GRU._orig is torch.nn.modules.rnn.GRU

@@ -34,8 +34,11 @@ class GRU(nn.GRU):
     """A multi-layer GRU (``torch.nn.GRU``'s arguments and parameters) scanned over time.
 
     Differences from ``nn.GRU`` (as torch_xla's): unidirectional only (``bidirectional=True``
-    returns a plain ``nn.GRU``), no ``PackedSequence`` input.
+    returns a plain ``nn.GRU``), no ``PackedSequence`` input. ``GRU._orig`` is torch's
+    ``nn.GRU`` (as after torch_xla's patch, which rebinds ``nn.GRU`` to this class).
     """
+
+    _orig = _UPSTREAM
 
     def __new__(cls, *args, **kwargs):
         positional = args[_BIDIRECTIONAL_POS] if len(args) > _BIDIRECTIONAL_POS else False
