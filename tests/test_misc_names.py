@@ -539,43 +539,38 @@ def test_stablehlo_custom_call_text():
 # --- mark_pattern_utils -----------------------------------------------------------------------
 
 
-def test_composite_builder_marks_are_identity():
+def test_composite_builder_outlines_a_composite():
+    from xlatorch.debug.dump import hlo_text
     from xlatorch.experimental.mark_pattern_utils import StableHLOCompositeBuilder
 
-    def f(x, y):
-        b = StableHLOCompositeBuilder("test.scaled_add", {"scale": 2.0, "dims": [1, 2]})
+    w = torch.randn(3)
+
+    def f(x, y, w):
+        b = StableHLOCompositeBuilder("test.scaled_add", {"scale": 2.0, "dims": [1, 2], "name": "s", "on": True})
         x, y = b.mark_inputs(x, y)
-        z = x * 2.0 + y
-        return b.mark_outputs(z)
+        z = x * 2.0 + y * w  # w: read from outside, not marked
+        return b.mark_outputs(z, x.sin())
 
     x, y = torch.randn(3), torch.randn(3)
-    torch.testing.assert_close(f(x, y), x * 2 + y)
+    want = (x * 2 + y * w, x.sin())
+    for got, ref in zip(f(x, y, w), want):  # CPU: the marks are the identity
+        torch.testing.assert_close(got, ref)
     xd = x.to(DEV).requires_grad_()
-    with pytest.warns(UserWarning, match="composites") if not _composite_warned() else _nothing():
-        out = f(xd, y.to(DEV))
-    torch.testing.assert_close(out.cpu(), x * 2 + y)
-    out.sum().backward()
-    torch.testing.assert_close(xd.grad.cpu(), torch.full((3,), 2.0))
-    ep = torch.export.export(_Fn(f), (x, y))
-    assert "xla.mark_tensor" in str(ep.graph)
+    z, s = f(xd, y.to(DEV), w.to(DEV))
+    text = hlo_text([z, s])
+    assert 'stablehlo.composite "test.scaled_add"' in text
+    assert 'dims = dense<[1, 2]> : tensor<2xi64>, name = "s", on = true, scale = 2.000000e+00 : f32' in text
+    assert "decomposition = @test.scaled_add" in text
+    torch.testing.assert_close(z.cpu(), want[0])
+    torch.testing.assert_close(s.cpu(), want[1])
+    (z.sum() + s.sum()).backward()
+    torch.testing.assert_close(xd.grad.cpu(), 2 + x.cos())
+    ep = torch.export.export(_Fn(f), (x, y, w))
+    assert str(ep.graph).count("xla.mark_tensor") == 4
     with pytest.raises(ValueError, match="attr value"):
         StableHLOCompositeBuilder("bad", {"a": [1, "x"]})
     with pytest.raises(ValueError, match="torch tensor"):
         StableHLOCompositeBuilder("p").mark_inputs(1.0)
-
-
-def _composite_warned():
-    from xlatorch.experimental import mark_pattern_utils
-
-    return bool(mark_pattern_utils._WARNED)
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 class _Fn(torch.nn.Module):
@@ -585,3 +580,21 @@ class _Fn(torch.nn.Module):
 
     def forward(self, *args):
         return self.f(*args)
+
+
+def test_composite_with_checked_ops_reports_a_bad_index():
+    from xlatorch.debug.dump import hlo_text
+    from xlatorch.experimental.mark_pattern_utils import StableHLOCompositeBuilder
+
+    def update(cache, pos, val):
+        b = StableHLOCompositeBuilder("test.update_kv_cache")
+        cache, pos, val = b.mark_inputs(cache, pos, val)
+        return b.mark_outputs(cache.index_copy_(1, pos, val))
+
+    cache, val = torch.zeros(1, 4, 2), torch.ones(1, 1, 2)
+    out = update(cache.to(DEV), torch.tensor([1], device=DEV), val.to(DEV))
+    assert 'stablehlo.composite "test.update_kv_cache"' in hlo_text([out])
+    torch.testing.assert_close(out.cpu(), cache.clone().index_copy_(1, torch.tensor([1]), val))
+    bad = update(cache.to(DEV), torch.tensor([7], device=DEV), val.to(DEV))
+    with pytest.raises(IndexError):
+        bad.cpu()
