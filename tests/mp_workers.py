@@ -391,3 +391,12 @@ def slow_last(index, out):
     if index == 0:
         time.sleep(6)
     torch.save(index, os.path.join(out, f"rank{index}.pt"))
+
+
+def exits(index, out):
+    """Ends with sys.exit(0) after its work, as torch_xla's test scripts do."""
+    import sys
+
+    xm.all_reduce(xm.REDUCE_SUM, torch.ones(2, device=xm.xla_device())).cpu()
+    torch.save(index, os.path.join(out, f"rank{index}.pt"))
+    sys.exit(0)

@@ -215,6 +215,12 @@ def test_a_killed_worker_stops_the_job():
     _assert_no_children()
 
 
+def test_a_worker_ending_with_sys_exit_0_succeeds(tmp_path):
+    xmp.spawn(mp_workers.exits, args=(str(tmp_path),), nprocs=N)
+    assert [torch.load(tmp_path / f"rank{r}.pt") for r in range(N)] == [0, 1]
+    _assert_no_children()
+
+
 def test_rendezvous_timeout_is_a_clear_error():
     with pytest.raises(WorkerError, match="rendezvous 'late' timed out after 2s: replica 1 of 2 did not arrive"):
         xmp.spawn(mp_workers.late, nprocs=N)

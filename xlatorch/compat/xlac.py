@@ -110,5 +110,165 @@ def _get_xla_tensor_debug_info(tensor) -> str:
     dt = str(tensor.dtype).removeprefix("torch.")
     lines = ["XLATensor {", f"TensorID: {_xla_get_tensor_id(tensor)}", f"Device: {tensor.device}",
              f"XLA Shape: {dt}{list(tensor.shape)}", f"ValueNode: {v if pending else 'None'}",
-             f"XLAData: {'None' if pending else type(v).__name__}", "}"]  # fmt: skip
-    return "\n".join(lines)
+             f"XLAData: {'None' if pending else type(v).__name__}"]  # fmt: skip
+    if not pending and getattr(v, "array", None) is not None:
+        lines.append(f"Data Handle: {'Deleted' if v.array.is_deleted() else 'Live'}")  # donated away, or not
+    return "\n".join([*lines, "}"])
+
+
+# ---------------------------------------------------------------------------------------
+# Buffer donation, dynamic marks, dot_general, device data of a graph, TPU custom calls.
+# ---------------------------------------------------------------------------------------
+
+
+def _device_data(tensor):
+    from xlatorch.runtime.ir.values import Data
+    from xlatorch.runtime.trace.tensor import XlaTensor, value_of
+
+    if type(tensor) is not XlaTensor:
+        return None
+    v = value_of(tensor)
+    return v if type(v) is Data else None
+
+
+def _set_buffer_donation(tensor, should_donate: bool) -> bool:
+    """Mark the device buffer that ``tensor`` holds donatable (or not): a later sync whose
+    program reads it may hand it to an output of the same shape and dtype (XLA writes that
+    output in place), even though ``tensor`` still holds it; ``tensor`` (and every tensor on
+    that buffer) cannot be read after that sync. The mark belongs to the buffer: a tensor's
+    new value (``t += 1``, a sync's output) is not marked.
+
+    Returns False, marking nothing, when ``tensor`` holds no device data (a pending value).
+    Counted as ``XlaSetBufferDonation``.
+    """
+    data = _device_data(tensor)
+    if data is None:
+        return False
+    data.donor = bool(should_donate)
+    _xla_increment_counter("XlaSetBufferDonation")
+    return True
+
+
+def _get_buffer_donation(tensor) -> bool:
+    """Whether ``tensor`` holds device data marked donatable (``_set_buffer_donation``)."""
+    data = _device_data(tensor)
+    return data is not None and data.donor
+
+
+def _xla_mark_dynamic(tensor, dim: int) -> None:
+    """Record that dimension ``dim`` of ``tensor`` is dynamic (torch_xla's unbounded dynamism
+    for StableHLO export), in ``tensor._xla_dynamic_dims``. xlatorch lowers static shapes
+    only: the program keeps the dimension's present size, so its values are exact for that
+    size; a warning says so. For a program over dynamic sizes, export with ``torch.export``'s
+    ``dynamic_shapes``. Counted as ``XlaMarkDynamic``."""
+    import warnings
+
+    if not _is_xla(tensor):
+        raise RuntimeError(f"_xla_mark_dynamic: expected a tensor on the xla device, got one on '{tensor.device}'")
+    d = dim + tensor.dim() if dim < 0 else dim
+    if not 0 <= d < tensor.dim():
+        raise IndexError(f"_xla_mark_dynamic: dimension {dim} out of range for a {tensor.dim()}-d tensor")
+    _xla_increment_counter("XlaMarkDynamic")
+    dims = getattr(tensor, "_xla_dynamic_dims", set())
+    dims.add(d)
+    tensor._xla_dynamic_dims = dims
+    warnings.warn(f"xlatorch lowers static shapes only: dimension {d} marked dynamic keeps its size "
+                  f"{tensor.shape[d]} in the program", stacklevel=2)  # fmt: skip
+
+
+def _is_xla(tensor) -> bool:
+    from xlatorch.runtime.trace.tensor import XlaTensor
+
+    return type(tensor) is XlaTensor
+
+
+def _dot_general_jax(lhs, rhs, dimension_numbers, preferred_element_type=None):
+    import jax
+
+    return jax.lax.dot_general(lhs, rhs, dimension_numbers, preferred_element_type=preferred_element_type)
+
+
+def _xla_dot_general(lhs, rhs, dimension_numbers, precision_config=None, preferred_element_type=None):
+    """XLA's DotGeneral (``jax.lax.dot_general``) of two xla tensors, recorded as one node (no
+    sync); differentiable through ``jax.vjp``.
+
+    Args:
+      lhs, rhs: the operands (on the xla device).
+      dimension_numbers: ``((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch))``;
+        negative dimensions count from the end; ``()`` for no batch dimensions.
+      precision_config: must be None (as in torch_xla).
+      preferred_element_type: the result's dtype (a ``torch.dtype``), e.g. ``torch.int32``
+        for int8 operands; default: the operands' promoted dtype.
+    """
+    from xlatorch.core.xla_builder import j2t_autograd
+    from xlatorch.runtime.base.dtypes import to_jax
+
+    if precision_config is not None:
+        raise RuntimeError("_xla_dot_general: precision_config is not supported; leave it None (default precision)")
+    for t, position in ((lhs, "first"), (rhs, "second")):
+        if not _is_xla(t):
+            kind = f"{t.device.type.upper()}{t.type().rsplit('.', 1)[-1].removesuffix('Tensor')}Type"  # CPUBFloat16Type
+            raise RuntimeError(f"Expected input tensor ({position} argument) to be an actual XLA tensor. "
+                               f"Got: {kind}. Consider moving it ({position} argument) to XLA.")  # fmt: skip
+    contracting, batch = (tuple(dimension_numbers) + ((), ()))[:2]
+    batch = tuple(batch) or ((), ())
+    norm = [[[d % t.dim() for d in dims] for dims, t in zip(pair, (lhs, rhs))] for pair in (contracting, batch)]
+    dims = tuple(tuple(tuple(d) for d in pair) for pair in norm)
+    pref = None if preferred_element_type is None else to_jax(preferred_element_type)
+    return j2t_autograd(_dot_general_jax)(lhs, rhs, dims, pref)
+
+
+def _xla_tpu_custom_call(inputs, payload: str, output_shapes, output_dtypes):
+    """torch_xla's call of a compiled Pallas (Mosaic) kernel by its serialized ``payload``:
+    only TPU runs Mosaic kernels. On other platforms this raises, saying what to use instead."""
+    import jax
+
+    platform = jax.devices()[0].platform
+    if platform != "tpu":
+        raise RuntimeError(
+            f"_xla_tpu_custom_call runs a Mosaic (Pallas TPU) kernel, which only a TPU can run; this "
+            f"process runs on '{platform}'. Call the Pallas kernel's JAX function with "
+            "xlatorch.core.xla_builder.call_jax instead (JAX runs Pallas kernels on GPU, or "
+            "interpreted with interpret=True on CPU)."
+        )
+    raise NotImplementedError(
+        "_xla_tpu_custom_call: xlatorch does not take serialized Mosaic payloads; call the Pallas "
+        "kernel's JAX function with xlatorch.core.xla_builder.call_jax"
+    )
+
+
+def _get_tensors_xla_device_data_node(output_tensors, uncloned_tensors=()) -> tuple[list[int], list]:
+    """The device-data inputs of the graph computing ``output_tensors``: ``(tensor ids,
+    tensors)``, one per distinct buffer, in the graph's order. Each is the tensor of
+    ``uncloned_tensors`` holding that buffer if there is one, else a live tensor holding it (a
+    scan of the heap: for tracing tools, not for every step), else a new tensor on it. Does
+    not sync. Tensors off the xla device are skipped."""
+    import gc
+
+    from xlatorch.runtime.execute.lowered import graph_of
+    from xlatorch.runtime.ir.values import Data
+    from xlatorch.runtime.trace.tensor import Storage, wrap
+
+    outs = [t for t in output_tensors if _is_xla(t)]
+    _, leaves, _ = graph_of(outs, "_XLAC._get_tensors_xla_device_data_node")
+    datas = [v for v in leaves if type(v) is Data]
+    by_data = {id(_device_data(t)): t for t in uncloned_tensors if _device_data(t) is not None}
+    missing = {id(d) for d in datas} - by_data.keys()
+    if missing:
+        holders = {}
+        for st in gc.get_referrers(*[d for d in datas if id(d) in missing]):
+            if type(st) is Storage and id(st.value) in missing:
+                holders.setdefault(id(st.value), st)
+        for key, st in holders.items():
+            t = next((r() for r in st.refs if r() is not None and r()._st is st and r()._vw is None), None)
+            if t is not None:
+                by_data[key] = t
+    tensors = [by_data[id(d)] if id(d) in by_data else wrap(d) for d in datas]
+    return [_xla_get_tensor_id(t) for t in tensors], tensors
+
+
+def _is_placecholder(tensor) -> bool:
+    """Whether ``tensor`` holds a device buffer that has no value (torch_xla's spelling): a
+    placeholder (``xla_builder.create_placeholder_tensor``) or a buffer donated away."""
+    data = _device_data(tensor)
+    return data is not None and data.array.is_deleted()

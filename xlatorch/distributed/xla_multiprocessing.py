@@ -76,7 +76,11 @@ def _worker(index: int, fn, args, env: dict, conn) -> None:
 
         distributed.LOST_HOOKS.append(lambda msg: conn.send(("LostProcess", msg)))
         distributed.initialize()
-        fn(distributed.global_ordinal(), *args)
+        try:
+            fn(distributed.global_ordinal(), *args)
+        except SystemExit as e:  # sys.exit(0) / sys.exit() in a worker: it is done, as torch_xla's are
+            if e.code not in (0, None):
+                raise
         distributed.shutdown()  # a barrier: process 0 hosts the coordination service
     except BaseException as e:  # noqa: BLE001 (reported to the parent, which raises)
         try:

@@ -1,4 +1,5 @@
-"""``assume_pure``: a pure function traced once per input signature, then replayed.
+"""``assume_pure``: a pure function traced once per input signature, then replayed
+(``assume_pure_torch``: the same, forward only, as torch_xla has it).
 
 The first call with a new signature (tensor shapes, dtypes and ``requires_grad``, the other
 arguments' values) traces the function into a body (``runtime/trace/bodies.py``); every later
@@ -26,7 +27,7 @@ from xlatorch.runtime.trace import bodies, loops
 from xlatorch.runtime.trace.bodies import BodyError, mark_non_differentiable
 from xlatorch.runtime.trace.tensor import value_of, wrap
 
-__all__ = ["assume_pure", "PureModule", "j2t_autograd"]
+__all__ = ["assume_pure", "assume_pure_torch", "PureModule", "j2t_autograd"]
 
 
 def assume_pure(fn: Callable, *, add_rng_seed_argument: bool = False) -> Callable:
@@ -46,8 +47,7 @@ def assume_pure(fn: Callable, *, add_rng_seed_argument: bool = False) -> Callabl
         pos = [i for i, a in enumerate(leaves) if isinstance(a, torch.Tensor)]
         tensors = [leaves[i] for i in pos]
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-        key = (spec, tuple(pos), tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in tensors), grad,
-               tuple(_hashable(a) for i, a in enumerate(leaves) if i not in set(pos)))  # fmt: skip
+        key = _signature(leaves, spec, pos, tensors, grad)
         entry = cache.get(key)
         if entry is None:
             entry = cache[key] = _Traced(fn, leaves, spec, pos, tensors)
@@ -57,6 +57,57 @@ def assume_pure(fn: Callable, *, add_rng_seed_argument: bool = False) -> Callabl
 
     pure.__wrapped__ = fn
     return pure
+
+
+def _signature(leaves, spec, pos, tensors, grad) -> tuple:
+    return (spec, tuple(pos), tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in tensors), grad,
+            tuple(_hashable(a) for i, a in enumerate(leaves) if i not in set(pos)))  # fmt: skip
+
+
+# assume_pure_torch(use_cache=True)'s traces: {(function, signature): trace}. Clear it to trace anew.
+_XLA_COMPUTATION_CACHE: dict = {}
+
+
+def assume_pure_torch(func: Callable, use_cache: bool = False) -> Callable:
+    """torch_xla's forward-only ``assume_pure``: ``func`` (pure, as for ``assume_pure``) runs
+    as one node of the graph computing its whole body, traced from placeholders at each call,
+    or with ``use_cache=True`` once per input signature (kept in ``_XLA_COMPUTATION_CACHE``;
+    later calls do not run ``func``'s Python at all).
+
+    No backward: decorate with gradients disabled (``torch.set_grad_enabled(False)``), as
+    torch_xla requires; a call that would need gradients raises (``assume_pure`` has them).
+    """
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "xlatorch: assume_pure_torch is forward-only: decorate (and call) with gradients disabled "
+            "(torch.set_grad_enabled(False)), or use assume_pure, which has a backward"
+        )
+
+    @functools.wraps(func)
+    def pure(*args, **kwargs):
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        pos = [i for i, a in enumerate(leaves) if isinstance(a, torch.Tensor)]
+        tensors = [leaves[i] for i in pos]
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            raise RuntimeError(
+                f"xlatorch: assume_pure_torch({_name(func)}) is forward-only but was called with gradients "
+                "enabled on inputs that require grad: call it under torch.no_grad(), or use assume_pure"
+            )
+        if not use_cache:
+            return _forward_only(_Traced(func, leaves, spec, pos, tensors), tensors)
+        key = (func, _signature(leaves, spec, pos, tensors, False))
+        entry = _XLA_COMPUTATION_CACHE.get(key)
+        if entry is None:
+            entry = _XLA_COMPUTATION_CACHE[key] = _Traced(func, leaves, spec, pos, tensors)
+        return _forward_only(entry, tensors)
+
+    pure.__wrapped__ = func
+    return pure
+
+
+def _forward_only(entry, tensors):
+    with torch.no_grad():
+        return entry.unflatten(entry.forward(tensors))
 
 
 def _hashable(a):

@@ -79,13 +79,14 @@ class Step:
             in_graph = kept.in_graph = any(k is not None for k in kept) and keep.undo_in_graph(gdev)
         self.keep = kept
         self.data = data = [v for v in leaves if type(v) is Data]
-        # Donate buffers no live tensor holds any more, when an output can reuse them. Not the
-        # data a failed check gives back, unless the graph gives it back itself (``in_graph``):
-        # reading it after the step's outputs are written would make XLA copy every updated buffer.
+        # Donate buffers no live tensor holds any more (or that the user marked donatable:
+        # ``donor``), when an output can reuse them. Not the data a failed check gives back,
+        # unless the graph gives it back itself (``in_graph``): reading it after the step's
+        # outputs are written would make XLA copy every updated buffer.
         out_avals = {st.value.aval for st in self.storages}
         self.held = held = () if in_graph else {id(leaves[k[0]]) for k in kept if k is not None and k[0] >= 0}
         self.donate = tuple(
-            i for i, v in enumerate(data) if v.holders == 0 and v.aval in out_avals and id(v) not in held
+            i for i, v in enumerate(data) if (v.holders == 0 or v.donor) and v.aval in out_avals and id(v) not in held
         )
         self.spmd = sharding.prepare(data, self.storages) if topology.SPMD[0] else None  # (mesh, key part, outs)
         self.key = (tuple(g.enc), g.root_refs, tuple(v.sig for v in leaves), self.donate, gdev, kept,

@@ -54,16 +54,19 @@ class Data:
     """A leaf holding device data (a ``jax.Array``).
 
     ``holders`` counts the storages whose current value is this leaf: when it drops
-    to zero, a step that reads it may donate its buffer.
+    to zero, a step that reads it may donate its buffer. ``donor``: the user marked the buffer
+    donatable (``_XLAC._set_buffer_donation``): a step that reads it may donate it even while
+    tensors hold it (they cannot be read after that step).
     """
 
-    __slots__ = ("array", "aval", "sig", "holders", "dev")
+    __slots__ = ("array", "aval", "sig", "holders", "dev", "donor")
 
     def __init__(self, array, aval, dev=0):
         self.array = array
         self.aval = self.sig = aval
         self.holders = 0
         self.dev = dev
+        self.donor = False
 
 
 class Scalar:
