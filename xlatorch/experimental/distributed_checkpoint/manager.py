@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -34,6 +33,7 @@ from xlatorch.experimental.distributed_checkpoint.storage import (
     CheckedFileSystemWriter,
     CheckpointCorruptError,
 )
+from xlatorch.runtime.base import preemption
 from xlatorch.runtime.execute.serialization import atomic_write, fsync_dir
 
 __all__ = ["CheckpointManager"]
@@ -88,14 +88,13 @@ class CheckpointManager:
         self._async_sem = threading.Semaphore(max_pending_async)
         self._async_futures: list = []
         self._save_mutex = threading.Lock()
-        self._preempted = False
         if self._rank() == 0:
             os.makedirs(self.base_path, exist_ok=True)
             self._remove_temporaries()
         self._barrier()
         self._tracked = self._load_tracked()
         if chkpt_on_preemption:
-            self._watch_sigterm()
+            preemption.activate()
 
     # --- where checkpoints live ---------------------------------------------------------
 
@@ -248,18 +247,6 @@ class CheckpointManager:
 
     # --- preemption -----------------------------------------------------------------------
 
-    def _watch_sigterm(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        previous = signal.getsignal(signal.SIGTERM)
-
-        def on_sigterm(signum, frame):
-            self._preempted = True
-            if callable(previous) and previous not in (signal.SIG_DFL, signal.SIG_IGN):
-                previous(signum, frame)
-
-        signal.signal(signal.SIGTERM, on_sigterm)
-
     def reached_preemption(self, step: int) -> bool:
         """Whether a preemption (``SIGTERM``, here or on any process of the group) was seen.
         With a process group of several processes this is a small collective: every process
@@ -267,15 +254,13 @@ class CheckpointManager:
         if not self.chkpt_on_preemption:
             raise RuntimeError("xlatorch: preemption detection is off: create the CheckpointManager with "
                                "chkpt_on_preemption=True")  # fmt: skip
-        seen = self._preempted
+        seen = preemption.reached(step)
         if self._notice_pg is not None:
             import torch
 
             flag = torch.tensor([int(seen)])
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._notice_pg)
             seen = bool(flag.item())
-        if seen:
-            self._preempted = False  # one checkpoint per preemption notice
         return seen
 
 

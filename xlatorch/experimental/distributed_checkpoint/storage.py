@@ -16,13 +16,12 @@ import io
 import json
 import os
 import zlib
-from concurrent.futures import Future
-
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from xlatorch.runtime.execute.serialization import CheckpointCorruptError, atomic_write
 
@@ -48,7 +47,9 @@ class CheckedFileSystemWriter(FileSystemWriter):
     (``.checksums``, before ``.metadata``). Same arguments."""
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
-        results = super().write_data(plan, planner).wait()
+        fut = super().write_data(plan, planner)
+        fut.wait()
+        results = fut.value()
         by_file: dict = {}
         for r in results:
             by_file.setdefault(r.storage_data.relative_path, []).append(r)
@@ -172,7 +173,7 @@ class CheckedFileSystemReader(FileSystemReader):
 def _describe(reqs) -> str:
     names = []
     for r in reqs[:3]:
-        off = tuple(r.storage_index.offset)
+        off = tuple(r.storage_index.offset or ())
         names.append(f"'{r.storage_index.fqn}'" + (f" (block at {off})" if any(off) else ""))
     more = f" and {len(reqs) - 3} more" if len(reqs) > 3 else ""
     return ", ".join(names) + more
