@@ -74,7 +74,7 @@ class _DeviceModule:
         rng.set_seed(int(state[0]))
 
     @staticmethod
-    def current_stream(device=None) -> "_Stream":
+    def current_stream(device=None) -> _Stream:
         """The device's one stream (PyTorch code that overlaps copies asks for it, e.g.
         ``torch.distributed.checkpoint``'s writer)."""
         return _STREAM

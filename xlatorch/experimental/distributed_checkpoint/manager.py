@@ -232,6 +232,8 @@ class CheckpointManager:
         steps = self.all_steps()
         if step not in steps:
             raise ValueError(f"xlatorch: no checkpoint of step {step} under {self.base_path}; tracked: {steps}")
+        reader = CheckedFileSystemReader(self._get_path(step))
+        reader.read_metadata()  # a missing or damaged .metadata raises here, naming it
         try:
             dist_cp.load(state_dict=state_dict, storage_reader=CheckedFileSystemReader(self._get_path(step)),
                          planner=SPMDLoadPlanner(), process_group=self.pg)  # fmt: skip

@@ -237,8 +237,10 @@ class SPMDLoadPlanner(LoadPlanner):
             reads = create_read_items_for_chunk_list(fqn, md, chunks)
             covered = sum(math.prod(r.lengths) for r in reads)
             if covered != self._pending[fqn]:
-                raise RuntimeError(f"xlatorch: the checkpoint's chunks of '{fqn}' cover {covered} of the "
-                                   f"{self._pending[fqn]} elements this process needs (an incomplete checkpoint)")
+                raise RuntimeError(
+                    f"xlatorch: the checkpoint's chunks of '{fqn}' cover {covered} of the "
+                    f"{self._pending[fqn]} elements this process needs (an incomplete checkpoint)"
+                )
             items += reads
             if self._pending[fqn] == 0:
                 self._finish(fqn)

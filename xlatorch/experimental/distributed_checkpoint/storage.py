@@ -16,6 +16,7 @@ import io
 import json
 import os
 import zlib
+
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
@@ -177,4 +178,3 @@ def _describe(reqs) -> str:
         names.append(f"'{r.storage_index.fqn}'" + (f" (block at {off})" if any(off) else ""))
     more = f" and {len(reqs) - 3} more" if len(reqs) > 3 else ""
     return ", ".join(names) + more
-
