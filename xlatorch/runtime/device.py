@@ -85,16 +85,16 @@ class _DeviceModule:
 
 
 class _Stream:
-    """The device's work in order: XLA executions run one after another; ``synchronize``
-    waits for the newest (as ``xm.wait_device_ops``)."""
+    """The device's one stream, for PyTorch code that overlaps device-to-host copies with
+    other work. Every copy to host here has finished when ``.to("cpu")`` returns, so there
+    is nothing to wait for: ``synchronize`` returns at once (it must not wait on the newest
+    execution's outputs: a writer thread calls it while training donates those buffers)."""
 
     device_type = "xla"
     device_index = 0
 
     def synchronize(self) -> None:
-        from xlatorch.runtime.execute.sync import wait
-
-        wait()
+        pass
 
     def wait_stream(self, other) -> None:
         pass  # one stream: already ordered
