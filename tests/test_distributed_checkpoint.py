@@ -412,7 +412,8 @@ def test_a_failed_save_commits_nothing_and_keeps_the_previous(tmp_path, monkeypa
         mgr.join()
     monkeypatch.undo()
     assert mgr.all_steps() == [1]
-    assert "2" not in os.listdir(tmp_path) and "3" not in os.listdir(tmp_path)
+    assert os.listdir(tmp_path) == ["1"]  # nothing of steps 2 and 3, not even their temporaries
+    os.makedirs(tmp_path / ".5.tmp")  # as a process killed in the middle of a save leaves it
     os.makedirs(tmp_path / "7")  # a directory without the manager's metadata: not a checkpoint
     again = CheckpointManager(str(tmp_path), save_interval=1, chkpt_on_preemption=False)
     assert again.all_steps() == [1]
@@ -420,6 +421,40 @@ def test_a_failed_save_commits_nothing_and_keeps_the_previous(tmp_path, monkeypa
     sd = _model(1).to(d).state_dict()
     again.restore(1, sd)
     assert torch.equal(sd["0.weight"].cpu(), model[0].weight.cpu())
+
+
+def _killed_child(path: str) -> None:
+    """Saves step 1, then is killed (SIGKILL) in the middle of writing step 2."""
+    mgr = CheckpointManager(path, save_interval=1, chkpt_on_preemption=False)
+    mgr.save(1, _model(0).to(xm.xla_device()).state_dict())
+    real = CheckedFileSystemWriter.finish
+
+    def die(self, metadata, results):  # the shard files are written; .metadata is not
+        sys.stdout.write("writing\n")
+        sys.stdout.flush()
+        time.sleep(60)
+        real(self, metadata, results)
+
+    CheckedFileSystemWriter.finish = die
+    mgr.save_async(2, _model(1).to(xm.xla_device()).state_dict())
+    mgr.join()
+
+
+def test_a_process_killed_while_saving_leaves_the_previous_checkpoint(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, TESTS]))
+    script = f"import test_distributed_checkpoint as t; t._killed_child({str(tmp_path)!r})"
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    try:
+        assert p.stdout.readline().strip() == "writing"
+        assert any(f.endswith(".distcp") for f in os.listdir(tmp_path / ".2.tmp"))
+    finally:
+        p.kill()
+        p.wait()
+    mgr = CheckpointManager(str(tmp_path), save_interval=1, chkpt_on_preemption=False)
+    assert mgr.all_steps() == [1] and os.listdir(tmp_path) == ["1"]
+    sd = _model(5).to(xm.xla_device()).state_dict()
+    mgr.restore(1, sd)
+    assert torch.equal(sd["0.weight"].cpu(), _model(0)[0].weight)
 
 
 def _damage(path, how):

@@ -52,9 +52,10 @@ class CheckpointManager:
         not step) after each save; 0 keeps all.
       max_pending_async: how many ``save_async`` checkpoints may be in flight; one more
         waits for the oldest to finish.
+      num_of_threads: threads writing each process's files (one file per thread).
       process_group: the CPU process group (gloo) that coordinates the processes of a
-        multi-process job; default: a new group of ``torch.distributed``'s default group if
-        one is initialized, else none (one process).
+        multi-process job; default: a new gloo group over ``torch.distributed``'s default
+        group if one is initialized, else none (one process).
       chkpt_on_preemption: also take a checkpoint at the first step after this process
         receives ``SIGTERM`` (and, with a process group, after any process of it does).
 
@@ -63,7 +64,7 @@ class CheckpointManager:
     """
 
     def __init__(self, path: str, save_interval: int, max_to_keep: int = 0, max_pending_async: int = 1,
-                 process_group=None, chkpt_on_preemption: bool = True):  # fmt: skip
+                 num_of_threads: int = 1, process_group=None, chkpt_on_preemption: bool = True):  # fmt: skip
         if save_interval <= 0:
             raise ValueError("xlatorch: save_interval must be positive")
         if max_pending_async <= 0:
@@ -74,8 +75,9 @@ class CheckpointManager:
         self.save_interval = save_interval
         self.max_to_keep = max_to_keep
         self.chkpt_on_preemption = chkpt_on_preemption
+        self.num_of_threads = num_of_threads
         if process_group is None and dist.is_available() and dist.is_initialized():
-            process_group = dist.new_group()
+            process_group = dist.new_group(backend="gloo")  # dist_cp's collectives are host objects
         elif process_group is None and xr.process_count() > 1:
             raise RuntimeError("xlatorch: a multi-process job's CheckpointManager needs a CPU process group: "
                                "dist.init_process_group('gloo', init_method='xla://') first")  # fmt: skip
@@ -159,8 +161,14 @@ class CheckpointManager:
                 shutil.rmtree(tmp, ignore_errors=True)
                 os.makedirs(tmp)
             self._barrier()
-            dist_cp.save(state_dict=state_dict, storage_writer=CheckedFileSystemWriter(tmp),
-                         planner=SPMDSavePlanner(), process_group=self.pg)  # fmt: skip
+            try:
+                writer = CheckedFileSystemWriter(tmp, thread_count=self.num_of_threads)
+                dist_cp.save(state_dict=state_dict, storage_writer=writer, planner=SPMDSavePlanner(),
+                             process_group=self.pg)  # fmt: skip
+            except BaseException:
+                if self._rank() == 0:  # dist_cp failed on every process: nobody writes there now
+                    shutil.rmtree(tmp, ignore_errors=True)
+                raise
             md = {"step": step, "ts": time.time()}
             if self._rank() == 0:
                 data = json.dumps(md).encode()
