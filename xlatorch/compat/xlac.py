@@ -272,3 +272,37 @@ def _is_placecholder(tensor) -> bool:
     placeholder (``xla_builder.create_placeholder_tensor``) or a buffer donated away."""
     data = _device_data(tensor)
     return data is not None and data.array.is_deleted()
+
+
+# ---------------------------------------------------------------------------------------
+# The distributed runtime and preemption notices (torch_xla's distributed checkpoints).
+# ---------------------------------------------------------------------------------------
+
+
+def _ensure_xla_coordinator_initialized(global_rank: int, world_size: int, master_addr: str,
+                                        master_port: int | None = None) -> None:  # fmt: skip
+    """Join the job's distributed runtime if it has several processes (one process: nothing to do)."""
+    if world_size > 1:
+        from xlatorch.runtime.base import topology
+
+        topology.initialize()
+
+
+def _activate_preemption_sync_manager() -> None:
+    """Record ``SIGTERM`` as a preemption notice instead of ending the process."""
+    from xlatorch.runtime.base import preemption
+
+    preemption.activate()
+
+
+def _deactivate_preemption_sync_manager() -> None:
+    from xlatorch.runtime.base import preemption
+
+    preemption.deactivate()
+
+
+def _sync_point_reached(step: int) -> bool:
+    """Whether a preemption notice (``SIGTERM``) arrived: checkpoint at this step."""
+    from xlatorch.runtime.base import preemption
+
+    return preemption.reached(step)

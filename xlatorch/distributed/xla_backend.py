@@ -211,6 +211,8 @@ def _xla_rendezvous(url: str, timeout: timedelta = timedelta(minutes=5), **kwarg
     distributed.initialize()
     host, port = distributed.coordinator_address()
     rank, size = distributed.global_ordinal(), distributed.world_size()
+    if distributed.SPMD[0]:  # one replica, several processes: a CPU group (gloo) has one rank per process
+        size, rank = distributed.process_world()
     store = dist.TCPStore(host, port + 1, size, is_master=rank == 0, timeout=timeout)
     yield store, rank, size
 

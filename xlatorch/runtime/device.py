@@ -9,6 +9,7 @@ for the device (CPU kernels of ``_pin_memory`` / ``is_pinned``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import operator
@@ -71,6 +72,38 @@ class _DeviceModule:
     @staticmethod
     def set_rng_state(state, device="xla"):
         rng.set_seed(int(state[0]))
+
+    @staticmethod
+    def current_stream(device=None) -> _Stream:
+        """The device's one stream (PyTorch code that overlaps copies asks for it, e.g.
+        ``torch.distributed.checkpoint``'s writer)."""
+        return _STREAM
+
+    @staticmethod
+    def stream(s):
+        return contextlib.nullcontext()
+
+
+class _Stream:
+    """The device's one stream, for PyTorch code that overlaps device-to-host copies with
+    other work. Every copy to host here has finished when ``.to("cpu")`` returns, so there
+    is nothing to wait for: ``synchronize`` returns at once (it must not wait on the newest
+    execution's outputs: a writer thread calls it while training donates those buffers)."""
+
+    device_type = "xla"
+    device_index = 0
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass  # one stream: already ordered
+
+    def query(self) -> bool:
+        return True
+
+
+_STREAM = _Stream()
 
 
 def _constant(value):

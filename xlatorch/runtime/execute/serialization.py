@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
 import os
 import pickle
 import secrets
@@ -239,10 +240,26 @@ def verify_checkpoint(f) -> None:
     if not all(hasattr(f, a) for a in ("seek", "tell", "read")) or not getattr(f, "seekable", lambda: False)():
         return
     pos = f.tell()
+    name = getattr(f, "name", None)
     try:
-        _verify(f, getattr(f, "name", "the checkpoint"))
+        if name is None and not isinstance(f, io.BytesIO) and not _has_fileno(f):
+            # A view of part of a file (torch.distributed.checkpoint's reader hands torch.load
+            # one whose SEEK_END is wrong): checked as a copy of its bytes.
+            base = getattr(getattr(f, "base_stream", None), "name", None)
+            where = f"{base} (bytes {getattr(f, 'offset', '?')}..)" if base else "the checkpoint"
+            _verify(io.BytesIO(f.read()), where)
+        else:
+            _verify(f, name or "the checkpoint")
     finally:
         f.seek(pos)
+
+
+def _has_fileno(f) -> bool:
+    try:
+        f.fileno()
+        return True
+    except Exception:
+        return False
 
 
 def _verify(fh, name) -> None:

@@ -55,6 +55,7 @@ def use_spmd() -> None:
     Raises ``RuntimeError`` once the xla device has been used without SPMD.
     """
     if topology.SPMD[0]:
+        os.environ["XLA_USE_SPMD"] = "1"  # as torch_xla's, set on every call (tests delete it between classes)
         return
     if topology._devices:
         raise RuntimeError("xlatorch: use_spmd() must be called before the xla device is first used "
