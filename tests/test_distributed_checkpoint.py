@@ -293,6 +293,11 @@ def test_two_processes_each_write_their_own_blocks(tmp_path):
         xmp.spawn(_mp_worker, args=(str(tmp_path),), nprocs=2)
     finally:
         del os.environ["CPU_NUM_DEVICES"]
+    assert_each_process_wrote_its_own_blocks(tmp_path)
+
+
+def assert_each_process_wrote_its_own_blocks(tmp_path):
+    """What _mp_worker wrote from 2 processes x 2 devices (tests/test_multihost.py: 2 hosts)."""
     w = torch.arange(128.0).reshape(16, 8)
     for r in range(2):
         got = torch.load(tmp_path / f"r{r}.pt", weights_only=False)

@@ -12,6 +12,7 @@ import time
 
 import spmd_programs  # noqa: F401 (the workers' module must import in the hosts)
 import test_distributed
+import test_distributed_checkpoint
 import test_spmd
 import torch
 
@@ -72,6 +73,13 @@ def test_spmd_training_and_checkpoint_over_two_hosts_of_four_devices(tmp_path):
     # Each host's process owns 4 CPU devices; the (4, 2) mesh spans both hosts.
     _ok(_run_hosts("spmd_programs.multiprocess_worker", (str(tmp_path),), env={"CPU_NUM_DEVICES": "4"}))
     test_spmd.assert_two_processes_of_four_devices(tmp_path)
+
+
+def test_sharded_checkpoint_save_and_restore_over_two_hosts(tmp_path):
+    # torch.distributed.checkpoint with SPMDSavePlanner / SPMDLoadPlanner and CheckpointManager:
+    # each host's process writes and reads the blocks of its own 2 devices.
+    _ok(_run_hosts("test_distributed_checkpoint._mp_worker", (str(tmp_path),), env={"CPU_NUM_DEVICES": "2"}))
+    test_distributed_checkpoint.assert_each_process_wrote_its_own_blocks(tmp_path)
 
 
 def test_a_host_that_dies_stops_the_others_naming_it():
