@@ -1911,6 +1911,22 @@ def nll_loss_backward__check(out, grad_output, self, target, weight, reduction, 
     return L.checks.targets(self, target, ignore_index)
 
 
+def _thnn_fused_lstm_cell(out, input_gates, hidden_gates, cx, input_bias, hidden_bias):
+    return L.rnn.thnn_fused_lstm_cell(out, input_gates, hidden_gates, cx, input_bias, hidden_bias)
+
+
+def _thnn_fused_lstm_cell_backward_impl(out, grad_hy, grad_cy, cx, cy, workspace, has_bias):
+    return L.rnn.thnn_fused_lstm_cell_backward_impl(out, grad_hy, grad_cy, cx, cy, workspace, has_bias)
+
+
+def _thnn_fused_gru_cell(out, input_gates, hidden_gates, hx, input_bias, hidden_bias):
+    return L.rnn.thnn_fused_gru_cell(out, input_gates, hidden_gates, hx, input_bias, hidden_bias)
+
+
+def _thnn_fused_gru_cell_backward(out, grad_hy, workspace, has_bias):
+    return L.rnn.thnn_fused_gru_cell_backward(out, grad_hy, workspace, has_bias)
+
+
 def native_layer_norm(out, input, normalized_shape, weight, bias, eps):
     return L.nn.native_layer_norm(out, input, normalized_shape, weight, bias, eps)
 

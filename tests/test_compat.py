@@ -240,7 +240,7 @@ if __name__ == "__main__":
         "workers": {ctx: next(iter(torch.utils.data.DataLoader(Probe(), num_workers=1, multiprocessing_context=ctx)))
                     for ctx in ("spawn", "forkserver")},
         "child": subprocess.run([sys.executable, "-c", child], capture_output=True, text=True).stdout.strip(),
-        "gru": error_of("import torch_xla.experimental.gru"),
+        "gru": error_of("import torch_xla.experimental.unbounded_dynamism_export"),
         "fsdp": error_of("import torch_xla.distributed.fsdp.wrap; "
                          "assert torch_xla.distributed.fsdp is sys.modules['xlatorch.distributed.fsdp']"),
         "spmd": error_of("import torch_xla.distributed.spmd; "
@@ -275,8 +275,10 @@ def test_runner_runs_the_script_as_python_would(tmp_path):
         assert got["xm"] == ["xlatorch.core.xla_model"], ctx
         assert got["pid"].item() != p.pid, ctx
     assert out["child"] == os.path.join(os.path.dirname(aliases.__file__), "front", "torch_xla", "__init__.py")
-    assert out["gru"].startswith("ModuleNotFoundError: No module named 'torch_xla.experimental.gru'")
-    assert "xlatorch.experimental.gru" in out["gru"]
+    assert out["gru"].startswith(
+        "ModuleNotFoundError: No module named 'torch_xla.experimental.unbounded_dynamism_export'"
+    )
+    assert "xlatorch.experimental.unbounded_dynamism_export" in out["gru"]
     assert out["fsdp"] is None  # torch_xla.distributed.fsdp is xlatorch's module
     assert out["spmd"] is None  # torch_xla.distributed.spmd is xlatorch's module (no error)
     assert out["ltc_xm"].startswith("ModuleNotFoundError: No module named 'lazy_tensor_core.core.xla_model'")

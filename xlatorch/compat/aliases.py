@@ -177,3 +177,16 @@ def replace_stub(name: str) -> None:
     install()
     del sys.modules[name]  # the stub; the same thread holds the import lock, so this import re-enters
     sys.modules[name] = importlib.import_module(name)
+    if name == "torch_xla":
+        _patch_like_torch_xla()
+
+
+def _patch_like_torch_xla() -> None:
+    """What ``import torch_xla`` does to torch: ``nn.GRU`` becomes its scan GRU
+    (``torch_xla.experimental.gru.GRU``; the original stays as ``nn.GRU._orig``)."""
+    import torch.nn as nn
+
+    from xlatorch.experimental.gru import GRU
+
+    if nn.GRU is not GRU:
+        nn.GRU = GRU

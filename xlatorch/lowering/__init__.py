@@ -18,6 +18,7 @@ from xlatorch.lowering import (  # noqa: F401
     pointwise,
     pool,
     reduce,
+    rnn,
     sample,
     segment,
     shape,
