@@ -35,6 +35,15 @@ def _get_xla_sharding_spec(tensor) -> str:
     return get_sharding_spec(tensor)
 
 
+def _get_xla_sharding_type(tensor) -> int | None:
+    """The kind of ``tensor``'s sharding as torch_xla numbers it (``xs.ShardingType``), None
+    when it has none."""
+    from xlatorch.distributed.spmd.xla_sharding import sharding_type_of
+
+    kind = sharding_type_of(tensor)
+    return None if kind is None else int(kind)
+
+
 def _xla_get_default_device() -> str:
     """The default xla device's name (``'xla:0'``)."""
     return "xla:0"

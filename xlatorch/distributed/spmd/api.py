@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from xlatorch.distributed.spmd.xla_sharding import Mesh, XLAShardedTensor, mark_sharding
+from xlatorch.distributed.spmd.xla_sharding import Mesh, ShardingType, XLAShardedTensor, mark_sharding
 
 __all__ = ["auto_policy", "with_xla", "convert_to_xla_mesh", "convert_to_xla_partition_spec", "xla_distribute_tensor",
            "xla_distribute_module"]  # fmt: skip
@@ -83,7 +83,7 @@ def xla_distribute_tensor(tensor: torch.Tensor, device_mesh, placements=None) ->
         raise ValueError("Cannot distribute a DTensor with local tensor on xla devices. The input tensor must be "
                          "global.")  # fmt: skip
     if isinstance(tensor, XLAShardedTensor):
-        if tensor.sharding_type != "REPLICATED":
+        if tensor.sharding_type != ShardingType.REPLICATED:
             raise ValueError("xlatorch: the XLAShardedTensor is already sharded: clear_sharding it first")
         tensor = tensor.global_tensor
     if not tensor.is_meta:

@@ -181,9 +181,9 @@ class XLAShardedTensor:
         return get_sharding_spec(self.global_tensor)
 
     @property
-    def sharding_type(self) -> str:
-        s = _sh.sharding_of(self.global_tensor)
-        return "REPLICATED" if s is None or s.is_fully_replicated else "TILED"
+    def sharding_type(self) -> ShardingType:
+        """``ShardingType.TILED``, ``PARTIAL`` (tiled, replicated within tiles) or ``REPLICATED``."""
+        return sharding_type_of(self.global_tensor) or ShardingType.REPLICATED
 
     @property
     def local_shards(self) -> list[XLAShard]:
@@ -230,13 +230,24 @@ class XLAShardedTensor:
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
 
 
+def sharding_type_of(t) -> ShardingType | None:
+    """The kind of ``t``'s sharding, None when it has none (torch_xla's ``_get_xla_sharding_type``)."""
+    s = _sh.sharding_of(t.global_tensor if isinstance(t, XLAShardedTensor) else t)
+    if s is None:
+        return None
+    if s.is_fully_replicated:
+        return ShardingType.REPLICATED
+    partial = s._to_xla_hlo_sharding(t.dim()).replicate_on_last_tile_dim()
+    return ShardingType.PARTIAL if partial else ShardingType.TILED
+
+
 def _bounded(index, shape) -> list:
     """A shard's slices in the global tensor: explicit bounds, the padding cut off."""
     out = []
     for sl, n in zip(index, shape):
         start = 0 if sl.start is None else min(sl.start, n)
         stop = n if sl.stop is None else min(sl.stop, n)
-        out.append(slice(start, stop))
+        out.append(slice(start, stop, 1))
     return out
 
 

@@ -216,9 +216,12 @@ def hlo_sharding_text(sharding, ndim: int) -> str:
     if not text.startswith("{devices=[") or "last_tile_dims" in text or os.environ.get("CONVERT_SHLO_TO_SHARDY"):
         return text
     dims = ",".join(str(d) for d in hs.tile_assignment_dimensions())
-    devices = ",".join(str(d) for d in hs.tile_assignment_devices())
+    # The tile assignment counts the mesh's devices in its order; torch_xla prints their ordinals.
+    ordinal = {d: i for i, d in enumerate(devices())}
+    order = [ordinal[d] for d in sharding.mesh.devices.flat] if hasattr(sharding, "mesh") else None
+    devices_text = ",".join(str(order[k] if order else k) for k in hs.tile_assignment_devices())
     last = " last_tile_dim_replicate" if hs.replicate_on_last_tile_dim() else ""
-    return f"{{devices=[{dims}]{devices}{last}}}"
+    return f"{{devices=[{dims}]{devices_text}{last}}}"
 
 
 _GATHERED: dict = {}  # id(jax.Array) -> (array, its whole value on the host), while a save runs
