@@ -221,7 +221,7 @@ def test_loading_onto_another_mesh_reshards(spmd4, kind):
     if kind == "2way":
         assert got["specs"]["0.weight"] == "{devices=[2,1,2]0,2,1,3 last_tile_dim_replicate}"
     if kind == "replicated":
-        assert set(got["specs"].values()) == {"{replicated}"}
+        assert set(got["specs"].values()) == {""}  # never annotated: no sharding, as torch_xla reports it
 
 
 def test_sharded_checkpoint_loads_on_cpu_and_unsharded_loads_sharded(spmd4):
