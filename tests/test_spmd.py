@@ -25,13 +25,7 @@ TESTS = os.path.join(ROOT, "tests")
 
 @pytest.fixture(scope="module")
 def spmd(tmp_path_factory):
-    out = tmp_path_factory.mktemp("spmd")
-    env = dict(os.environ, CPU_NUM_DEVICES="8", PYTHONPATH=os.pathsep.join([ROOT, TESTS]))
-    script = f"import spmd_programs; spmd_programs.main({str(out)!r})"
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, env=env,
-                       timeout=600)  # fmt: skip
-    assert r.returncode == 0, r.stderr[-4000:]
-    return torch.load(out / "spmd.pt", weights_only=False)
+    return prog.run_in_child("spmd_programs", tmp_path_factory.mktemp("spmd"), "spmd.pt")
 
 
 def _reference_mlp():

@@ -3,27 +3,16 @@ wrap_if_sharded, XLAPatchedLinear, xla_distribute_tensor / module, auto_policy. 
 run in one child process with 8 CPU devices (tests/spmd_name_programs.py); references are CPU
 eager PyTorch."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import spmd_name_programs as prog
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TESTS = os.path.join(ROOT, "tests")
-
 
 @pytest.fixture(scope="module")
 def res(tmp_path_factory):
-    out = tmp_path_factory.mktemp("spmd_names")
-    env = dict(os.environ, CPU_NUM_DEVICES="8", PYTHONPATH=os.pathsep.join([ROOT, TESTS]))
-    script = f"import spmd_name_programs; spmd_name_programs.main({str(out)!r})"
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, env=env,
-                       timeout=600)  # fmt: skip
-    assert r.returncode == 0, r.stderr[-4000:]
-    return torch.load(out / "spmd_names.pt", weights_only=False)
+    import spmd_programs
+
+    return spmd_programs.run_in_child("spmd_name_programs", tmp_path_factory.mktemp("spmd_names"), "spmd_names.pt")
 
 
 ROWS, COLS = "{devices=[8,1]0,1,2,3,4,5,6,7}", "{devices=[1,8]0,1,2,3,4,5,6,7}"
