@@ -44,10 +44,14 @@ def _close(got, want, tol):
 
 
 def _attention_bound(dtype, q, k, v, kv_len, sm_scale=1.0):
-    """Output bound: logits are head_dim-term sums; their error shifts the weights relatively."""
-    logit = _bound(torch.float32, q.shape[-1], float(q.abs().max() * k.abs().max()) * q.shape[-1] * sm_scale)
+    """Output bound. A logit is a head_dim-term sum whose terms sum in magnitude to at most
+    ``|q| |k|`` (Cauchy-Schwarz); its error shifts each softmax weight by the same relative
+    amount, which moves the output (a convex combination of values) by twice that times the
+    largest value; then the kv_len-term sum over the values and the rounding to ``dtype``."""
+    norm = lambda t: float(t.float().norm(dim=-1).max())  # noqa: E731
+    logit = _bound(torch.float32, q.shape[-1], norm(q) * norm(k) * sm_scale)
     vmax = float(v.abs().max())
-    return 2 * (logit + 2 * kv_len * EPS32) * vmax + _bound(dtype, kv_len, vmax)
+    return 2 * logit * vmax + _bound(dtype, kv_len, vmax)
 
 
 # --- plain PyTorch references ------------------------------------------------------------
@@ -445,3 +449,45 @@ def test_splash_attention_config_round_trips_through_json():
     with pytest.raises(ValueError, match="slide_window_size"):
         q = torch.zeros(1, 1, 4, 2, device=DEV)
         splash_attention(q, q, q, SplashAttentionConfig(attentiontype_local_sliding=True).to_json())
+
+
+# --- the TPU paths, through JAX's TPU interpreter on CPU -----------------------------------
+
+
+def test_paged_attention_on_tpu_is_jaxs_kernel(monkeypatch):
+    from jax.experimental.pallas import tpu as pltpu
+
+    # JAX's kernel loads keys and values as bfloat16: give it values that bfloat16 holds exactly.
+    q, k_pages, v_pages, lengths, page_indices = _paged_inputs(3, 8, 2, 128, 16, 4, torch.float32, seed=11)
+    k_pages, v_pages = (t.bfloat16().float() for t in (k_pages, v_pages))
+    lengths = torch.tensor([5, 64, 33], dtype=torch.int32)
+    monkeypatch.setattr(ck, "_on_tpu", lambda: True)
+    with pltpu.force_tpu_interpret_mode():
+        got = ck.paged_attention(*(t.to(DEV) for t in (q, k_pages, v_pages, lengths, page_indices)), 2,
+                                 attn_logits_soft_cap=7.0).cpu()  # fmt: skip
+    want = _ref_multi_query(q[:, None], k_pages, v_pages, lengths, page_indices, torch.ones(3), 7.0)[:, 0]
+    _close(got, want, _attention_bound(torch.float32, q, k_pages, v_pages, 64))
+
+
+def test_splash_attention_on_tpu_is_jaxs_splash_kernel():
+    from xlatorch.experimental.splash_attention import _reference, _tpu_kernel
+
+    keys = jax.random.split(jax.random.key(12), 3)
+    q, k, v = (jax.random.normal(key, (1, 2, 256, 128), jnp.float32) for key in keys)
+    seg = jnp.concatenate([jnp.zeros((1, 100), jnp.int32), jnp.ones((1, 156), jnp.int32)], 1)
+    config = SplashAttentionConfig(**{f.name: 128 for f in SplashAttentionConfig.__dataclass_fields__.values()
+                                      if f.name.startswith("sa_block")})  # fmt: skip
+    opts = dict(causal=True, window=16, soft_cap=5.0)
+
+    def loss(fn):
+        return lambda q, k, v: (fn(q, k, v) ** 2).sum()
+
+    kernel = lambda q, k, v: _tpu_kernel(q, k, v, seg, config=config, interpret=True, **opts)  # noqa: E731
+    ref = lambda q, k, v: _reference(q, k, v, seg, **opts)  # noqa: E731
+    tol = _attention_bound(torch.float32, *(torch.from_numpy(np.array(t)) for t in (q, k, v)), 256)
+    _close(torch.from_numpy(np.array(kernel(q, k, v))), torch.from_numpy(np.array(ref(q, k, v))), tol)
+    got = jax.grad(loss(kernel), (0, 1, 2))(q, k, v)
+    want = jax.grad(loss(ref), (0, 1, 2))(q, k, v)
+    for a, b in zip(got, want):
+        scale = float(jnp.abs(b).max())
+        _close(torch.from_numpy(np.array(a)), torch.from_numpy(np.array(b)), tol * scale)

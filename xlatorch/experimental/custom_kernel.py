@@ -274,9 +274,11 @@ def _single_query(q, k_pages, v_pages, lengths, page_indices, *, pages_per_compu
     if _on_tpu():
         from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as kernel
 
-        return kernel(q, k_pages, v_pages, lengths.astype(jnp.int32), page_indices.astype(jnp.int32),
-                      pages_per_compute_block=pages_per_compute_block, megacore_mode=megacore_mode,
-                      attn_logits_soft_cap=soft_cap)  # fmt: skip
+        # The kernel's index arithmetic mixes int32 refs with Python ints: trace it without x64.
+        with jax.enable_x64(False):
+            return kernel(q, k_pages, v_pages, lengths.astype(jnp.int32), page_indices.astype(jnp.int32),
+                          pages_per_compute_block=pages_per_compute_block, megacore_mode=megacore_mode,
+                          attn_logits_soft_cap=soft_cap)  # fmt: skip
     ones = jnp.ones(q.shape[:1], jnp.int32)
     return paged.multi_query(q[:, None], k_pages, v_pages, lengths, page_indices, ones, soft_cap=soft_cap)[:, 0]
 
@@ -324,14 +326,13 @@ def multi_queries_paged_attention(q, k_pages, v_pages, lengths, page_indices, ef
                     name="multi_queries_paged_attention")  # fmt: skip
 
 
-def _ragged(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, kernel_kwargs, **kwargs):
-    if _on_tpu() and kernel_kwargs is not None:
-        from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention as kernel
+def _ragged(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, tuning, **kwargs):
+    from xlatorch.experimental.pallas_kernels import ragged_paged_attention_v2 as v2
 
-        ints = (x.astype(jnp.int32) for x in (kv_lens, page_indices, cu_q_lens, num_seqs))
-        return kernel(q, kv_pages, *ints, **kwargs, **dict(kernel_kwargs))
-    gather = functools.partial(paged.gather_combined, kv_pages)
-    return paged.ragged(q, gather, kv_lens, page_indices, cu_q_lens, num_seqs, **kwargs)
+    if tuning is None:  # torch_xla's reference path: never the TPU kernel
+        gather = functools.partial(paged.gather_combined, kv_pages)
+        return paged.ragged(q, gather, kv_lens, page_indices, cu_q_lens, num_seqs, **kwargs)
+    return v2.ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **kwargs, **dict(tuning))
 
 
 def _check_ragged(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs) -> int:
@@ -381,10 +382,10 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
     if use_kernel:
         tuning = dict(num_kv_pages_per_block=num_kv_pages_per_block, num_queries_per_block=num_queries_per_block,
                       vmem_limit_bytes=120 * 1024 * 1024 if vmem_limit_bytes is None else vmem_limit_bytes)  # fmt: skip
-        return call_jax(_ragged, args, dict(kwargs, kernel_kwargs=tuple(sorted(tuning.items()))),
+        return call_jax(_ragged, args, dict(kwargs, tuning=tuple(sorted(tuning.items()))),
                         name="ragged_paged_attention")  # fmt: skip
     rows = _check_ragged(*args)
-    return call_jax(_ragged, args, dict(kwargs, kernel_kwargs=None), name="ragged_paged_attention")[:rows]
+    return call_jax(_ragged, args, dict(kwargs, tuning=None), name="ragged_paged_attention")[:rows]
 
 
 def quantized_matmul_int8(x: torch.Tensor, w: torch.Tensor, scalar: torch.Tensor,

@@ -87,7 +87,7 @@ def _reference(q, k, v, segment_ids, *, causal, window, soft_cap):
     return jnp.einsum("bhqk,bhkd->bhqd", p, v.astype(jnp.float32)).astype(q.dtype)
 
 
-def _tpu_kernel(q, k, v, segment_ids, *, causal, window, soft_cap, config):
+def _tpu_kernel(q, k, v, segment_ids, *, causal, window, soft_cap, config, interpret=False):
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
@@ -107,7 +107,7 @@ def _tpu_kernel(q, k, v, segment_ids, *, causal, window, soft_cap, config):
     if window is not None:
         mask &= sm.LocalMask(shape=(q_len, kv_len), window_size=(window, window), offset=0)
     kernel = sk.make_splash_mha(mask=sm.MultiHeadMask(masks=(mask,) * q.shape[1]), head_shards=1, q_seq_shards=1,
-                                block_sizes=blocks, attn_logits_soft_cap=soft_cap)  # fmt: skip
+                                block_sizes=blocks, attn_logits_soft_cap=soft_cap, interpret=interpret)  # fmt: skip
     segments = None if segment_ids is None else sk.SegmentIds(segment_ids, segment_ids)
     return jax.vmap(kernel)(q, k, v, segment_ids=segments)
 
