@@ -491,3 +491,14 @@ def test_splash_attention_on_tpu_is_jaxs_splash_kernel():
     for a, b in zip(got, want):
         scale = float(jnp.abs(b).max())
         _close(torch.from_numpy(np.array(a)), torch.from_numpy(np.array(b)), tol * scale)
+
+
+def test_make_sequence_metadata_lists_each_sequences_tiles():
+    # Rows 0-191, 192-447, 448-511 in tiles of 128: a tile shared by two sequences is visited twice.
+    cu = jnp.array([0, 192, 448, 512, 512])
+    (seq_ids, tiles), n = rpa.make_sequence_metadata(cu_q_lens=cu, m=512, tm=128, start_sequence=jnp.array([0]),
+                                                     num_sequences=3)  # fmt: skip
+    assert int(n) == 6 and seq_ids.tolist() == [0, 0, 1, 1, 1, 2] and tiles.tolist() == [0, 1, 1, 2, 3, 3]
+    (seq_ids, tiles), n = rpa.make_sequence_metadata(cu_q_lens=jnp.array([0, 128, 128, 200, 256]), m=256, tm=128,
+                                                     start_sequence=jnp.array([1]), num_sequences=3)  # fmt: skip
+    assert int(n) == 2 and seq_ids.tolist()[:2] == [2, 3] and tiles.tolist()[:2] == [1, 1]  # sequence 1 is empty

@@ -17,9 +17,40 @@ from jax.experimental import checkify
 
 from xlatorch.experimental.pallas_kernels._attention import DEFAULT_MASK_VALUE, gather_head_major, ragged
 
-__all__ = ["DEFAULT_MASK_VALUE", "MIN_BLOCK_SIZE", "ragged_paged_attention"]
+__all__ = ["DEFAULT_MASK_VALUE", "MIN_BLOCK_SIZE", "make_sequence_metadata", "ragged_paged_attention"]
 
 MIN_BLOCK_SIZE = 128
+
+
+def make_sequence_metadata(*, cu_q_lens, m: int, tm: int, start_sequence, num_sequences: int):
+    """The work list of a kernel that walks ``m`` packed query rows in tiles of ``tm`` rows, one
+    (sequence, tile) pair per step: a tile holding the end of one sequence and the start of the
+    next is visited once for each.
+
+    Args:
+      cu_q_lens: where each sequence's rows start (``[num_seqs + 1]``, cumulative).
+      m, tm: the number of rows and the tile size (``tm`` divides ``m``).
+      start_sequence: the first sequence to visit (a 0-d or 1-element array).
+      num_sequences: how many sequences to visit.
+
+    Returns:
+      ``((seq_ids, physical_q_tile_ids), num_logical_q_tiles)``: for step ``i``, the sequence and
+      the tile of rows it works on (arrays of ``m // tm + num_sequences - 1`` entries, the most
+      steps there can be; entries past ``num_logical_q_tiles`` repeat the last step).
+    """
+    if m % tm:
+        raise ValueError(f"{m} must be divisible by the tile size {tm}")
+    first = jnp.asarray(start_sequence).reshape(-1)[0].astype(jnp.int32)
+    bounds = jax.lax.dynamic_slice(jnp.asarray(cu_q_lens, jnp.int32), (first,), (num_sequences + 1,))
+    starts, ends = bounds[:-1], bounds[1:]
+    first_tile = starts // tm
+    tiles = jnp.where(ends > starts, (ends - 1) // tm - first_tile + 1, 0)  # an empty sequence has no step
+    done = jnp.cumsum(tiles)
+    total = done[-1]
+    step = jnp.minimum(jnp.arange(m // tm + num_sequences - 1), total - 1)
+    local = jnp.searchsorted(done, step, side="right")
+    tile = first_tile[local] + step - (done - tiles)[local]
+    return (first + local, tile), total
 
 
 @checkify.checkify
