@@ -231,7 +231,7 @@ def test_ragged_paged_attention_kernel_module_checkifies():
     bad = kv_lens.clone()
     bad[0] = 2  # q_len 7 > kv_len 2
     err, _ = rpa.ragged_paged_attention(j(q), j(k_pages), j(v_pages), j(bad), j(page_indices), j(cu), 3)
-    with pytest.raises(Exception, match="q_len"):
+    with pytest.raises(ValueError, match="cur_q_len must be less or equal to cur_kv_len"):
         err.throw()
 
 

@@ -191,8 +191,7 @@ class GMM(torch.autograd.Function):
     def forward(ctx, lhs, rhs, group_sizes, tiling=(512, 512, 512)):
         ctx.save_for_backward(lhs, rhs, group_sizes)
         ctx.tiling = tiling
-        with torch.no_grad():
-            return gmm(lhs, rhs, group_sizes, tiling)
+        return gmm(lhs, rhs, group_sizes, tiling)
 
     @staticmethod
     def backward(ctx, grad_output):

@@ -80,7 +80,10 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     live = jnp.arange(kv_lens.shape[0]) < num_seqs
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
     checkify.check(cu_q_lens[num_seqs] <= num_tokens, "cu_q_lens[num_seqs] must be at most the number of tokens")
-    checkify.check(jnp.all(~live | (q_lens <= kv_lens)), "a sequence's q_len must be at most its kv_len")
+    bad = live & (q_lens > kv_lens)
+    first = jnp.argmax(bad)
+    checkify.check(~jnp.any(bad), "cur_q_len must be less or equal to cur_kv_len. Got {} and {}", q_lens[first],
+                   kv_lens[first])  # fmt: skip
     needed = (kv_lens + page_size - 1) // page_size
     checkify.check(
         jnp.all(~live | (needed <= page_indices.shape[1])), "a sequence's kv_len needs more pages than given"
