@@ -129,6 +129,9 @@ def shards_and_dumps(out):
     w = w_cpu.to(d)
     sw = xs.mark_sharding(w, mesh, ("data", "model"))
     shards = [(s.data, s.indices, s.replica_id) for s in sw.local_shards]
+    from xlatorch.compat import xlac
+
+    debug_info = xlac._get_xla_tensor_debug_info(w)
     row = torch.arange(8.0).to(d)
     srow = xs.mark_sharding(row, mesh, ("model",))
     row_shards = [(s.data, s.indices, s.replica_id) for s in srow.local_shards]
@@ -140,7 +143,8 @@ def shards_and_dumps(out):
     z = y * 2
     ir, hlo = dump.ir_text(z), dump.hlo_text(z)
     xm.mark_step()
-    res = {"shards": shards, "row_shards": row_shards, "w_spec": sw.sharding_spec, "ir": ir, "hlo": hlo,
+    res = {"shards": shards, "row_shards": row_shards, "debug_info": debug_info, "w_spec": sw.sharding_spec,
+           "ir": ir, "hlo": hlo,
            "z": z.cpu(), "z_spec": str(z._st.value.array.sharding.spec), "ref_inputs": (x_cpu, w_cpu)}  # fmt: skip
 
     # The same graph over differently sharded inputs is another program; the same sharding hits the cache.

@@ -94,6 +94,10 @@ def test_local_shards(spmd):
     assert {tuple((s.start, s.stop) for s in idx) for _, idx, _ in misc["shards"]} == {
         ((r, r + 4), (c, c + 4)) for r in range(0, 16, 4) for c in (0, 4)
     }
+    # torch_xla's debug text of a sharded tensor (its tests read these lines).
+    for line in ("ShardingSpec: {devices=[4,2]0,1,2,3,4,5,6,7}", "XLAShardedData", "Data Device: SPMD:0",
+                 "OpSharding: {devices=[4,2]", "NumShards: 8"):  # fmt: skip
+        assert line in misc["debug_info"], misc["debug_info"]
     # A vector split over "model" only: each half held by the 4 devices of a "data" row, replicas 0..3.
     row = misc["row_shards"]
     assert sorted((idx[0].start, rep) for _, idx, rep in row) == [(s, r) for s in (0, 4) for r in range(4)]

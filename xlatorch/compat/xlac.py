@@ -122,6 +122,15 @@ def _get_xla_tensor_debug_info(tensor) -> str:
              f"XLAData: {'None' if pending else type(v).__name__}"]  # fmt: skip
     if not pending and getattr(v, "array", None) is not None:
         lines.append(f"Data Handle: {'Deleted' if v.array.is_deleted() else 'Live'}")  # donated away, or not
+    from xlatorch.runtime.base import topology
+
+    if topology.SPMD[0]:  # as torch_xla prints an SPMD tensor: its sharding, and its data's shards
+        spec = _get_xla_sharding_spec(tensor)
+        lines.append(f"ShardingSpec: {spec or 'None'}")
+        arr = getattr(v, "array", None) if not pending else None
+        if arr is not None and not arr.is_deleted():
+            lines += ["XLAShardedData", "Data Device: SPMD:0", f"OpSharding: {spec or '{replicated}'}",
+                      f"NumShards: {len(arr.sharding.device_set)}"]  # fmt: skip
     return "\n".join([*lines, "}"])
 
 
