@@ -493,3 +493,39 @@ def test_workers_die_with_a_killed_launcher(tmp_path):
     finally:
         if launcher.poll() is None:
             launcher.kill()
+
+
+def test_waiting_from_another_thread_while_a_step_takes_the_last_outputs():
+    # xm.wait_device_ops() waits for the newest execution's outputs; another thread's step may
+    # already have taken (donated) them, and the wait raised "deleted or donated buffer".
+    import threading
+
+    import jax
+    import numpy as np
+
+    import xlatorch.core.xla_model as xm
+    from xlatorch.runtime.execute import sync
+
+    taken, kept = jax.device_put(np.ones(3)), jax.device_put(np.ones(3))
+    taken.delete()  # as a newer execution that began in another thread leaves it
+    sync._last[:] = [kept, taken]
+    xm.wait_device_ops()
+    errors, done = [], threading.Event()
+
+    def waiter():
+        while not done.is_set():
+            try:
+                xm.wait_device_ops()
+            except Exception as e:  # noqa: BLE001 (any error fails the test)
+                errors.append(e)
+                return
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    try:
+        losses = _train(5, "xla", steps=8)[0]  # trained while the other thread waits
+        torch.testing.assert_close(losses, _train(5, "cpu", steps=8)[0], rtol=1e-5, atol=1e-6)
+    finally:
+        done.set()
+        t.join(60)
+    assert not errors, errors
