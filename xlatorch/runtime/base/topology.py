@@ -100,13 +100,13 @@ def _watch_peers(size: int, rank: int, timeout: int) -> None:
                 return
             beat += 1
             client.key_value_set(_ALIVE + str(rank), str(beat), allow_overwrite=True)
+            # One read of every process's key (not one per process: the coordinator answers
+            # every process of the job each second).
+            beats = {k.rsplit("/", 1)[-1]: v for k, v in client.key_value_dir_get(_ALIVE)}
             for r in range(size):
                 if r == rank:
                     continue
-                try:
-                    v = client.key_value_try_get(_ALIVE + str(r))
-                except Exception:  # noqa: BLE001 (not there yet: it has not beaten once)
-                    v = ""
+                v = beats.get(str(r), "")  # "": it has not beaten once yet
                 if v == "done":
                     continue
                 if r not in last or last[r][0] != v:
