@@ -4,6 +4,8 @@ Usage:
   python -m tools.coverage_report [--] script.py [args...]     run a script, report its fallbacks
   python -m tools.coverage_report -- python train.py [args...] any command (subprocesses too)
   python -m tools.coverage_report --static [--all]             ops by status, core ATen coverage
+  python -m tools.coverage_report --static FILE.py:FACTORY      what a model's step would send to CPU, cut or
+                                                                recompile, without running it (xlatorch.check)
   tools/coverage_report script.py                               the same, as an executable
 
 A program's fallbacks are collected by xlatorch itself: with ``XLATORCH_FALLBACK_REPORT=<file>``
@@ -149,6 +151,10 @@ def main(argv=None) -> int:
     ap.add_argument("--all", action="store_true", help="with --static: also list every lowered overload")
     ap.add_argument("cmd", nargs=argparse.REMAINDER, help="script.py [args] or -- command [args]")
     a = ap.parse_args(argv)
+    if a.static and a.cmd:
+        from xlatorch.check import main as check_main
+
+        return check_main(a.cmd)
     if a.static:
         print_static(a.all)
         return 0

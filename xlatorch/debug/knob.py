@@ -28,7 +28,7 @@ import sys
 
 from xlatorch.runtime.base import config, record
 
-__all__ = ["get_level", "set_level", "level", "LOG", "source_lines", "hlo_debug"]
+__all__ = ["get_level", "set_level", "level", "LOG", "source_lines", "hlo_debug", "sources"]
 
 LOG = logging.getLogger("xlatorch")
 
@@ -115,3 +115,20 @@ class level:
 
     def __exit__(self, *exc):
         set_level(self.prev)
+
+
+class sources:
+    """``with sources(): ...``: IR nodes record the user's source line in the block (as
+    ``XLA_IR_DEBUG=1``), whatever the level; nothing more is logged."""
+
+    def __enter__(self):
+        global _IR_DEBUG
+        self.prev = _IR_DEBUG
+        _IR_DEBUG = True
+        _configure()
+        return self
+
+    def __exit__(self, *exc):
+        global _IR_DEBUG
+        _IR_DEBUG = self.prev
+        _configure()

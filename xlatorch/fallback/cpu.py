@@ -21,10 +21,12 @@ from xlatorch.runtime.execute.transfer import to_device
 from xlatorch.runtime.trace import dispatch
 from xlatorch.runtime.trace.tensor import XlaTensor, wrap, write
 
-__all__ = ["run_on_cpu", "ORIGINS", "user_frame"]
+__all__ = ["run_on_cpu", "ORIGINS", "SITE_HOOKS", "user_frame"]
 
 # op -> "file:line" of the user code that first sent it to CPU.
 ORIGINS: dict[str, str] = {}
+# Called with (op, "file:line" or None) at every fallback (xlatorch.check counts them by line).
+SITE_HOOKS: list = []
 
 
 def _write_report(path: str) -> None:
@@ -45,8 +47,11 @@ def run_on_cpu(func, args, kwargs):
     """Run ``func`` on CPU copies of its device arguments and bring the results back."""
     name = str(func._schema.name)
     COUNTERS[name] += 1
-    if name not in ORIGINS:
-        ORIGINS[name] = user_frame()
+    if name not in ORIGINS or SITE_HOOKS:
+        site = user_frame()
+        ORIGINS.setdefault(name, site)
+        for hook in SITE_HOOKS:
+            hook(name, site)
     xla_in = []
 
     def down(a):

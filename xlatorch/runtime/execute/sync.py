@@ -16,10 +16,11 @@ import time
 import jax
 
 from xlatorch.runtime.base import config, record, regions, topology
+from xlatorch.runtime.base.dtypes import to_jax
 from xlatorch.runtime.base.record import COUNTERS
 from xlatorch.runtime.base.source import fmt_src, user_frame
 from xlatorch.runtime.base.threads import BODIES, CHECKED_SINCE_SYNC, DEFERRED, LOCK, _in_backward
-from xlatorch.runtime.execute import faults, host, settle
+from xlatorch.runtime.execute import dry, faults, host, settle
 from xlatorch.runtime.execute.compile import executable
 from xlatorch.runtime.execute.execution import EXECUTIONS, uninterrupted
 from xlatorch.runtime.ir import failed
@@ -171,6 +172,9 @@ def _sync(reason, dev, timed) -> None:
     for hook in record.SYNC_HOOKS:  # xlatorch.debug: the graph-cut report
         hook(reason, len(graph.nodes))
     step = Step(reason, dev, storages, graph, everything, t0, timed)
+    if dry.ACTIVE[0]:
+        _run_dry(step)
+        return
     try:
         _run(step)
     except ReplicaMismatch:
@@ -338,6 +342,30 @@ def _run(step: Step) -> None:
             _run_and_commit(exe, step, packed)
     finally:
         _traced(step.t0)
+
+
+def _run_dry(step: Step) -> None:
+    """A dry run's sync (``execute/dry.py``): report the compile a real run would make (through
+    the same hooks, without an executable) and give every root data of its shape only."""
+    step.prepare()
+    g = step.graph
+    if dry.first_time(step.key):
+        packed, leaf_kinds = pack(g.leaves)
+        req = CompileRequest(step.key, g.nodes, g.leaves, leaf_kinds, g.root_refs, step.data, packed, step.donate,
+                             step.storages[0].dev, step.keep, None, step.spmd, step.once)  # fmt: skip
+        for hook in record.COMPILE_HOOKS:
+            hook(req, None, 0)
+    gdev = step.storages[0].dev
+    for st in step.storages:
+        aval = st.value.aval
+        st.set(Data(dry.DryArray(aval[0], to_jax(aval[1]), source=st.value), aval, gdev))
+        st.prev = None
+    if step.everything:
+        PENDING.clear()
+        CHECKED_SINCE_SYNC.clear()
+    else:
+        for st in step.storages:
+            PENDING.pop(st.sid, None)
 
 
 def _traced(t0) -> None:

@@ -11,7 +11,7 @@ import torch
 from xlatorch.runtime.base import record, topology
 from xlatorch.runtime.base.dtypes import EXACT, TORCH_TO_JAX, to_jax
 from xlatorch.runtime.base.topology import current_device, jax_device
-from xlatorch.runtime.execute import settle
+from xlatorch.runtime.execute import dry, settle
 from xlatorch.runtime.ir.values import Data
 from xlatorch.runtime.multi import sharding
 
@@ -69,6 +69,8 @@ def to_device(t: torch.Tensor, dev: int | None = None) -> Data:
     to_jax(t.dtype)  # a clear error for unsupported dtypes
     if dev is None:
         dev = current_device()
+    if dry.ACTIVE[0]:  # xlatorch.check: the shape and dtype only
+        return Data(dry.DryArray(t.shape, TORCH_TO_JAX[t.dtype], host=t.detach().cpu()), (tuple(t.shape), t.dtype), dev)
     jdev = jax_device(dev)  # first: starting the runtime is not a transfer (and may start a capture)
     with record.TIMED("TransferToDeviceTime"):
         # jax.device_put on CPU may alias an aligned numpy array: the device value must not
