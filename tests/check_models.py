@@ -18,7 +18,7 @@ class Mlp(nn.Module):
         self.b = nn.Linear(32, 4)
 
     def forward(self, x):
-        return self.b(torch.relu(self.a(x)))
+        return self.b(torch.relu(self.a(x)))  # LINE: relu
 
 
 def mlp():

@@ -128,3 +128,25 @@ def test_the_command_line_prints_the_findings_and_exits_1(tmp_path):
     p = subprocess.run([sys.executable, "-m", "xlatorch.check", "no_such_module:f"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300)  # fmt: skip
     assert p.returncode == 2 and "no_such_module" in p.stderr
+
+
+def test_an_op_whose_lowering_fails_is_an_error_at_its_line():
+    from xlatorch.runtime.ir.ops import SPECS
+
+    spec = SPECS["relu.default"]
+    orig = spec.emit
+
+    def broken(*args):
+        raise TypeError("this lowering does not take these arguments")
+
+    spec.emit = broken
+    cache.CACHE.clear()
+    try:
+        r = check(cm.mlp)
+        assert isinstance(r.error, TypeError), r.error
+        (f,) = r.findings
+        assert f.kind == "error" and f.source == cm.line("relu")
+        assert check(cm.mlp, lower=False).findings == []  # without tracing the lowering, it is not seen
+    finally:
+        spec.emit = orig
+        cache.CACHE.clear()

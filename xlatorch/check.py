@@ -256,19 +256,14 @@ def _findings(fallbacks, cuts, recompiles, error, steps) -> list[Finding]:
         out.append(Finding("recompile", rec.reason, rec.source, 1, _recompile_fix(rec.reason)))
     if error is not None:
         text = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-        out.append(
-            Finding(
-                "error",
-                text,
-                _user_src(error.__traceback__),
-                1,
-                "a real run raises here too, at this line: fix the call (the message says what is wrong)",
-            )
-        )
+        src = getattr(error, "xlatorch_source", None)  # an op whose lowering failed (runtime/execute/dry.py)
+        src = fmt_src(src, full=True) if src else _user_src(error.__traceback__)
+        fix = "a real run raises here too, at this line: fix the call (the message says what is wrong)"
+        out.append(Finding("error", text, src, 1, fix))
     return out
 
 
-def check(factory, steps: int = 3, dry_run: bool = True) -> Report:
+def check(factory, steps: int = 3, dry_run: bool = True, lower: bool = True) -> Report:
     """Trace (``dry_run=True``: without uploading, compiling or running anything) or run
     ``steps`` training steps of what ``factory()`` returns and report every CPU fallback,
     graph cut besides ``mark_step``, steady-state recompile and error, with the user's line.
@@ -277,6 +272,8 @@ def check(factory, steps: int = 3, dry_run: bool = True) -> Report:
       factory: a callable returning ``(model, inputs, loss_fn[, make_optimizer])`` (module docstring).
       steps: training steps to trace (at least 3 to see steady-state recompiles).
       dry_run: False runs the same steps on the device and reports them the same way.
+      lower: trace each new graph's lowering with JAX (no XLA compile): finds ops whose
+        lowering fails (about 1 ms per node, once per graph); False skips it.
     """
     model, inputs, loss_fn, make_opt = _unpack(factory())
     t0 = time.perf_counter()
@@ -294,7 +291,7 @@ def check(factory, steps: int = 3, dry_run: bool = True) -> Report:
     fallback.SITE_HOOKS.append(on_fallback)
     record.SYNC_HOOKS.append(cuts)
     try:
-        with knob.sources(), dry.dry_run() if dry_run else contextlib.nullcontext():
+        with knob.sources(), dry.dry_run(lower) if dry_run else contextlib.nullcontext():
             if dry_run:  # its compile reasons compare its own graphs only, not those compiled for real before
                 explain._HISTORY.clear()
             try:
@@ -324,10 +321,15 @@ def main(argv=None) -> int:
     ap.add_argument("target", help="FILE.py:FACTORY or package.module:FACTORY")
     ap.add_argument("--steps", type=int, default=3, help="training steps to trace (default 3)")
     ap.add_argument("--run", action="store_true", help="then run the same steps for real and report them too")
+    ap.add_argument(
+        "--no-lower",
+        action="store_true",
+        help="skip tracing each graph's lowering (faster, and misses ops whose lowering fails)",
+    )
     a = ap.parse_args(argv)
     try:
         factory = load_factory(a.target)
-        report = check(factory, a.steps)
+        report = check(factory, a.steps, lower=not a.no_lower)
     except Exception as e:
         print(f"xlatorch.check: could not check {a.target}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

@@ -26,6 +26,7 @@ from xlatorch.runtime.ir.values import Data, Out, Scalar
 __all__ = ["ACTIVE", "DryArray", "dry_run", "first_time"]
 
 ACTIVE = [False]  # read at every upload and sync
+LOWER = [True]  # trace each new graph's lowering with JAX (catches ops whose lowering fails; not compiled)
 _KEYS: set = set()  # graph keys a real run would have compiled by now (this dry run)
 
 
@@ -151,11 +152,12 @@ def first_time(key) -> bool:
 
 
 @contextlib.contextmanager
-def dry_run():
-    """Trace without device work until the block ends (not reentrant; one thread)."""
+def dry_run(lower: bool = True):
+    """Trace without device work until the block ends (not reentrant; one thread);
+    ``lower``: also trace each new graph's lowering (JAX tracing, no XLA compile)."""
     if ACTIVE[0]:
         raise RuntimeError("xlatorch: a dry run is already active")
-    ACTIVE[0] = True
+    ACTIVE[0], LOWER[0] = True, lower
     _KEYS.clear()
     try:
         yield

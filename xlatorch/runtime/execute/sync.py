@@ -28,7 +28,7 @@ from xlatorch.runtime.ir import values as ir
 from xlatorch.runtime.ir.failed import FailedValueError
 from xlatorch.runtime.ir.values import Data
 from xlatorch.runtime.lower import cache, checks
-from xlatorch.runtime.lower.executable import CompileRequest, OutOfMemory, check_memory
+from xlatorch.runtime.lower.executable import CompileRequest, OutOfMemory, check_memory, lowered_body
 from xlatorch.runtime.lower.function import LoweringError
 from xlatorch.runtime.multi import sharding
 from xlatorch.runtime.multi.replication import ReplicaMismatch, collective_roots, run_replicated
@@ -346,16 +346,19 @@ def _run(step: Step) -> None:
 
 def _run_dry(step: Step) -> None:
     """A dry run's sync (``execute/dry.py``): report the compile a real run would make (through
-    the same hooks, without an executable) and give every root data of its shape only."""
+    the same hooks, without an executable; its lowering traced by JAX, not compiled) and give
+    every root data of its shape only. An op whose lowering fails raises its error here, as
+    the real run's sync would, with ``xlatorch_source`` set to the op's line."""
     step.prepare()
     g = step.graph
+    gdev = step.storages[0].dev
+    req = None
     if dry.first_time(step.key):
         packed, leaf_kinds = pack(g.leaves)
         req = CompileRequest(step.key, g.nodes, g.leaves, leaf_kinds, g.root_refs, step.data, packed, step.donate,
-                             step.storages[0].dev, step.keep, None, step.spmd, step.once)  # fmt: skip
+                             gdev, step.keep, None, step.spmd, step.once)  # fmt: skip
         for hook in record.COMPILE_HOOKS:
             hook(req, None, 0)
-    gdev = step.storages[0].dev
     for st in step.storages:
         aval = st.value.aval
         st.set(Data(dry.DryArray(aval[0], to_jax(aval[1]), source=st.value), aval, gdev))
@@ -366,6 +369,15 @@ def _run_dry(step: Step) -> None:
     else:
         for st in step.storages:
             PENDING.pop(st.sid, None)
+    if req is not None and dry.LOWER[0]:
+        body = lowered_body(req, checks.Table())
+        try:
+            jax.eval_shape(body.fn, *body.args())
+        except LoweringError as le:
+            n, err = g.nodes[le.k], le.error
+            err.xlatorch_source = getattr(n, "src", None)
+            err.add_note(f"xlatorch: raised while lowering aten::{n.spec.name} at {fmt_src(err.xlatorch_source, True)}")
+            raise err from None
 
 
 def _traced(t0) -> None:
