@@ -222,16 +222,16 @@ def compare_pending(labels: dict[int, str] | None = None) -> CompareReport:
     storages = pending_storages()
     reroot_lone_views(storages)  # as the sync would: what it runs
     g = collect([st.value for st in storages])
-    nodes = g.nodes
+    nodes = [_Op(n) for n in g.nodes]  # as traced: a sync may replace arguments (runtime/plan/births.py)
     # The leaves' data first: the sync may donate the buffers of leaves no tensor holds any more.
     vals: dict[int, Any] = {id(v): _leaf_cpu(v) for v in g.leaves if type(v) is Data}
-    keep = [[None if o is None else wrap(o) for o in n.outs] for n in nodes]
+    keep = [[None if o is None else wrap(o) for o in n.outs] for n in g.nodes]
     roots = [(labels.get(id(st)), st.value) for st in storages]
     sync("compare")
     dev: dict[int, list] = {}
     for n, ts in zip(nodes, keep):
-        dev[id(n)] = [None if t is None else _data_cpu(t._st.value) for t in ts]
-    del keep
+        dev[n.key] = [None if t is None else _data_cpu(t._st.value) for t in ts]
+    del keep, g
     report = CompareReport(first=None)
     mode = _low_mode(nodes)
     for i, n in enumerate(nodes):
@@ -251,6 +251,16 @@ def compare_pending(labels: dict[int, str] | None = None) -> CompareReport:
     report.first = report.diverged[0] if report.diverged else None
     report.growth = _growth(nodes, dev, vals, roots, report.first)
     return report
+
+
+class _Op:
+    """A node as traced: ``key`` is id() of the node, which its outputs' ``.node`` is."""
+
+    __slots__ = ("spec", "args", "info", "outs", "src", "key")
+
+    def __init__(self, n):
+        self.spec, self.args, self.info, self.outs = n.spec, n.args, n.info, n.outs
+        self.src, self.key = getattr(n, "src", None), id(n)
 
 
 def _leaf_cpu(v):
@@ -363,15 +373,16 @@ def _value_getter(dev, vals):
 
 
 class _Noise:
-    """One ulp of each float input's dtype (its device storage's, under a precision mode), as a
-    relative perturbation with random signs (a fixed seed: the same tolerance every run)."""
+    """Rounding's largest relative error (half an ulp) in each float input's dtype (its device
+    storage's, under a precision mode), as a perturbation with random signs (a fixed seed: the
+    same tolerance every run)."""
 
     def __init__(self, eps_of):
         self.gen = torch.Generator().manual_seed(0)
         self.eps_of = eps_of
 
     def __call__(self, v):
-        return self.eps_of(v.aval[1])
+        return self.eps_of(v.aval[1]) / 2
 
 
 def _eps(dt) -> float:
@@ -381,7 +392,7 @@ def _eps(dt) -> float:
 def _check(i, n, dev, vals, low_mode) -> OpDiff | None:
     """Node ``n`` against CPU from the device's inputs: None when it matches within rounding."""
     get = _value_getter(dev, vals)
-    mine = dev[id(n)]
+    mine = dev[n.key]
     cpu = _run(n, _operand(get))
     base = n.spec.name.split(".")[0]
     mm_default = base in _MATMULS and precision.get_precision() == "default"
@@ -462,7 +473,7 @@ def _finite_max(x) -> float:
 def _diff(i, n, abs_d, rel_d, allowed, kind, mode=None) -> OpDiff:
     ins = [aval_text(v.aval) for v in operands(n.args) if type(v) is not Scalar]
     outs = [aval_text(a) for a in n.info.avals if a is not None]
-    return OpDiff(i, op_name(n.spec), getattr(n, "src", None), ins, outs, abs_d, rel_d, allowed, kind, mode)
+    return OpDiff(i, op_name(n.spec), n.src, ins, outs, abs_d, rel_d, allowed, kind, mode)
 
 
 def _distance(y, c):
@@ -496,13 +507,13 @@ def _growth(nodes, dev, vals, roots, first) -> list[Growth]:
             except Exception:
                 res = None
         if res is None:  # before the culprit the chain equals the device (checked op by op)
-            res = dev[id(n)]
-        chain[id(n)] = res
+            res = dev[n.key]
+        chain[n.key] = res
         if i < first.index:
             continue
-        a, r = max((_distance(y, c) for y, c in zip(dev[id(n)], res)), key=lambda t: t[1], default=(0.0, 0.0))
+        a, r = max((_distance(y, c) for y, c in zip(dev[n.key], res)), key=lambda t: t[1], default=(0.0, 0.0))
         if i == first.index or (r >= 10 * last and r > 0 and len(out) < 8):
-            out.append(Growth(i, f"#{i} {op_name(n.spec)}", getattr(n, "src", None), a, r))
+            out.append(Growth(i, f"#{i} {op_name(n.spec)}", n.src, a, r))
             last = r
     for label, v in roots:
         if label is None or type(v) is not Out or id(v.node) not in chain:

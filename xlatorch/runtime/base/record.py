@@ -16,7 +16,8 @@ from collections import defaultdict
 
 __all__ = [
     "COUNTERS", "METRICS", "add_sample", "timed", "TIMED", "PHASE", "cause", "current_cause",
-    "SYNC_HOOKS", "COMPILE_HOOKS", "PRE_STEP_HOOKS", "STEP_HOOKS", "DEVICE_HOOKS", "SOURCE_LINES", "HLO_DEBUG", "GRAPH_DIFF",
+    "SYNC_HOOKS", "COMPILE_HOOKS", "PRE_STEP_HOOKS", "STEP_HOOKS", "DEVICE_HOOKS", "SOURCE_LINES", "HLO_DEBUG",
+    "GRAPH_DIFF",
 ]  # fmt: skip
 
 COUNTERS: defaultdict[str, int] = defaultdict(int)  # CachedCompile, MarkStep, aten::<op> ...
