@@ -515,11 +515,19 @@ def _growth(nodes, dev, vals, roots, first) -> list[Growth]:
         if i == first.index or (r >= 10 * last and r > 0 and len(out) < 8):
             out.append(Growth(i, f"#{i} {op_name(n.spec)}", n.src, a, r))
             last = r
+    order = ("result", "parameter", "grad", "optimizer")  # the loss first, then what the step updates
+    roots = sorted(roots, key=lambda r: next((i for i, w in enumerate(order) if (r[0] or "").startswith(w)), 4))
+    unnamed = []
     for label, v in roots:
-        if label is None or type(v) is not Out or id(v.node) not in chain:
+        if type(v) is not Out or id(v.node) not in chain:
             continue
         a, r = _distance(dev[id(v.node)][v.idx], chain[id(v.node)][v.idx])
-        out.append(Growth(-1, label, None, a, r))
+        if label is not None:
+            out.append(Growth(-1, label, None, a, r))
+        else:  # a tensor the step updates that no argument names (XLATORCH_COMPARE: all of them)
+            unnamed.append(Growth(-1, f"step output {aval_text(v.aval)} from {op_name(v.node.spec)}", None, a, r))
+    unnamed.sort(key=lambda g: -g.max_rel)
+    out += unnamed[:8]
     return out
 
 
