@@ -122,6 +122,8 @@ def mark_step(wait: bool = False, reset_scope: bool = True) -> None:
 
     Runs asynchronously unless ``wait``. Appends metrics to ``$XLA_METRICS_FILE`` if set.
     """
+    for hook in record.PRE_STEP_HOOKS:  # xlatorch.debug.compare (XLATORCH_COMPARE=1)
+        hook()
     phase = record.PHASE
     if phase is not None:  # profiling: an xlatorch.mark_step span
         with phase("xlatorch.mark_step"):

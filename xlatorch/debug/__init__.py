@@ -6,11 +6,13 @@
 - ``ir_text`` / ``hlo_text`` / ``dot_text``: dumps of pending tensors' graphs (no sync).
 - ``set_level`` / ``get_level`` / ``level(n)``: the ``XLATORCH_DEBUG`` knob (levels in ``knob``).
 - ``metrics``: counters and metrics (``met``).
+- ``compare(fn, *args)``: the first op whose device result diverges from CPU's (``XLATORCH_COMPARE=1``: every step).
 """
 
+from xlatorch.debug.compare import CompareReport, compare
 from xlatorch.debug.dump import dot_text, hlo_text, ir_text
 from xlatorch.debug.explain import CompileRecord, clear, compile_reasons, summary, sync_counts, sync_report
 from xlatorch.debug.knob import get_level, level, set_level
 
 __all__ = ["CompileRecord", "compile_reasons", "sync_report", "sync_counts", "summary", "clear", "ir_text", "hlo_text",
-           "dot_text", "get_level", "set_level", "level"]  # fmt: skip
+           "dot_text", "get_level", "set_level", "level", "compare", "CompareReport"]  # fmt: skip

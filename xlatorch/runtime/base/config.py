@@ -149,6 +149,7 @@ VARS: dict[str, Var] = {
     "PT_XLA_DEBUG_LEVEL": Var(_level, 1, "a debug level 0-3"),
     "XLA_IR_DEBUG": Var(_torch_xla_bool, False, _TORCH_XLA_BOOL),
     "XLA_HLO_DEBUG": Var(_torch_xla_bool, False, _TORCH_XLA_BOOL),
+    "XLATORCH_COMPARE": Var(_switch, False, _SWITCH),  # each mark_step compares its ops with CPU
     "XLATORCH_PROFILE": Var(_text, None, "a directory to write the profile to"),
     "XLATORCH_PROFILE_STEPS": Var(_steps, (0, 5), "START:STOP, two whole numbers with 0 <= START < STOP (e.g. 0:5)"),
     "XLA_METRICS_FILE": Var(_text, None, _PATH),

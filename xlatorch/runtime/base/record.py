@@ -16,7 +16,8 @@ from collections import defaultdict
 
 __all__ = [
     "COUNTERS", "METRICS", "add_sample", "timed", "TIMED", "PHASE", "cause", "current_cause",
-    "SYNC_HOOKS", "COMPILE_HOOKS", "STEP_HOOKS", "DEVICE_HOOKS", "SOURCE_LINES", "HLO_DEBUG", "GRAPH_DIFF",
+    "SYNC_HOOKS", "COMPILE_HOOKS", "PRE_STEP_HOOKS", "STEP_HOOKS", "DEVICE_HOOKS", "SOURCE_LINES", "HLO_DEBUG",
+    "GRAPH_DIFF",
 ]  # fmt: skip
 
 COUNTERS: defaultdict[str, int] = defaultdict(int)  # CachedCompile, MarkStep, aten::<op> ...
@@ -64,6 +65,7 @@ PHASE = None
 # Hooks, each a list of callables (the debug tools append; a hook must not raise):
 SYNC_HOOKS: list = []  # (reason, graph_nodes) at every sync that executes a graph
 COMPILE_HOOKS: list = []  # (CompileRequest, executable, compile_ns) at every compile (runtime/lower/executable.py)
+PRE_STEP_HOOKS: list = []  # () at every mark_step, before its sync (XLATORCH_COMPARE)
 STEP_HOOKS: list = []  # () after every mark_step
 DEVICE_HOOKS: list = []  # () once, when the runtime first uses the device
 # Filled by xlatorch.debug.explain (one object): ``summary(key, nodes)`` says what a graph is
