@@ -111,6 +111,7 @@ def test_peak_counts_a_graph_temporaries_and_resets():
     # A 16 MiB temporary that never outlives the graph (a matmul's operand): only the
     # per-execution tracking sees it.
     x = torch.ones(1024, device="xla")
+    xm.mark_step()
     s = ((x[:, None] * torch.ones(4096, device="xla")).exp() @ torch.ones(4096, 1, device="xla")).sum()
     xm.mark_step()
     s.item()
@@ -119,6 +120,7 @@ def test_peak_counts_a_graph_temporaries_and_resets():
     info = xm.get_memory_info()
     assert info["bytes_used"] < base["bytes_used"] + 2**20
     assert info["peak_bytes_used"] >= g.new + 4096  # the new buffers besides x's data
+    assert g.argument == 4096
     xm.reset_peak_memory_stats("xla:0")
     again = xm.get_memory_info()
     assert again["peak_bytes_used"] == again["bytes_used"] < info["peak_bytes_used"]
