@@ -11,9 +11,17 @@
 
 from xlatorch.debug.dump import dot_text, hlo_text, ir_text
 from xlatorch.debug.explain import (
-    CompileRecord, GraphMemory, clear, compile_reasons, graph_memory, summary, sync_counts, sync_report,
-)  # fmt: skip
+    CompileRecord,
+    GraphMemory,
+    clear,
+    compile_reasons,
+    graph_memory,
+    summary,
+    sync_counts,
+    sync_report,
+)
 from xlatorch.debug.knob import get_level, level, set_level
 
-__all__ = ["CompileRecord", "GraphMemory", "graph_memory", "compile_reasons", "sync_report", "sync_counts", "summary", "clear", "ir_text", "hlo_text",
+__all__ = ["CompileRecord", "GraphMemory", "graph_memory",
+           "compile_reasons", "sync_report", "sync_counts", "summary", "clear", "ir_text", "hlo_text",
            "dot_text", "get_level", "set_level", "level"]  # fmt: skip

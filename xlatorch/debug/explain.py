@@ -30,7 +30,17 @@ from xlatorch.runtime.base import record, regions
 from xlatorch.runtime.base.record import cause
 from xlatorch.runtime.base.source import fmt_src, user_frame
 
-__all__ = ["CompileRecord", "GraphMemory", "graph_memory", "compile_reasons", "sync_report", "sync_counts", "summary", "cause", "clear"]
+__all__ = [
+    "CompileRecord",
+    "GraphMemory",
+    "graph_memory",
+    "compile_reasons",
+    "sync_report",
+    "sync_counts",
+    "summary",
+    "cause",
+    "clear",
+]
 
 _HISTORY: collections.deque = collections.deque(maxlen=64)  # _Graph summaries, newest last
 _RECORDS: collections.deque = collections.deque(maxlen=1000)

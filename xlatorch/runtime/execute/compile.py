@@ -14,7 +14,14 @@ import time
 from xlatorch.runtime.base import record
 from xlatorch.runtime.base.record import COUNTERS
 from xlatorch.runtime.lower import cache, checks, compiler
-from xlatorch.runtime.lower.executable import CompileRequest, Executable, compile_one, lowered_body, record_memory, roots
+from xlatorch.runtime.lower.executable import (
+    CompileRequest,
+    Executable,
+    compile_one,
+    lowered_body,
+    record_memory,
+    roots,
+)
 from xlatorch.runtime.multi import sharding
 from xlatorch.runtime.multi.spmd import compile_spmd
 from xlatorch.runtime.trace.collectives import SPECS as COLLECTIVES

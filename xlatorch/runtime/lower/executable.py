@@ -220,8 +220,10 @@ def oom_report(exe, gdev, nodes, reason, free, first=None) -> str:
     else:
         lines = [first, f"  {what} ran out of memory on xla:{gdev} ({avail} free now)"]
     if m is not None:
-        lines.append(f"  needs: {_size(m.new)} new = outputs {_size(m.output - m.alias)} (not aliased to donated "
-                     f"inputs) + temporaries {_size(m.temp)}; arguments {_size(m.argument)} (on the device already)")
+        lines.append(
+            f"  needs: {_size(m.new)} new = outputs {_size(m.output - m.alias)} (not aliased to donated "
+            f"inputs) + temporaries {_size(m.temp)}; arguments {_size(m.argument)} (on the device already)"
+        )
     big = largest_buffers(nodes)
     if big:
         lines.append("  largest buffers:")
