@@ -12,7 +12,7 @@ import torch
 from xlatorch.core import step_closures
 from xlatorch.core.tensor_batches import CoalescingBuckets, ToXlaTensorArena
 from xlatorch.runtime.base import record
-from xlatorch.runtime.base.memory import get_memory_info
+from xlatorch.runtime.base.memory import get_memory_info, reset_peak_memory_stats
 from xlatorch.runtime.base.record import COUNTERS
 from xlatorch.runtime.base.topology import rendezvous
 from xlatorch.runtime.execute.sync import sync as _sync
@@ -37,7 +37,7 @@ __all__ = [
     "get_local_ordinal",
     "xrt_world_size", "set_rng_state", "get_rng_state", "master_print", "add_step_closure", "is_xla_tensor",
     "reduce_scatter_bucketized", "broadcast_master_param",
-    "get_memory_info",
+    "get_memory_info", "reset_peak_memory_stats",
     "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "reduce_gradients", "rendezvous", "mesh_reduce",
     "REDUCE_SUM", "REDUCE_MUL", "REDUCE_AND", "REDUCE_OR", "REDUCE_MIN", "REDUCE_MAX",
     "send", "recv", "collective_permute", "ToXlaTensorArena", "CoalescingBuckets", "XLA_LIB", "DeviceContext",

@@ -30,7 +30,17 @@ from xlatorch.runtime.base import record, regions
 from xlatorch.runtime.base.record import cause
 from xlatorch.runtime.base.source import fmt_src, user_frame
 
-__all__ = ["CompileRecord", "compile_reasons", "sync_report", "sync_counts", "summary", "cause", "clear"]
+__all__ = [
+    "CompileRecord",
+    "GraphMemory",
+    "graph_memory",
+    "compile_reasons",
+    "sync_report",
+    "sync_counts",
+    "summary",
+    "cause",
+    "clear",
+]
 
 _HISTORY: collections.deque = collections.deque(maxlen=64)  # _Graph summaries, newest last
 _RECORDS: collections.deque = collections.deque(maxlen=1000)
@@ -66,6 +76,8 @@ class CompileRecord:
       memory: buffer sizes in bytes from XLA (``argument``, ``output``, ``alias``,
         ``temp``, ``generated_code``), or None when unavailable.
       name: the ``torch_xla.compile`` region's ``name`` the graph was compiled in, or None.
+      graph: the graph's number in this process (its executable's; out-of-memory errors and
+        profiler spans name it).
     """
 
     reason: str
@@ -77,6 +89,7 @@ class CompileRecord:
     step: int
     memory: dict | None = None
     name: str | None = None
+    graph: int = 0
 
     def __str__(self) -> str:
         at = f" at {self.source}" if self.source else ""
@@ -235,17 +248,8 @@ def _diff(new: _Graph, old: _Graph):
 
 
 def _memory(exe) -> dict | None:
-    compiled = getattr(exe, "xla", None)
-    if compiled is None:
-        return None
-    try:
-        m = compiled.memory_analysis()
-    except Exception:  # not every backend implements it
-        return None
-    if m is None:
-        return None
-    names = ("argument", "output", "alias", "temp", "generated_code")
-    return {k: int(getattr(m, f"{k}_size_in_bytes", 0) or 0) for k in names}
+    m = getattr(exe, "memory", None)  # computed once when the executable was made
+    return None if m is None else m.as_dict()
 
 
 def _mib(n: int) -> str:
@@ -257,7 +261,58 @@ def memory_text(mem: dict | None) -> str:
     if not mem:
         return "buffer sizes unavailable"
     return (f"arguments {_mib(mem['argument'])}, outputs {_mib(mem['output'])} "
-            f"({_mib(mem['alias'])} aliased to donated inputs), temporaries {_mib(mem['temp'])}")  # fmt: skip
+            f"({_mib(mem['alias'])} aliased to donated inputs), temporaries {_mib(mem['temp'])}, "
+            f"generated code {_mib(mem['generated_code'])}")  # fmt: skip
+
+
+@dataclasses.dataclass
+class GraphMemory:
+    """The device memory one compiled graph needs (``graph_memory()``), in bytes.
+
+    Attributes:
+      graph: the graph's number in this process (``CompileRecord.graph``).
+      name: its ``torch_xla.compile`` region's name, or None.
+      step: the number of ``mark_step`` calls before it was compiled.
+      sync: what cut it; source: ``path:line`` behind its compile (``CompileRecord.source``).
+      argument, output, alias, temp, generated_code: XLA's memory analysis (``alias``: the
+        part of ``output`` that reuses donated inputs).
+      new: what one run allocates: ``output - alias + temp``.
+      peak: what one run holds at most: ``argument + new``.
+    """
+
+    graph: int
+    name: str | None
+    step: int
+    sync: str
+    source: str | None
+    argument: int
+    output: int
+    alias: int
+    temp: int
+    generated_code: int
+    new: int
+    peak: int
+
+    def __str__(self) -> str:
+        name = f" {self.name!r}" if self.name else ""
+        at = f" at {self.source}" if self.source else ""
+        return (f"graph {self.graph}{name} (step {self.step}, {self.sync}{at}): peak {_mib(self.peak)} = arguments "
+                f"{_mib(self.argument)} + outputs {_mib(self.output - self.alias)} + temporaries {_mib(self.temp)}; "
+                f"code {_mib(self.generated_code)}")  # fmt: skip
+
+
+def graph_memory() -> list[GraphMemory]:
+    """The memory each graph compiled so far needs (the newest 1000, oldest first), from XLA's
+    memory analysis at compile time: nothing runs or syncs. Graphs compiled in eager mode are
+    not listed (as in ``compile_reasons``)."""
+    out = []
+    for r in _RECORDS:
+        m = r.memory
+        if m:
+            new = m["output"] - m["alias"] + m["temp"]
+            out.append(GraphMemory(r.graph, r.name, r.step, r.sync, r.source, m["argument"], m["output"], m["alias"],
+                                   m["temp"], m["generated_code"], new, m["argument"] + new))  # fmt: skip
+    return out
 
 
 def on_compile(request, exe, compile_ns: int) -> CompileRecord | None:
@@ -304,7 +359,8 @@ def _on_compile(key, nodes, leaves, root_refs, exe, compile_ns: int, cut=None) -
         src = fmt_src(u, full=True) if u else None
     region = regions.current()
     rec = CompileRecord(lines[0][0], [t for t, _ in lines[1:]], len(nodes), compile_ns / 1e6, src, sync, _step,
-                        _memory(exe), region.name if region is not None else None)  # fmt: skip
+                        _memory(exe), region.name if region is not None else None,
+                        getattr(exe, "gid", 0))  # fmt: skip
     _RECORDS.append(rec)
     lvl = knob.LEVEL
     if lvl >= 1:

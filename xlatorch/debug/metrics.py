@@ -2,8 +2,14 @@
 
 Counters are plain integers (``CachedCompile``, ``MarkStep``, ``aten::nonzero`` ...).
 Metrics are lists of samples: times in nanoseconds (``CompileTime``, ``ExecuteTime``,
-``TransferToDeviceTime`` ...) or plain numbers (``TensorsGraphSize``). The runtime records
-both in ``xlatorch.runtime.base.record``; this module reports them.
+``TransferToDeviceTime`` ...), sizes in bytes, or plain numbers (``TensorsGraphSize``). The
+runtime records both in ``xlatorch.runtime.base.record``; this module reports them.
+
+Each compile adds one sample, in bytes, from XLA's memory analysis of the graph (names of
+xlatorch's own; torch_xla has none): ``CompiledGraphMemory`` (what one run holds at most:
+arguments + outputs not aliased to donated inputs + temporaries), ``CompiledGraphArgumentBytes``,
+``CompiledGraphOutputBytes``, ``CompiledGraphAliasBytes``, ``CompiledGraphTempBytes`` and
+``CompiledGraphCodeBytes``; ``xlatorch.debug.graph_memory()`` lists them per graph.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ _TIME_METRICS = {
     "TransferFromDeviceTime",
     "LazyTracing",
 }
+_BYTE_METRICS = {"CompiledGraphMemory", "CompiledGraphArgumentBytes", "CompiledGraphOutputBytes",
+                 "CompiledGraphAliasBytes", "CompiledGraphTempBytes", "CompiledGraphCodeBytes"}  # fmt: skip
 _START = time.time()
 
 
@@ -83,8 +91,25 @@ def _fmt_time(ns: float) -> str:
     return "".join(parts) if len(parts) < 3 else "".join(parts[:-1])
 
 
+def _fmt_bytes(n: float) -> str:
+    """torch_xla's byte format: ``12.00KB``."""
+    for unit, size in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return f"{n:.2f}B"
+
+
+def _fmt_number(v: float) -> str:
+    return f"{v:.2f}" if v != int(v) else str(int(v))
+
+
 def _metric_text(name: str, samples: list[float]) -> str:
-    fmt = _fmt_time if name in _TIME_METRICS else (lambda v: f"{v:.2f}" if v != int(v) else str(int(v)))
+    if name in _TIME_METRICS:
+        fmt = _fmt_time
+    elif name in _BYTE_METRICS:
+        fmt = _fmt_bytes
+    else:
+        fmt = _fmt_number
     srt = sorted(samples)
     elapsed = max(time.time() - _START, 1e-9)
     pct = "; ".join(

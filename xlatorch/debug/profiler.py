@@ -49,6 +49,7 @@ import time
 import jax
 
 from xlatorch.runtime.base import config, record
+from xlatorch.runtime.lower.executable import NEWEST
 
 __all__ = [
     "start_trace", "stop_trace", "trace", "trace_detached", "trace_steps", "Trace", "StepTrace",
@@ -140,18 +141,37 @@ _SPANS = {
 }
 
 
+def _memory_args(exe) -> dict:
+    """A graph's memory figures as span arguments (bytes; ``new``: outputs not aliased plus
+    temporaries, what a run allocates)."""
+    m = getattr(exe, "memory", None)
+    if m is None:
+        return {}
+    return {"graph": exe.gid, "argument_bytes": m.argument, "output_bytes": m.output, "alias_bytes": m.alias,
+            "temp_bytes": m.temp, "generated_code_bytes": m.code, "new_bytes": m.new}  # fmt: skip
+
+
 class timed(record.timed):
     """``record.timed`` that is also a span of the same extent (``CompileTime`` ->
-    ``xlatorch.compile`` ...): the runtime uses it instead while ``ACTIVE``."""
+    ``xlatorch.compile`` ...): the runtime uses it instead while ``ACTIVE``. The compile and
+    execute spans carry the graph's memory figures (``_memory_args``)."""
 
     __slots__ = ("span",)
 
     def __enter__(self):
-        self.span = _begin(_SPANS[self.name])
+        name = _SPANS[self.name]
+        if name == "xlatorch.execute":  # the executable checked just before it runs
+            self.span = _begin(name, **_memory_args(NEWEST[1]))
+        else:
+            self.span = _begin(name)
         return super().__enter__()
 
     def __exit__(self, *exc):
         super().__exit__(*exc)
+        if self.span is not None and self.name == "CompileTime" and not exc[0]:
+            args = _memory_args(NEWEST[0])  # the executable this compile made
+            if args:
+                self.span.set_metadata(**args)
         _end(self.span)
 
 

@@ -14,7 +14,14 @@ import time
 from xlatorch.runtime.base import record
 from xlatorch.runtime.base.record import COUNTERS
 from xlatorch.runtime.lower import cache, checks, compiler
-from xlatorch.runtime.lower.executable import CompileRequest, Executable, compile_one, lowered_body, roots
+from xlatorch.runtime.lower.executable import (
+    CompileRequest,
+    Executable,
+    compile_one,
+    lowered_body,
+    record_memory,
+    roots,
+)
 from xlatorch.runtime.multi import sharding
 from xlatorch.runtime.multi.spmd import compile_spmd
 from xlatorch.runtime.trace.collectives import SPECS as COLLECTIVES
@@ -49,6 +56,7 @@ def executable(req: CompileRequest, timed) -> Executable:
     if req.once and compiler.options(True) != compiler.options() and compiler.worth_optimizing(exe.xla):
         exe.fast = compiler.RUNS_BEFORE_OPTIMIZING
     record.add_sample("InputOutputAliasCount", len(req.donate))  # buffers the executable may reuse
+    record_memory(exe)  # CompiledGraphMemory ...
     cache.add(req.key, exe)
     for hook in record.COMPILE_HOOKS:  # xlatorch.debug: the compile explainer
         hook(req, exe, time.perf_counter_ns() - tm.t0)

@@ -28,7 +28,7 @@ from xlatorch.runtime.ir import values as ir
 from xlatorch.runtime.ir.failed import FailedValueError
 from xlatorch.runtime.ir.values import Data
 from xlatorch.runtime.lower import cache, checks
-from xlatorch.runtime.lower.executable import CompileRequest, OutOfMemory, check_memory, lowered_body
+from xlatorch.runtime.lower.executable import CompileRequest, OutOfMemory, check_memory, lowered_body, out_of_memory
 from xlatorch.runtime.lower.function import LoweringError
 from xlatorch.runtime.multi import sharding
 from xlatorch.runtime.multi.replication import ReplicaMismatch, collective_roots, run_replicated
@@ -194,7 +194,8 @@ def _sync(reason, dev, timed) -> None:
         err.__suppress_context__ = True
         faults.raise_owned(err, [st for st in step.storages if failed.is_failed_storage(st)])
     except OutOfMemory as oom:
-        _isolate(step, oom)
+        if oom.__cause__ is None:  # the check before the run, not XLA's error (the run may have donated)
+            _isolate(step, oom)
         raise
 
 
@@ -328,9 +329,10 @@ def _run(step: Step) -> None:
     except LoweringError:
         raise  # the caller fails just that node
     except Exception as e:
+        e = out_of_memory(e, None, gdev, g.nodes, step.reason)
         faults.fail_storages(step.storages, e)
-        raise
-    check_memory(exe, gdev)
+        raise e
+    check_memory(exe, gdev, g.nodes, step.reason)
     record.add_sample("TensorsGraphSize", len(g.nodes))
     cache.touch(exe)
     # The previous step's check rows, read as late as possible: the host prepared this step
@@ -424,7 +426,7 @@ def _run_stages(step: Step, stage) -> bool:
             req = CompileRequest(_stage_key((sl, senc, srefs), gdev), sn, sl, kinds, srefs, data, packed, (), gdev, (),
                                  cut, None, not s & 1)  # fmt: skip
             exe = executable(req, timed)
-            check_memory(exe, gdev)
+            check_memory(exe, gdev, sn, step.reason)
             record.add_sample("TensorsGraphSize", len(sn))
             cache.touch(exe)
             with timed("ExecuteDispatchTime"):
@@ -484,8 +486,9 @@ def _run_and_commit(exe, step: Step, packed) -> None:
     except ReplicaMismatch:
         raise  # nothing ran: the step runs again in two parts (_run_in_two_parts)
     except Exception as e:
+        e = out_of_memory(e, exe, gdev, step.graph.nodes, step.reason)
         faults.fail_storages(storages, e)
-        raise
+        raise e
     if exe.checks is None:
         _commit(step, outs, t_run)
         return

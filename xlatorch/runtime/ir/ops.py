@@ -25,16 +25,34 @@ PROMOTION = {k.name.lower(): k for k in ELEMENTWISE_TYPE_PROMOTION_KIND}
 SPECS: dict = {}  # ops.yaml name ('add.Tensor') -> OpSpec, every lowered op
 
 
-class Info:
-    """What a node's signature determines: output avals, computation dtype, and whether
-    the node carries an on-device check (``runtime/lower/checks.py``)."""
+# A node with an output this large records the user's line at every debug level: an
+# out-of-memory error names where its largest buffers were made (runtime/lower/executable.py).
+BIG_BYTES = 16 << 20
 
-    __slots__ = ("avals", "cdtype", "checked")
+
+class Info:
+    """What a node's signature determines: output avals, computation dtype, whether the node
+    carries an on-device check (``runtime/lower/checks.py``), and whether an output is
+    large (``big``: at least ``BIG_BYTES``)."""
+
+    __slots__ = ("avals", "cdtype", "checked", "big")
 
     def __init__(self, avals, cdtype, checked=False):
         self.avals = avals
         self.cdtype = cdtype
         self.checked = checked
+        self.big = any(a is not None and type(a) is tuple and _nbytes(a) >= BIG_BYTES for a in avals)
+
+
+def _nbytes(aval) -> int:
+    shape, dtype = aval
+    n = getattr(dtype, "itemsize", 0)
+    try:
+        for d in shape:
+            n *= int(d)
+    except TypeError:  # a symbolic size: unknown, not counted as large
+        return 0
+    return n
 
 
 class OpSpec:

@@ -9,7 +9,7 @@ so the same program over new data (or new scalar values) reuses its executable.
 
 from __future__ import annotations
 
-from xlatorch.runtime.base import record, topology
+from xlatorch.runtime.base import memory, record, topology
 from xlatorch.runtime.base.source import user_frame
 from xlatorch.runtime.base.topology import current_device
 
@@ -22,8 +22,10 @@ __all__ = ["Data", "Scalar", "Node", "Out", "Value", "VALUE_TYPES", "operands", 
 # finds several local devices.
 _multi = False
 # Nodes record the user's (file, line) in ``src`` (debug level >= 1, XLA_IR_DEBUG): set by
-# xlatorch.debug.knob. Off, ``src`` stays unset (read it with getattr(n, "src", None)).
+# xlatorch.debug.knob. Off, ``src`` stays unset (read it with getattr(n, "src", None)), except
+# on a node with a large output (``ops.Info.big``): an out-of-memory error names its line.
 DEBUG_SOURCE = record.SOURCE_LINES
+_LIVE = memory.LIVE
 
 
 def _enable_multi_device() -> None:
@@ -57,9 +59,11 @@ class Data:
     to zero, a step that reads it may donate its buffer. ``donor``: the user marked the buffer
     donatable (``_XLAC._set_buffer_donation``): a step that reads it may donate it even while
     tensors hold it (they cannot be read after that step).
+
+    ``nbytes`` counts in ``memory.LIVE`` while the leaf lives (``get_memory_info``'s peak).
     """
 
-    __slots__ = ("array", "aval", "sig", "holders", "dev", "donor")
+    __slots__ = ("array", "aval", "sig", "holders", "dev", "donor", "nbytes")
 
     def __init__(self, array, aval, dev=0):
         self.array = array
@@ -67,6 +71,14 @@ class Data:
         self.holders = 0
         self.dev = dev
         self.donor = False
+        n = aval[1].itemsize
+        for d in aval[0]:
+            n *= d
+        self.nbytes = n
+        _LIVE[dev] = _LIVE.get(dev, 0) + n
+
+    def __del__(self):
+        _LIVE[self.dev] -= self.nbytes
 
 
 class Scalar:
@@ -110,7 +122,7 @@ class Node:
             self.outs = (Out(self, 0, avals[0]),)
         else:
             self.outs = tuple(None if aval is None else Out(self, i, aval) for i, aval in enumerate(avals))
-        if DEBUG_SOURCE:
+        if DEBUG_SOURCE or info.big:
             self.src = user_frame()
 
 

@@ -15,8 +15,10 @@ import jax
 import torch
 from jax.sharding import SingleDeviceSharding
 
-from xlatorch.runtime.base import memory, regions
+from xlatorch.runtime.base import memory, record, regions
 from xlatorch.runtime.base.dtypes import to_jax
+from xlatorch.runtime.base.record import COUNTERS
+from xlatorch.runtime.base.source import fmt_src, user_frame
 from xlatorch.runtime.base.topology import jax_device
 from xlatorch.runtime.ir.emit import hlo_scopes
 from xlatorch.runtime.lower import compiler
@@ -26,8 +28,11 @@ __all__ = [
     "CompileRequest",
     "Executable",
     "OutOfMemory",
+    "GraphMemory",
     "Body",
     "check_memory",
+    "out_of_memory",
+    "record_memory",
     "lowered_body",
     "compile_one",
     "roots",
@@ -60,17 +65,74 @@ class Executable:
     graph whose collectives span several local devices (``threads`` > 1) runs once for all
     of them through ``run_all([(arrays, packed) per device])``."""
 
-    __slots__ = ("compiled", "run_all", "threads", "xla", "checks", "used", "need", "fast")
+    __slots__ = ("compiled", "run_all", "threads", "xla", "checks", "used", "need", "fast", "memory", "gid")
 
     def __init__(self, compiled, run_all=None, threads=0, xla=None):
+        global _GRAPHS
         self.compiled = compiled
         self.run_all = run_all
         self.threads = threads
         self.xla = xla  # the jax Compiled (memory_analysis, as_text) for xlatorch.debug
         self.checks = None  # a checks.Table when the graph has on-device checks (an extra last output)
         self.used = 0  # when it last ran (for the in-memory cache's eviction)
-        self.need = _bytes_needed(xla)  # new buffers a run allocates (outputs + temporaries)
+        self.memory = GraphMemory.of(xla)  # XLA's buffer sizes, once per compile; None if unknown
+        self.need = self.memory.new if self.memory is not None else 0  # new buffers a run allocates
         self.fast = 0  # compiled to compile fast: the runs left before it is compiled to run fast
+        _GRAPHS += 1
+        self.gid = _GRAPHS  # the graph's number in this process (``xlatorch.debug.graph_memory``)
+        NEWEST[0] = self
+
+
+_GRAPHS = 0  # executables made so far
+# The executable made last, and the one that ran (or is about to run) last: the profiler's
+# compile and execute spans carry their memory figures. (No step or graph: see the module.)
+NEWEST: list = [None, None]
+
+
+class GraphMemory:
+    """The device memory one run of a compiled graph needs, in bytes, from XLA's memory
+    analysis: ``argument`` (its inputs), ``output`` (of which ``alias`` reuse donated
+    inputs), ``temp`` (temporaries), ``code`` (generated code). ``new`` is what a run
+    allocates (outputs not aliased plus temporaries); ``peak`` adds the arguments."""
+
+    __slots__ = ("argument", "output", "alias", "temp", "code", "new")
+
+    def __init__(self, argument, output, alias, temp, code):
+        self.argument, self.output, self.alias, self.temp, self.code = argument, output, alias, temp, code
+        self.new = output - alias + temp
+
+    @property
+    def peak(self) -> int:
+        return self.argument + self.new
+
+    @staticmethod
+    def of(compiled) -> GraphMemory | None:
+        """``compiled``'s figures (a jax Compiled), or None where the backend has none."""
+        try:
+            m = compiled.memory_analysis()
+            return GraphMemory(*(int(getattr(m, f"{k}_size_in_bytes", 0) or 0)
+                                 for k in ("argument", "output", "alias", "temp", "generated_code")))  # fmt: skip
+        except Exception:  # not every backend reports it
+            return None
+
+    def as_dict(self) -> dict[str, int]:
+        """The figures under the explainer's keys (``generated_code`` for ``code``)."""
+        return {"argument": self.argument, "output": self.output, "alias": self.alias, "temp": self.temp,
+                "generated_code": self.code}  # fmt: skip
+
+
+# Samples per compile (``met.metrics_report()``): one per graph compiled.
+_MEMORY_METRICS = (("CompiledGraphMemory", "peak"), ("CompiledGraphArgumentBytes", "argument"),
+                   ("CompiledGraphOutputBytes", "output"), ("CompiledGraphAliasBytes", "alias"),
+                   ("CompiledGraphTempBytes", "temp"), ("CompiledGraphCodeBytes", "code"))  # fmt: skip
+
+
+def record_memory(exe: Executable) -> None:
+    """Record a newly compiled graph's memory figures as metric samples."""
+    m = exe.memory
+    if m is not None:
+        for name, attr in _MEMORY_METRICS:
+            record.add_sample(name, getattr(m, attr))
 
 
 class OutOfMemory(torch.OutOfMemoryError):
@@ -78,28 +140,96 @@ class OutOfMemory(torch.OutOfMemoryError):
     exception PyTorch raises for a CUDA out-of-memory, a ``RuntimeError``)."""
 
 
-def _bytes_needed(compiled) -> int:
-    try:
-        m = compiled.memory_analysis()
-        return int(m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes)
-    except Exception:  # not every backend reports it
-        return 0
-
-
 _BIG = 1 << 28  # graphs allocating more than this are checked against free memory before they run
 
 
-def check_memory(exe, gdev) -> None:
-    """Raise ``OutOfMemory`` before ``exe`` runs on local device ``gdev`` if its new buffers
-    cannot fit in the device's free memory (graphs allocating over 256 MiB)."""
-    if exe.need <= _BIG:
-        return
+def check_memory(exe, gdev, nodes=(), reason=None) -> None:
+    """Before ``exe`` runs on local device ``gdev``: count it in the device's peak
+    (``memory.executing``), and raise ``OutOfMemory`` if its new buffers cannot fit in the
+    device's free memory (graphs allocating over 256 MiB). ``nodes`` (the graph's IR nodes)
+    and ``reason`` (what cut it) name the graph and its largest buffers in the error."""
+    need = exe.need
+    if need > _BIG:
+        free = memory.available_bytes(jax_device(gdev))
+        if free is not None and need > free:
+            raise OutOfMemory(oom_report(exe, gdev, nodes, reason, free))
+    memory.executing(gdev, need)
+    NEWEST[1] = exe
+
+
+def out_of_memory(error: BaseException, exe, gdev, nodes=(), reason=None) -> BaseException:
+    """``error`` as an ``OutOfMemory`` with the graph's report when it is XLA's
+    RESOURCE_EXHAUSTED (raised compiling or running a graph), else ``error`` itself."""
+    if isinstance(error, OutOfMemory) or "RESOURCE_EXHAUSTED" not in str(error):
+        return error
     free = memory.available_bytes(jax_device(gdev))
-    if free is not None and exe.need > free:
-        raise OutOfMemory(
-            f"RESOURCE_EXHAUSTED: this step's graph needs {exe.need / 2**30:.2f} GiB of new buffers on xla:{gdev}, "
-            f"and {free / 2**30:.2f} GiB are free; the tensors computed by it were not computed"
+    oom = OutOfMemory(oom_report(exe, gdev, nodes, reason, free, first=str(error).strip().splitlines()[0]))
+    oom.__cause__ = error
+    return oom
+
+
+def _size(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def _nbytes(aval) -> int:
+    shape, dtype = aval
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+    return n
+
+
+def largest_buffers(nodes, count: int = 3) -> list[str]:
+    """The ``count`` largest values ``nodes`` compute, one line each: shape and dtype, size,
+    the op that made it and the user's line (recorded for every large value, ``ir/ops.Info.big``)."""
+    sized = []
+    for n in nodes:
+        for o in n.outs:
+            if o is not None and type(o.aval) is tuple:
+                sized.append((_nbytes(o.aval), o.aval, n))
+    sized.sort(key=lambda t: -t[0])
+    lines = []
+    for size, (shape, dtype), n in sized[:count]:
+        src = getattr(n, "src", None)
+        at = f" at {fmt_src(src, full=True)}" if src is not None else ""
+        name = getattr(n.spec, "name", str(n.spec)).removesuffix(".default")
+        lines.append(f"{_size(size)}  {str(dtype).removeprefix('torch.')}{list(shape)} from aten::{name}{at}")
+    return lines
+
+
+def oom_report(exe, gdev, nodes, reason, free, first=None) -> str:
+    """Why a graph does not fit on ``xla:gdev``: which graph (its number, the step, the cut and
+    its line, the region), what it needs against what is free, its largest buffers. ``exe``:
+    its executable (None when compiling it failed); ``first``: XLA's message, if it raised."""
+    m = exe.memory if exe is not None else None
+    region = regions.current() if regions.ACTIVE else None
+    src = user_frame()
+    what = f"graph {exe.gid}" if exe is not None else "a graph"
+    step = COUNTERS["MarkStep"] - (reason == "mark_step")  # mark_steps before this one (the explainer's step)
+    what += f" (step {step}, cut by {record.current_cause() or reason or 'a sync'}"
+    what += f" at {fmt_src(src, full=True)}" if src is not None else ""
+    what += f", torch_xla.compile region {region.name!r})" if region is not None and region.name else ")"
+    avail = _size(free) if free is not None else "an unknown amount"
+    if first is None:
+        lines = [f"RESOURCE_EXHAUSTED: {what} needs {_size(m.new)} of new buffers on xla:{gdev}, and {avail} "
+                 f"is free"]  # fmt: skip
+    else:
+        lines = [first, f"  {what} ran out of memory on xla:{gdev} ({avail} free now)"]
+    if m is not None:
+        lines.append(
+            f"  needs: {_size(m.new)} new = outputs {_size(m.output - m.alias)} (not aliased to donated "
+            f"inputs) + temporaries {_size(m.temp)}; arguments {_size(m.argument)} (on the device already)"
         )
+    big = largest_buffers(nodes)
+    if big:
+        lines.append("  largest buffers:")
+        lines += [f"    {b}" for b in big]
+    lines.append("  the tensors computed by this graph were not computed")
+    return "\n".join(lines)
 
 
 class Body:
