@@ -78,7 +78,10 @@ class Data:
         _LIVE[dev] = _LIVE.get(dev, 0) + n
 
     def __del__(self):
-        _LIVE[self.dev] -= self.nbytes
+        try:
+            _LIVE[self.dev] -= self.nbytes
+        except Exception:  # at interpreter exit the module's globals may be gone
+            pass
 
 
 class Scalar:
