@@ -6,8 +6,9 @@ The warm process reads the cache after it was moved to another directory (the ke
 depend on where the cache lives). ``compile_s``: the ``CompileTime`` metric (lowering to
 StableHLO and XLA's compile, or the cache's load instead); ``step_s``: wall time of the
 first step to its loss on the host; ``process_s``: the child's whole life (imports too).
+``--rounds R`` repeats the pair R times and prints medians (figures on a shared machine vary).
 
-Usage: python -m bench.compile_cache [--program gpt] [--steps 1] [--small]
+Usage: python -m bench.compile_cache [--program gpt] [--steps 1] [--small] [--rounds 1]
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -74,12 +76,16 @@ def main() -> None:
     ap.add_argument("--program", default="gpt", choices=("gpt", "mlp", "mnist"))
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--small", action="store_true")
+    ap.add_argument("--rounds", type=int, default=1)
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        a, b = os.path.join(tmp, "a"), os.path.join(tmp, "b")
-        cold = run_child(a, args.program, args.steps, args.small)
-        shutil.move(a, b)  # the warm process finds the cache somewhere else
-        warm = run_child(b, args.program, args.steps, args.small)
+    rows: dict[str, list[dict]] = {"cold": [], "warm": []}
+    for _ in range(args.rounds):
+        with tempfile.TemporaryDirectory() as tmp:
+            a, b = os.path.join(tmp, "a"), os.path.join(tmp, "b")
+            rows["cold"].append(run_child(a, args.program, args.steps, args.small))
+            shutil.move(a, b)  # the warm process finds the cache somewhere else
+            rows["warm"].append(run_child(b, args.program, args.steps, args.small))
+    cold, warm = ({k: statistics.median(r[k] for r in rows[name]) for k in rows[name][0]} for name in ("cold", "warm"))
     for name, row in (("cold", cold), ("warm", warm)):
         print(f"{name}: " + "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
     print(f"warm/cold compile_s: {warm['compile_s'] / cold['compile_s']:.3f}  "
