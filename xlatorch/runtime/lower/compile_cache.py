@@ -75,7 +75,14 @@ class _DiskCache(CacheInterface):
         self.max_bytes = max_bytes
         self._lock = threading.Lock()  # one eviction at a time; guards _size
         self._size: int | None = None  # bytes on disk at the last scan, plus this process's writes since
+        os.register_at_fork(after_in_child=self._forked)
         threading.Thread(target=self.evict, name="xlatorch-cache-evict", daemon=True).start()
+
+    def _forked(self) -> None:
+        # A child forked while the scan held the lock would wait for it forever at its
+        # first write; without the scan's total it does not evict (the next process does).
+        self._lock = threading.Lock()
+        self._size = None
 
     def get(self, key: str) -> bytes | None:
         try:
