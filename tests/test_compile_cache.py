@@ -6,6 +6,7 @@ included: the cache must be safe for those too.)
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -36,10 +37,21 @@ print(json.dumps(dict(losses=losses, hits=met.counter_value("PersistentCacheHit"
 """
 
 
-def _run(cache_dir, n=1):
-    env = dict(os.environ, XLATORCH_CACHE_DIR=str(cache_dir), PYTHONPATH=ROOT)
-    procs = [subprocess.Popen([sys.executable, "-c", _SCRIPT], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, cwd=ROOT, env=env) for _ in range(n)]  # fmt: skip
+_GRAPHS = r"""
+import json, sys, torch
+import xlatorch.core.xla_model as xm, xlatorch.debug.metrics as met
+for n in map(int, sys.argv[1:]):  # one graph per length
+    y = torch.arange(float(n), device="xla") * 3 + 1
+    xm.mark_step()
+    assert y.cpu()[-1].item() == 3 * n - 2
+print(json.dumps({k: met.counter_value("PersistentCache" + k) or 0 for k in ("Hit", "Miss", "Eviction")}))
+"""
+
+
+def _run(cache_dir, n=1, script=_SCRIPT, args=(), **env):
+    env = dict(os.environ, XLATORCH_CACHE_DIR=str(cache_dir), PYTHONPATH=ROOT, **env)
+    procs = [subprocess.Popen([sys.executable, "-c", script, *map(str, args)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env) for _ in range(n)]  # fmt: skip
     out = []
     for p in procs:
         stdout, stderr = p.communicate(timeout=300)
@@ -63,6 +75,60 @@ def test_processes_sharing_the_directory(tmp_path):
     assert runs[0]["losses"] == runs[1]["losses"]
     (after,) = _run(tmp_path)
     assert after["hits"] >= after["compiles"] and after["misses"] == 0
+
+
+def test_a_cache_moved_elsewhere_hits(tmp_path):
+    """The key does not hold the cache's path (JAX's XLA caches would put it in the compile
+    options): a CI cache restored under another home still hits."""
+    (first,) = _run(tmp_path / "a")
+    assert first["misses"] >= first["compiles"] >= 1
+    shutil.move(tmp_path / "a", tmp_path / "b")
+    (moved,) = _run(tmp_path / "b")
+    assert moved["hits"] >= moved["compiles"] and moved["misses"] == 0
+    shutil.copytree(tmp_path / "b", tmp_path / "c")
+    (copied,) = _run(tmp_path / "c")
+    assert copied["hits"] >= copied["compiles"] and copied["misses"] == 0
+    assert first["losses"] == moved["losses"] == copied["losses"]
+
+
+def test_the_cache_on_disk_is_bounded_and_keeps_the_newest(tmp_path):
+    """Entries of a graph of this kind are about 3.3 kB: a bound of 12 kB holds three. Each
+    process writes three; the oldest go (eviction runs when a write passes the bound), the
+    directory never holds more than the bound, and what survives still hits."""
+    entries = tmp_path / "jax"
+    limit = 12_000
+
+    def size():
+        return sum(f.stat().st_size for f in entries.iterdir() if f.name.endswith("-cache"))
+
+    evictions = 0
+    for first in (100, 200, 300):
+        (run,) = _run(tmp_path, script=_GRAPHS, args=(first, first + 1, first + 2), XLATORCH_CACHE_MAX_BYTES=str(limit))
+        assert run["Miss"] == 3 and run["Hit"] == 0
+        assert 0 < size() <= limit, size()
+        evictions += run["Eviction"]
+    assert evictions >= 6
+    assert not [f for f in os.listdir(entries) if f.endswith(".tmp")]  # written whole, renamed
+    (newest,) = _run(tmp_path, script=_GRAPHS, args=(302, 301), XLATORCH_CACHE_MAX_BYTES=str(limit))
+    assert newest["Hit"] == 2 and newest["Miss"] == 0
+    (oldest,) = _run(tmp_path, script=_GRAPHS, args=(100,), XLATORCH_CACHE_MAX_BYTES=str(limit))
+    assert oldest["Hit"] == 0 and oldest["Miss"] == 1
+    assert size() <= limit
+
+
+def test_a_hit_only_reads_its_entry(tmp_path):
+    """No lock file, no access-time file, nothing written by a hit (JAX's own bound writes
+    both on every hit)."""
+    _run(tmp_path, script=_GRAPHS, args=(7,))
+
+    def files():
+        return {f.name: f.stat().st_mtime_ns for f in (tmp_path / "jax").iterdir()}
+
+    before = files()
+    assert before and all(n.endswith("-cache") for n in before)
+    (again,) = _run(tmp_path, script=_GRAPHS, args=(7,))
+    assert again["Hit"] == 1 and again["Miss"] == 0
+    assert files() == before
 
 
 def test_cache_off():

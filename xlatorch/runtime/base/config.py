@@ -69,6 +69,13 @@ def _whole(lo: int) -> Callable[[str], int]:
     return parse
 
 
+def _bytes(v: str) -> int:
+    m = re.fullmatch(r"(\d+)\s*([KMGT]?)i?B?", v, re.IGNORECASE)
+    if not m or not int(m.group(1)):
+        raise ValueError
+    return int(m.group(1)) << (10 * " KMGT".index(m.group(2).upper() or " "))
+
+
 def _seconds(v: str) -> float:
     s = float(v)
     if not s > 0:  # also NaN
@@ -156,6 +163,7 @@ VARS: dict[str, Var] = {
     "XLATORCH_FALLBACK_REPORT": Var(_text, None, _PATH),
     # compiling
     "XLATORCH_CACHE_DIR": Var(_text, None, "a directory, or empty to turn the persistent cache off", empty=True),
+    "XLATORCH_CACHE_MAX_BYTES": Var(_bytes, 1 << 30, "a size in bytes >= 1, e.g. 1073741824, 512M or 2G"),
     "XLATORCH_EXECUTABLE_CACHE_SIZE": Var(_whole(1), None, "a whole number >= 1 (compiled graphs kept in memory)"),
     "XLATORCH_XLA_OPTIONS": Var(_xla_options, None, "name=value XLA compiler options, separated by commas", empty=True),
     "XLATORCH_HOIST_BIRTHS": Var(_switch, True, _SWITCH),
