@@ -121,6 +121,17 @@ def wrong_device():
     return WrongDevice(), (torch.randn(8, 16),), _loss
 
 
+class Half(Mlp):
+    def forward(self, x):
+        h = torch.relu(self.a(x)).to(torch.complex32)  # LINE: unsupported dtype
+        return self.b(h.real.float())
+
+
+def unsupported_dtype():
+    torch.manual_seed(0)
+    return Half(), (torch.randn(8, 16),), _loss
+
+
 def bert():
     tf = __import__("transformers")
     torch.manual_seed(0)

@@ -39,8 +39,9 @@ def _both(name):
     return dry, real
 
 
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 @pytest.mark.parametrize("name", ["mlp", "cnn", "with_read", "with_branch", "with_fallback", "with_mask", "growing",
-                                  "wrong_device", "bert"])  # fmt: skip
+                                  "wrong_device", "unsupported_dtype", "bert"])  # fmt: skip
 def test_a_dry_run_predicts_what_a_real_run_counts(name):
     if name == "bert":
         pytest.importorskip("transformers")
@@ -104,6 +105,14 @@ def test_an_error_is_reported_with_the_users_line():
     assert isinstance(r.error, RuntimeError) and "not an XLA tensor" in str(r.error)
     (f,) = r.findings
     assert f.kind == "error" and f.source == cm.line("CPU tensor")
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+def test_an_unsupported_dtype_is_an_error_at_its_line():
+    r = check(cm.unsupported_dtype)
+    assert isinstance(r.error, TypeError) and "unsupported dtype torch.complex32" in str(r.error)
+    (f,) = r.findings
+    assert f.kind == "error" and f.source == cm.line("unsupported dtype")
 
 
 def test_a_cut_inside_a_library_names_the_librarys_line_and_the_phase():

@@ -184,6 +184,7 @@ def _sync(reason, dev, timed) -> None:
         # rest of the step runs.
         n = step.graph.nodes[le.k]
         err = le.error
+        err.xlatorch_source = getattr(n, "src", None)  # the op's line, when recorded (xlatorch.check reads it)
         err.add_note(f"xlatorch: raised while lowering {_op_name(n)}; the tensors computed from it carry this error")
         failed.fail_node(n, err)
         try:
@@ -378,7 +379,7 @@ def _run_dry(step: Step) -> None:
         except LoweringError as le:
             n, err = g.nodes[le.k], le.error
             err.xlatorch_source = getattr(n, "src", None)
-            err.add_note(f"xlatorch: raised while lowering aten::{n.spec.name} at {fmt_src(err.xlatorch_source, True)}")
+            err.add_note(f"xlatorch: raised while lowering {_op_name(n)}; a real run raises it at this sync")
             raise err from None
 
 
