@@ -38,7 +38,9 @@ def main() -> None:
     for lower in (True, False):
         for run in (1, 2):
             r = check(make, lower=lower)
-            print(f"dry run, 3 steps, lowering traced={lower}, run {run}: {r.seconds:.2f} s, {len(r.findings)} findings")
+            print(
+                f"dry run, 3 steps, lowering traced={lower}, run {run}: {r.seconds:.2f} s, {len(r.findings)} findings"
+            )
     if a.real:
         r = check(make, steps=1, dry_run=False)
         print(f"one real step (compile and run): {r.seconds:.2f} s")
