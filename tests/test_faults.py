@@ -69,8 +69,7 @@ _PROGRAM = textwrap.dedent(
                 return
             os.kill(os.getpid(), signal.SIGINT)
         stop.set()
-    sender = threading.Thread(target=pester)
-    sender.start()
+    sender = threading.Thread(target=pester)  # started inside the try below: no signal before it
     saved, done = [], [0]
     t_end = time.time() + 120  # a bound for a stuck run, not a speed goal
 
@@ -94,8 +93,12 @@ _PROGRAM = textwrap.dedent(
 
     # Ctrl-C lands on a line of this program; the loop's own lines (while, try) are lines
     # too, so an interrupt there leaves train() and is caught here.
+    started = False
     while True:
         try:
+            if not started:
+                started = True
+                sender.start()
             train()
             break
         except KeyboardInterrupt:
