@@ -465,9 +465,23 @@ def _alive(pid: int) -> bool:
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
+def _listening(port: int) -> bool:
+    """Whether a socket on this machine listens on TCP ``port`` (/proc/net/tcp, tcp6)."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            local, state = row.split()[1], row.split()[3]
+            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                return True
+    return False
+
+
 def test_workers_die_with_a_killed_launcher(tmp_path):
     import signal
-    import socket
     import time
 
     script = tmp_path / "launch.py"
@@ -489,10 +503,11 @@ def test_workers_die_with_a_killed_launcher(tmp_path):
         while any(_alive(p) for p in pids) and time.time() - t0 < 10:
             time.sleep(0.2)
         assert not any(_alive(p) for p in pids), "workers outlived their launcher by 10 s"
-        host, port = info[0][1].rsplit(":", 1)
-        with socket.socket() as s:  # the coordinator's port is free again
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind((host, int(port)))
+        port = int(info[0][1].rsplit(":", 1)[1])
+        t0 = time.time()  # nothing listens on the coordinator's port any more (another job may use it otherwise)
+        while _listening(port) and time.time() - t0 < 10:
+            time.sleep(0.2)
+        assert not _listening(port), f"the coordinator's port {port} is still listened on"
     finally:
         if launcher.poll() is None:
             launcher.kill()
