@@ -314,9 +314,12 @@ def _run(step: Step) -> None:
             # A graph whose shapes changed since it last ran may run as stages.
             g = step.graph
             stage = stages.split(g.nodes, g.enc, g.root_refs, gdev, step.reason)
-            if stage is not None and _run_stages(step, stage):
-                _traced(step.t0)
-                return
+            if stage is not None:
+                with uninterrupted():  # a stage that donated runs and commits whole
+                    staged = _run_stages(step, stage)
+                if staged:
+                    _traced(step.t0)
+                    return
         break
     g = step.graph
     packed, leaf_kinds = pack(g.leaves)
@@ -394,9 +397,12 @@ def _traced(t0) -> None:
 
 def _run_stages(step: Step, stage) -> bool:
     """Run the step's graph as the stages ``stages.split`` gave its nodes, then commit the step
-    whole. Nothing is donated and nothing committed before the last stage has run, so on
-    any failure (a check that fires, an error) this returns False having changed nothing,
-    and the caller runs the graph whole, which reports it as usual."""
+    whole. Nothing is committed before the last stage has run, so on a failure (a check that
+    fires, an error) this returns False having changed nothing, and the caller runs the graph
+    whole, which reports it as usual. Unless a stage donated: the step's donatable leaves
+    (``Step.prepare``; none in a checked graph or a borrowed plan) go to the last stage reading
+    each (``stages.donors``). After one did, an error fails the step whole instead: storages
+    get back their data from before it where it still exists, the others carry the error."""
     settle.settle()  # before the try below: an earlier step's error is not a stage's to swallow
     t_run = time.perf_counter_ns()
     g, gdev, timed = step.graph, step.storages[0].dev, step.timed
@@ -406,6 +412,8 @@ def _run_stages(step: Step, stage) -> bool:
     whole = type(stage) is stages.Whole  # a tiny graph: on the host, or whole as usual
     borrowed = type(stage) is stages.Borrowed  # runs only if it compiles nothing, else whole as before
     parts = stages.stages(enc, g.root_refs, stage)
+    donors = {} if whole or borrowed else stages.donors(nodes, leaves, enc, stage, [step.data[i] for i in step.donate])
+    donated = False
     try:
         for s, ks, refs in parts if borrowed else ():
             if s & 1 and _stage_key(stages.encode(nodes, leaves, enc, stage, ks, refs, {}), gdev) not in cache.CACHE:
@@ -424,13 +432,16 @@ def _run_stages(step: Step, stage) -> bool:
             sl, senc, srefs = stages.encode(nodes, leaves, enc, stage, ks, refs, cut)
             data = [v for v in sl if type(v) is Data]
             packed, kinds = pack(sl)
-            req = CompileRequest(_stage_key((sl, senc, srefs), gdev), sn, sl, kinds, srefs, data, packed, (), gdev, (),
-                                 cut, None, not s & 1)  # fmt: skip
+            out_avals = {o.aval for o in roots}
+            donate = tuple(i for i, d in enumerate(data) if donors.get(id(d)) == s and d.aval in out_avals)
+            req = CompileRequest(_stage_key((sl, senc, srefs), gdev, donate), sn, sl, kinds, srefs, data, packed,
+                                 donate, gdev, (), cut, None, not s & 1)  # fmt: skip
             exe = executable(req, timed)
             check_memory(exe, gdev, sn, step.reason)
             record.add_sample("TensorsGraphSize", len(sn))
             cache.touch(exe)
             with timed("ExecuteDispatchTime"):
+                donated |= bool(donate)
                 outs = exe.compiled([d.array for d in data], packed)
             if exe.checks is not None:
                 if checks.failure(exe.checks.rows, outs[-1], checks.where(exe.checks.rows, sn)) is not None:
@@ -438,18 +449,23 @@ def _run_stages(step: Step, stage) -> bool:
                 outs = outs[:-1]
             for o, arr in zip(roots, outs):
                 cut[id(o)] = Data(arr, o.aval, gdev)
-    except Exception:
+    except Exception as e:
+        if donated:
+            faults.give_back_or_fail(step.storages, e)
+            raise
         return False
     COUNTERS["GraphOnHost" if whole else "StagedSync"] += 1
+    if donated:
+        COUNTERS["StagedDonation"] += 1
     with uninterrupted():
         _commit(step, [cut[id(st.value)].array for st in step.storages], t_run)
     return True
 
 
-def _stage_key(encoded, gdev) -> tuple:
-    """A stage's executable-cache key, from ``stages.encode``: no donation, no kept data."""
+def _stage_key(encoded, gdev, donate=()) -> tuple:
+    """A stage's executable-cache key, from ``stages.encode`` and what it donates; no kept data."""
     sl, senc, srefs = encoded
-    key = (tuple(senc), srefs, tuple(v.sig for v in sl), (), gdev, (), None)
+    key = (tuple(senc), srefs, tuple(v.sig for v in sl), donate, gdev, (), None)
     opts = regions.options_key() if regions.ACTIVE or regions.CUSTOM else None
     return key if opts is None else key + (opts,)
 

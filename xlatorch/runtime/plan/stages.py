@@ -49,6 +49,7 @@ __all__ = [
     "split",
     "stages",
     "encode",
+    "donors",
     "exact",
     "bookkeeping",
     "Whole",
@@ -238,6 +239,22 @@ def encode(nodes, leaves, enc, stage, ks, refs, cut):
             new.append(-1 - i)
         senc.append((enc[k][0], tuple(new)))
     return sl, senc, tuple(pos[r // 4096] * 4096 + r % 4096 for r in refs)
+
+
+def donors(nodes, leaves, enc, stage, data) -> dict:
+    """``id`` -> stage, for each of ``data`` (device-data leaves a staged step may donate: no
+    live tensor holds them): the last stage reading it, whose executable may reuse its buffer.
+    Empty when a node is checked: a check that fires makes the caller run the graph whole, from
+    the leaves (and a checked step keeps what it updates in place, ``plan/keep.py``)."""
+    if not data or any(n.info.checked for n in nodes):
+        return {}
+    want = {id(d) for d in data}
+    last: dict = {}
+    for k, (_, refs) in enumerate(enc):
+        for r in refs:
+            if r < 0 and id(leaves[-1 - r]) in want:
+                last[id(leaves[-1 - r])] = stage[k]  # nodes are in order, stages increase along them
+    return last
 
 
 HOST_MAX_ELEMENTS = 1 << 16  # per value: a stage reading or making more stays on the device
