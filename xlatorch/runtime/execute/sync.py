@@ -413,6 +413,7 @@ def _run_stages(step: Step, stage) -> bool:
     borrowed = type(stage) is stages.Borrowed  # runs only if it compiles nothing, else whole as before
     parts = stages.stages(enc, g.root_refs, stage)
     donors = {} if whole or borrowed else stages.donors(nodes, leaves, enc, stage, [step.data[i] for i in step.donate])
+    last = parts[-1][0] if parts else -1
     donated = False
     try:
         for s, ks, refs in parts if borrowed else ():
@@ -433,7 +434,10 @@ def _run_stages(step: Step, stage) -> bool:
             data = [v for v in sl if type(v) is Data]
             packed, kinds = pack(sl)
             out_avals = {o.aval for o in roots}
-            donate = tuple(i for i, d in enumerate(data) if donors.get(id(d)) == s and d.aval in out_avals)
+            # Only the last stage donates: nothing compiles after it, so an error after a donation
+            # can only be its own execution's (the whole path's case), never a later stage's compile.
+            donate = () if s != last else tuple(
+                i for i, d in enumerate(data) if donors.get(id(d)) == s and d.aval in out_avals)  # fmt: skip
             req = CompileRequest(_stage_key((sl, senc, srefs), gdev, donate), sn, sl, kinds, srefs, data, packed,
                                  donate, gdev, (), cut, None, not s & 1)  # fmt: skip
             exe = executable(req, timed)
