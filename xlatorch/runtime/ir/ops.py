@@ -33,15 +33,18 @@ BIG_BYTES = 16 << 20
 class Info:
     """What a node's signature determines: output avals, computation dtype, whether the node
     carries an on-device check (``runtime/lower/checks.py``), and whether an output is
-    large (``big``: at least ``BIG_BYTES``)."""
+    large (``big``: at least ``BIG_BYTES``). ``key``: the key of the nodes made from it, one
+    tuple shared by all of them (set by ``trace/nodes.py`` at the first), so that comparing two
+    graphs' keys finds equal nodes by identity instead of walking their signatures."""
 
-    __slots__ = ("avals", "cdtype", "checked", "big")
+    __slots__ = ("avals", "cdtype", "checked", "big", "key")
 
     def __init__(self, avals, cdtype, checked=False):
         self.avals = avals
         self.cdtype = cdtype
         self.checked = checked
         self.big = any(a is not None and type(a) is tuple and _nbytes(a) >= BIG_BYTES for a in avals)
+        self.key = None
 
 
 def _nbytes(aval) -> int:
@@ -61,7 +64,7 @@ class OpSpec:
     __slots__ = (
         "name", "overload", "emit", "arg_names", "kinds", "kwarg_only", "returns",
         "promote", "promote_idx", "view", "scatter", "cache", "meta_overload", "check", "check_integral",
-        "counter", "mutates", "born", "index_dtype",
+        "counter", "mutates", "born", "index_dtype", "prepare",
     )  # fmt: skip
 
     def __init__(self, name, overload, emit, arg_names, kinds, kwarg_only, returns,
@@ -98,6 +101,8 @@ class OpSpec:
         # A constant op (``zeros_like``, ``full``): its node records the storage its result
         # starts (runtime/plan/births.py, which sets this).
         self.born = False
+        # The converter of its arguments (runtime/trace/dispatch.py makes it at the first call).
+        self.prepare = None
 
     def __repr__(self):
         return f"OpSpec({self.name})"

@@ -12,7 +12,7 @@ import numpy as np
 
 from xlatorch.runtime.base.dtypes import PY_SCALAR_JAX, to_jax
 from xlatorch.runtime.ir import failed as failure
-from xlatorch.runtime.ir.values import Data, Out, operands
+from xlatorch.runtime.ir.values import Data, Out, Scalar
 
 __all__ = ["Graph", "collect", "pack"]
 
@@ -30,47 +30,78 @@ class Graph:
 
 
 def collect(roots, cut=None) -> Graph:
-    """The graph computing ``roots``. Runs at every sync over the whole graph: kept tight."""
-    order: dict[int, int] = {}  # id(node) -> position
+    """The graph computing ``roots``. Runs at every sync over the whole graph: kept tight
+    (one visit per node whose operands are already placed, the operand scan and the leaf
+    numbering inline; the order is the post-order of a depth-first walk, operands in order)."""
+    order = {}
     nodes = []
-    leaf_pos: dict[int, int] = {}
+    leaf_pos = {}
     leaves = []
     enc = []
     failed = False
-    failed_spec = failure._SPEC  # None until some value has failed
-
-    def leaf(v) -> int:
-        i = leaf_pos.get(id(v))
-        if i is None:
-            i = leaf_pos[id(v)] = len(leaves)
-            leaves.append(v)
-        return -1 - i
-
+    failed_spec = failure._SPEC
+    _Out, _Data, _Scalar, _tuple = Out, Data, Scalar, tuple
     for root in roots:
         if id(root.node) in order:
             continue
-        stack = [(root.node, None)]
+        stack = [root.node]
+        pending = [None]
         while stack:
-            n, ops = stack.pop()
+            n = stack[-1]
+            ops = pending[-1]
+            if ops is None:
+                if id(n) in order:
+                    stack.pop()
+                    pending.pop()
+                    continue
+                ops = []
+                for a in n.args:
+                    t = type(a)
+                    if t is _Out or t is _Scalar or t is _Data:
+                        ops.append(a)
+                    elif t is _tuple:
+                        ops.extend(x for x in a if type(x) in (_Out, _Scalar, _Data))
+                if cut:
+                    ops = [cut.get(id(v), v) for v in ops]
+                pending[-1] = ops
+                more = False
+                for v in reversed(ops):
+                    if type(v) is _Out and id(v.node) not in order:
+                        stack.append(v.node)
+                        pending.append(None)
+                        more = True
+                if more:
+                    continue
+            stack.pop()
+            pending.pop()
             if id(n) in order:
                 continue
-            if ops is None:  # first visit: operands first
-                ops = operands(n.args)
-                if cut:  # values computed by an earlier stage are device data here
-                    ops = [cut.get(id(v), v) for v in ops]
-                stack.append((n, ops))
-                for v in reversed(ops):
-                    if type(v) is Out and id(v.node) not in order:
-                        stack.append((v.node, None))
-                continue
-            refs = tuple(order[id(v.node)] * 4096 + v.idx if type(v) is Out else leaf(v) for v in ops)
-            enc.append((n.key, refs))
+            refs = []
+            for v in ops:
+                if type(v) is _Out:
+                    refs.append(order[id(v.node)] * 4096 + v.idx)
+                else:
+                    i = leaf_pos.get(id(v))
+                    if i is None:
+                        i = leaf_pos[id(v)] = len(leaves)
+                        leaves.append(v)
+                    refs.append(-1 - i)
+            enc.append((n.key, _tuple(refs)))
             order[id(n)] = len(nodes)
             nodes.append(n)
             if n.spec is failed_spec:
                 failed = True
-    root_refs = tuple(order[id(r.node)] * 4096 + r.idx if type(r) is Out else leaf(r) for r in roots)
-    return Graph(nodes, leaves, enc, root_refs, failed)
+    root_refs = []
+    for r in roots:
+        if type(r) is _Out:
+            root_refs.append(order[id(r.node)] * 4096 + r.idx)
+        else:
+            i = leaf_pos.get(id(r))
+            if i is None:
+                i = leaf_pos[id(r)] = len(leaves)
+                leaves.append(r)
+            root_refs.append(-1 - i)
+    return Graph(nodes, leaves, enc, _tuple(root_refs), failed)
 
 
 def pack(leaves):

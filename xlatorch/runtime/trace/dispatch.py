@@ -15,6 +15,7 @@ import torch
 from xlatorch.runtime.base.record import COUNTERS
 from xlatorch.runtime.base.threads import _in_backward
 from xlatorch.runtime.ir.ops import (
+    GENERATOR,
     LIST,
     ONE,
     OPT_TENSOR,
@@ -95,7 +96,20 @@ def _tensor_value(spec, t):
 
 
 def _prepare(spec, args):
-    """The converted arguments and their signature, in one pass: the per-op hot path."""
+    """The converted arguments and their signature, in one pass: the per-op hot path.
+
+    Each tuple of argument kinds gets its own straight-line converter (``_converter``), made
+    once; it does exactly what the loop of ``_convert`` does, without the loop."""
+    conv = spec.prepare
+    if conv is None:
+        kinds = tuple(spec.kinds)
+        conv = spec.prepare = _CONVERTERS.get(kinds) or _converter(kinds)
+    if len(args) == len(spec.kinds):
+        return conv(spec, args)
+    return _convert(spec, args)
+
+
+def _convert(spec, args):
     vals = []
     sig = []
     for a, kind in zip(args, spec.kinds):
@@ -126,6 +140,55 @@ def _prepare(spec, args):
     return tuple(vals), tuple(sig)
 
 
+# Per argument kind: the lines converting argument ``a{i}`` to value ``v{i}`` and signature ``s{i}``
+# (the branches of ``_convert``).
+_LINES = {
+    TENSOR: (
+        "if type(a{i}) is XlaTensor and a{i}._vw is None:",
+        "    v{i} = a{i}._st.value",
+        "    s{i} = v{i}.sig",
+        "else:",
+        "    v{i} = _tensor_value(spec, a{i})",
+        "    s{i} = None if v{i} is None else v{i}.sig",
+    ),
+    STATIC: (
+        "t{i} = type(a{i})",
+        "v{i} = s{i} = tuple(a{i}) if t{i} is list else a{i}",
+        "if t{i} is float or t{i} is bool:",
+        "    s{i} = _static_sig(a{i})",
+    ),
+    SCALAR: (
+        "if a{i} is None:",
+        "    v{i} = s{i} = None",
+        "else:",
+        "    v{i} = scalar(a{i})",
+        "    s{i} = v{i}.sig",
+    ),
+    TENSOR_LIST: ("v{i} = tuple(_tensor_value(spec, x) for x in a{i})", "s{i} = _sig(v{i})"),
+    SCALAR_LIST: ("v{i} = tuple(scalar(x) for x in a{i})", "s{i} = _sig(v{i})"),
+    GENERATOR: ("v{i} = next_key()", "s{i} = _sig(v{i})"),
+}
+_LINES[OPT_TENSOR] = _LINES[TENSOR]
+_CONVERTERS: dict = {}  # kinds -> converter
+
+
+def _converter(kinds: tuple):
+    """A function ``(spec, args) -> (vals, sig)`` for arguments of ``kinds``, as ``_convert``."""
+    n = len(kinds)
+    names = ", ".join(f"a{i}" for i in range(n))
+    lines = ["def convert(spec, args):"] + ([f"    {names}{',' if n == 1 else ''} = args"] if n else [])
+    for i, k in enumerate(kinds):
+        lines += ["    " + line.format(i=i) for line in _LINES[k]]
+    vs = "".join(f"v{i}, " for i in range(n))
+    ss = "".join(f"s{i}, " for i in range(n))
+    lines.append(f"    return ({vs}), ({ss})")
+    scope = {"XlaTensor": XlaTensor, "_tensor_value": _tensor_value, "_static_sig": _static_sig, "scalar": scalar,
+             "_sig": _sig, "next_key": next_key}  # fmt: skip
+    exec("\n".join(lines), scope)  # noqa: S102 - source built above from the fixed _LINES
+    conv = _CONVERTERS[kinds] = scope["convert"]
+    return conv
+
+
 def _outputs(spec, n: Node):
     if spec.returns is ONE:
         return wrap(n.outs[0])
@@ -135,7 +198,8 @@ def _outputs(spec, n: Node):
 
 def call(spec: OpSpec, args: tuple):
     """A functional op: one new node, new tensors for its outputs (views alias their base)."""
-    n = _node(spec, *_prepare(spec, args))
+    vals, sig = _prepare(spec, args)
+    n = _node(spec, vals, sig)
     if spec.view:
         base = args[0]
         rest = n.args[1:]
@@ -143,7 +207,7 @@ def call(spec: OpSpec, args: tuple):
         if spec.returns is ONE:
             return outs[0]
         return outs if spec.returns is LIST else tuple(outs)
-    out = _outputs(spec, n)
+    out = wrap(n.outs[0]) if spec.returns is ONE else _outputs(spec, n)
     if spec.born and _in_backward() == -1:  # gradients are made anew every step: never births
         n.born = _weakref(out._st)
     return out
@@ -211,4 +275,5 @@ def count(name: str) -> None:
     COUNTERS[name] += 1
 
 
-_tensor_module.DISPATCH = dispatch
+_tensor_module.DISPATCH = _tensor_module.LAZY = dispatch
+_tensor_module.SHIMS = SHIMS

@@ -36,7 +36,10 @@ def _node(spec: OpSpec, vals: tuple, sig: tuple) -> Node:
     info = spec.cache.get(sig)
     if info is None:
         info = spec.cache[sig] = _infer(spec, vals)
-    n = Node(spec, vals, info, (spec, sig))
+    key = info.key
+    if key is None:  # equal signatures share the Info, so its nodes share one key tuple
+        key = info.key = (spec, sig)
+    n = Node(spec, vals, info, key)
     COUNTERS[spec.counter] += 1
     if info.checked:
         n.tick = (next(TICKS), owner())  # this thread's later updates are undone if it fails (runtime/lower/checks.py)

@@ -61,6 +61,10 @@ _weakref = weakref.ref
 DISPATCH = None
 TO_CPU = None
 REDUCE = None
+# The lazy dispatch's own table and function (trace/dispatch.py fills both): while DISPATCH is
+# LAZY (not eager mode's wrapper), a lowered op calls its shim straight from __torch_dispatch__.
+SHIMS: dict = {}
+LAZY = None
 
 
 def pending_storages() -> list:
@@ -147,7 +151,12 @@ class XlaTensor(torch.Tensor):
                 error = DEFERRED.pop(_get_ident(), None)
                 if error is not None:
                     raise error
-            return DISPATCH(func, args, kwargs or {})
+            d = DISPATCH
+            if d is LAZY:
+                shim = SHIMS.get(func)
+                if shim is not None:
+                    return shim(*args, **kwargs) if kwargs else shim(*args)
+            return d(func, args, kwargs or {})
         except Exception as e:
             if _in_backward() == -1:
                 raise
