@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from xlatorch.runtime.base.dtypes import weak
 from xlatorch.runtime.ir.body import Ref, node_refs, plan, stack_rows
@@ -37,12 +38,16 @@ def lower_fn(plan, leaf_kinds, root_refs, scopes=None, table=None, keep=()):
 
     def fn(data, packed):
         table.clear()  # filled anew by each trace
+        # Each packed group's scalars come out of one split: one primitive to trace, where
+        # indexing traced a small jitted function per scalar (half the lowering of a graph
+        # of scalar adds, ``bench.long_graph``).
+        groups = [_unpack(p) for p in packed]
         leaf_vals = []
         for kind in leaf_kinds:
             if kind[0] == "d":
                 leaf_vals.append(data[kind[1]])
             else:
-                v = packed[kind[0]][kind[1]]
+                v = groups[kind[0]][kind[1]]
                 leaf_vals.append(weak(v) if kind[2] else v)
         vals = []
 
@@ -83,6 +88,14 @@ def lower_fn(plan, leaf_kinds, root_refs, scopes=None, table=None, keep=()):
         return tuple(outs) + (rows,)
 
     return fn
+
+
+def _unpack(p) -> list:
+    """The 0-d values of a packed 1-d argument."""
+    n = p.shape[0]
+    if n == 1:
+        return [lax.reshape(p, ())]
+    return [lax.reshape(x, ()) for x in lax.split(p, (1,) * n)]
 
 
 class LoweringError(Exception):
