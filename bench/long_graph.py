@@ -5,13 +5,15 @@ xlatorch: ``first sync`` is the wall time of the first ``.cpu()`` of the chain (
 included: the chain is built before the clock starts); then the same graph is lowered and
 compiled again outside the sync, split into ``lower`` (JAX tracing + StableHLO emission:
 ``runtime/execute/lowered.lower``) and ``compile`` (XLA: ``runtime/lower/compiler.compile``),
-with the HLO's op count. jax: ``jax.jit(loop).lower(x)`` and ``.compile()`` the same way,
-twice: ``jax const``, the loop as written (``1`` is a literal: XLA folds the 5,000 adds of a
-constant into one add, so it compiles a one-op program), and ``jax args``, the same loop with
-each ``1`` an element of a vector argument (``t = t + p[i]``), as xlatorch passes host scalars
-(parameters, never constants: a changing learning rate must not recompile). ``jax args`` is
-the program xlatorch's graph should match. The persistent compile cache is off
-(``XLATORCH_CACHE_DIR=``).
+with the HLO's op count. jax: ``jax.jit(loop).lower(x)`` and ``.compile()`` the same way.
+
+Read the jax column knowing what XLA compiles: ``1`` is a literal there, and XLA folds the
+chain of adds of a constant into one add (its optimized HLO is one fusion of one op), while
+xlatorch passes every host scalar as a parameter (never a constant: a learning rate that
+changes must not recompile), so XLA compiles all N adds. The same JAX loop with its scalars
+as elements of a vector argument (``t = t + p[i]``) is no fair yardstick either: at N=600,
+XLA's compile of it outgrew 6 GB on the machine this was written on (2 cores, jaxlib 0.10.2).
+The persistent compile cache is off (``XLATORCH_CACHE_DIR=``).
 
 Usage: python -m bench.long_graph [--n 1000,5000,20000]
 """
@@ -60,19 +62,18 @@ def _xlatorch(n: int) -> dict:
     return dict(trace=trace, sync=sync, lower=low, compile=comp, ops=_ops(lowered.as_text()))
 
 
-def _jax(n: int, args: bool) -> dict:
+def _jax(n: int) -> dict:
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
-    def loop(t, p=None):
-        for i in range(n):
-            t = t + (p[i] if args else 1)
+    def loop(t):
+        for _ in range(n):
+            t = t + 1
         return t
 
-    x = (jnp.zeros(8, jnp.float32),) + ((np.ones(n, np.float32),) if args else ())
+    x = jnp.zeros(8, jnp.float32)
     t0 = time.perf_counter()
-    lowered = jax.jit(loop).lower(*x)
+    lowered = jax.jit(loop).lower(x)
     low = time.perf_counter() - t0
     t0 = time.perf_counter()
     lowered.compile()
@@ -85,16 +86,12 @@ def main() -> None:
     ap.add_argument("--n", default="1000,5000,20000")
     a = ap.parse_args()
     print(f"{'N':>6} {'trace s':>8} {'1st sync s':>10} {'lower s':>8} {'compile s':>9} {'HLO ops':>8} | "
-          f"{'jax const: lower s':>18} {'compile s':>9} {'ops':>6} | {'jax args: lower s':>17} {'compile s':>9} "
-          f"{'ops':>6} | {'xlatorch/jax args':>17}")  # fmt: skip
+          f"{'jax lower s':>11} {'compile s':>9} {'ops':>6}")  # fmt: skip
     for n in map(int, a.n.split(",")):
         x = _xlatorch(n)
-        c = _jax(n, False)
-        j = _jax(n, True)
-        ratio = (x["lower"] + x["compile"]) / (j["lower"] + j["compile"])
+        j = _jax(n)
         print(f"{n:6d} {x['trace']:8.2f} {x['sync']:10.2f} {x['lower']:8.2f} {x['compile']:9.2f} {x['ops']:8d} | "
-              f"{c['lower']:18.2f} {c['compile']:9.2f} {c['ops']:6d} | {j['lower']:17.2f} {j['compile']:9.2f} "
-              f"{j['ops']:6d} | {ratio:17.1f}", flush=True)  # fmt: skip
+              f"{j['lower']:11.2f} {j['compile']:9.2f} {j['ops']:6d}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
