@@ -32,11 +32,16 @@ def _ops(text: str) -> int:
 
 
 def _xlatorch(n: int) -> dict:
+    import jax
     import torch
 
     import xlatorch.core.xla_model as xm
-    from xlatorch.runtime.execute.lowered import lower
+    from xlatorch.runtime.base.dtypes import to_jax
+    from xlatorch.runtime.execute.lowered import graph_of
+    from xlatorch.runtime.ir.values import Data
     from xlatorch.runtime.lower import compiler
+    from xlatorch.runtime.lower.function import lower_fn, plan, shared
+    from xlatorch.runtime.plan.collect import pack
 
     dev = xm.xla_device()
     x = torch.zeros(8, device=dev)
@@ -54,7 +59,11 @@ def _xlatorch(n: int) -> dict:
     for _ in range(n):
         t = t + 1
     t0 = time.perf_counter()
-    lowered = lower(t)[0]
+    nodes, leaves, refs = graph_of(t)  # as a sync lowers it (runtime/lower/executable.py), equal scalars shared
+    packed, kinds = pack(leaves)
+    fn = lower_fn(plan(nodes, leaves), kinds, refs, share=shared(packed))
+    data = [jax.ShapeDtypeStruct(v.aval[0], to_jax(v.aval[1])) for v in leaves if type(v) is Data]
+    lowered = jax.jit(fn).lower(data, [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in packed])
     low = time.perf_counter() - t0
     t0 = time.perf_counter()
     compiler.compile(lowered)
