@@ -173,26 +173,25 @@ def native_layer_norm(out, input, normalized_shape, weight, bias, eps):
 
 
 def native_layer_norm_backward(out, grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask):
-    """aten.native_layer_norm_backward in closed form from the saved statistics, as PyTorch's
-    kernels compute it: ``rstd * (gx - mean(gx) - xhat * mean(gx * xhat))`` with ``gx = grad *
-    weight``; the weight's and bias's gradients are sums over the leading dimensions. (A vjp of
-    the forward recomputed the statistics and differentiated through them: a third more HLO
-    per layer norm for XLA to compile.) Low-precision inputs compute in float32, as the saved
-    statistics are float32."""
-    x = input.astype(jnp.float32) if input.dtype in (jnp.bfloat16, jnp.float16) else input
-    g = grad_out.astype(x.dtype)
-    lead = x.ndim - len(normalized_shape)
-    axes, outer = tuple(range(lead, x.ndim)), tuple(range(lead))
-    xhat = (x - mean) * rstd
-    gi = gw = gb = None
-    if out[0] is not None:
-        gx = g * weight if weight is not None else g
-        gi = rstd * (gx - jnp.mean(gx, axis=axes, keepdims=True) - xhat * jnp.mean(gx * xhat, axis=axes, keepdims=True))
-    if out[1] is not None:
-        gw = jnp.sum(g * xhat, axis=outer)
-    if out[2] is not None:
-        gb = jnp.sum(g, axis=outer)
+    # Low-precision inputs: the saved statistics are float32, so the recomputation is float32 too.
+    y, vjp = jax.vjp(lambda x, w, b: _ln_full(x, normalized_shape, w, b, mean, rstd), input, weight, bias)
+    gi, gw, gb = vjp(grad_out.astype(y.dtype))
     return gi, gw, gb
+
+
+def _ln_full(x, normalized_shape, w, b, mean, rstd):
+    # Recompute mean/rstd from x so the vjp includes their dependence on x; the saved
+    # statistics only fix the epsilon: var + eps == 1 / rstd**2.
+    axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
+    m = jnp.mean(x, axis=axes, keepdims=True)
+    var = jnp.mean(jnp.square(x - m), axis=axes, keepdims=True)
+    eps = lax.stop_gradient(1.0 / jnp.square(rstd) - var)
+    y = (x - m) * lax.rsqrt(var + eps)
+    if w is not None:
+        y = y * w
+    if b is not None:
+        y = y + b
+    return y
 
 
 def gelu(out, self, approximate):
