@@ -177,3 +177,32 @@ def test_failed_check_in_step_zero_keeps_state_usable():
         xm.mark_step()
         assert torch.isfinite(loss.cpu())
     assert all(torch.isfinite(p.cpu()).all() for p in model.parameters())
+
+
+def test_equal_scalars_share_a_parameter_until_they_differ(monkeypatch):
+    """Equal host scalars are read as one parameter (XLA folds what depends on them); a step
+    whose scalars stop being equal recompiles once, without sharing, and is still right."""
+    from xlatorch.runtime.base.record import COUNTERS
+    from xlatorch.runtime.lower import executable
+
+    monkeypatch.setattr(executable, "SHARE_SCALARS", True)
+    dev = xm.xla_device()
+
+    def step(a, b, c):
+        t = torch.zeros(4, device=dev)
+        t = t + a
+        t = t * b
+        t = t - c
+        out = t.cpu()
+        assert torch.equal(out, (torch.zeros(4) + a) * b - c), (a, b, c)
+
+    met.clear_counters()
+    step(2.0, 2.0, 2.0)  # all three share a slot
+    step(3.0, 3.0, 3.0)  # still equal: the same executable
+    assert met.counter_value("UncachedCompile") == 1
+    assert not COUNTERS.get("UnsharedScalarRecompile")
+    step(1.0, 2.0, -0.0)  # no longer equal: compiled once without sharing
+    step(5.0, 5.0, 0.0)
+    step(2.0, 2.0, 2.0)
+    assert met.counter_value("UncachedCompile") == 1
+    assert COUNTERS["UnsharedScalarRecompile"] == 1

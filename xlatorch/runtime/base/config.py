@@ -167,6 +167,7 @@ VARS: dict[str, Var] = {
     "XLATORCH_EXECUTABLE_CACHE_SIZE": Var(_whole(1), None, "a whole number >= 1 (compiled graphs kept in memory)"),
     "XLATORCH_XLA_OPTIONS": Var(_xla_options, None, "name=value XLA compiler options, separated by commas", empty=True),
     "XLATORCH_HOIST_BIRTHS": Var(_switch, True, _SWITCH),
+    "XLATORCH_SHARE_SCALARS": Var(_switch, True, _SWITCH),  # equal host scalars read as one (lower/executable.py)
     "XLATORCH_GC_FREEZE": Var(_switch, True, _SWITCH),
     # checks and faults
     "XLATORCH_CHECKS": Var(_checks, "1", f"sync, or {_SWITCH}"),

@@ -15,14 +15,14 @@ import jax
 import torch
 from jax.sharding import SingleDeviceSharding
 
-from xlatorch.runtime.base import memory, record, regions
+from xlatorch.runtime.base import config, memory, record, regions
 from xlatorch.runtime.base.dtypes import to_jax
 from xlatorch.runtime.base.record import COUNTERS
 from xlatorch.runtime.base.source import fmt_src, user_frame
 from xlatorch.runtime.base.topology import jax_device
 from xlatorch.runtime.ir.emit import hlo_scopes
 from xlatorch.runtime.lower import compiler
-from xlatorch.runtime.lower.function import lower_fn, plan
+from xlatorch.runtime.lower.function import lower_fn, plan, shared
 
 __all__ = [
     "CompileRequest",
@@ -40,6 +40,8 @@ __all__ = [
 
 # Donation is offered whenever shapes match; XLA declining it (layouts) is not the user's concern.
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+# Equal host scalars of a graph read as one parameter (``compile_one``); ``XLATORCH_SHARE_SCALARS=0``: each apart.
+SHARE_SCALARS = config.env("XLATORCH_SHARE_SCALARS")
 
 
 class CompileRequest:
@@ -236,9 +238,11 @@ class Body:
     """A graph's JAX function taking (donated data, kept data, packed scalars), with what
     compiling it needs: the abstract data and packed arguments in leaf order, the positions of
     the kept (not donated) data, and the sharding of a local device other than the default
-    one (``dp.DataParallel``), or None."""
+    one (``dp.DataParallel``), or None. ``share``/``shared_fn``: the same function reading
+    each distinct host scalar once (``function.Shared``), for ``compile_one``; None when the
+    step's scalars are all distinct."""
 
-    __slots__ = ("fn", "data_avals", "packed_avals", "donate", "kept", "placed")
+    __slots__ = ("fn", "data_avals", "packed_avals", "donate", "kept", "placed", "share", "shared_fn")
 
     def args(self) -> tuple:
         """Abstract arguments for ``fn``: (donated data, kept data, packed scalars)."""
@@ -248,8 +252,8 @@ class Body:
 
 def lowered_body(req: CompileRequest, table) -> Body:
     """``req``'s graph as a ``Body``; ``table`` (a ``checks.Table``) is filled while JAX traces it."""
-    fn = lower_fn(plan(req.nodes, req.leaves, req.cut), req.leaf_kinds, req.root_refs, hlo_scopes(req.nodes), table,
-                  req.keep)  # fmt: skip
+    rows, scopes = plan(req.nodes, req.leaves, req.cut), hlo_scopes(req.nodes)
+    fn = lower_fn(rows, req.leaf_kinds, req.root_refs, scopes, table, req.keep)
     b = Body()
     b.placed = placed = SingleDeviceSharding(jax_device(req.dev)) if req.dev else None
     b.data_avals = [jax.ShapeDtypeStruct(d.aval[0], to_jax(d.aval[1]), sharding=placed) for d in req.data]
@@ -259,32 +263,55 @@ def lowered_body(req: CompileRequest, table) -> Body:
     donate_mask = set(req.donate)
     b.kept = [i for i in range(len(req.data)) if i not in donate_mask]
 
-    def body(d, k, packed_args):
-        return fn(_merge(d, k, donate_mask), packed_args)
+    def over(f):
+        def body(d, k, packed_args):
+            return f(_merge(d, k, donate_mask), packed_args)
 
+        return body
+
+    body = over(fn)
+    b.share = shared(req.packed) if SHARE_SCALARS else None
+    b.shared_fn = None
+    if b.share is not None:
+        b.shared_fn = over(lower_fn(rows, req.leaf_kinds, req.root_refs, scopes, table, req.keep, b.share))
     region = regions.current() if regions.ACTIVE else None
     if region is not None and region.name:  # the HLO module is jit_<name>: XLA's dumps carry the region's name
         body.__name__ = re.sub(r"\W", "_", region.name)
+        if b.shared_fn is not None:
+            b.shared_fn.__name__ = body.__name__
     b.fn = body
     return b
 
 
 def compile_one(body: Body, once: bool = False) -> Executable:
-    """``body`` compiled for one device (``once``: to compile fast, ``compiler.py``)."""
-    lowered = jax.jit(body.fn, donate_argnums=(0,), out_shardings=body.placed).lower(*body.args())
-    compiled = compiler.compile(lowered, once)
-    donate, kept = body.donate, body.kept
-    if body.placed is not None:
-        local = next(iter(body.placed.device_set))
+    """``body`` compiled for one device (``once``: to compile fast, ``compiler.py``).
 
-        def call(arrays, packed_vals):
-            packed_vals = [jax.device_put(p, local) for p in packed_vals]
-            return compiled([arrays[i] for i in donate], [arrays[i] for i in kept], packed_vals)
+    With equal host scalars (``body.share``) it compiles the function that reads each once,
+    and a run whose scalars are no longer equal where those were compiles ``body.fn`` (all
+    scalars apart) and runs that from then on (counter ``UnsharedScalarRecompile``): at most one
+    more compile per graph, never one per changed value."""
+    args = body.args()
 
-        return Executable(call, xla=compiled)
+    def build(fn):
+        return compiler.compile(jax.jit(fn, donate_argnums=(0,), out_shardings=body.placed).lower(*args), once)
+
+    compiled = build(body.shared_fn if body.share is not None else body.fn)
+    donate, kept, share = body.donate, body.kept, body.share
+    local = next(iter(body.placed.device_set)) if body.placed is not None else None
+    general: list = []  # body.fn compiled, once a run's scalars do not fit ``share``
 
     def call(arrays, packed_vals):
-        return compiled([arrays[i] for i in donate], [arrays[i] for i in kept], packed_vals)
+        run = compiled
+        if share is not None:
+            if general:
+                run = general[0]
+            elif not share.fits(packed_vals):
+                COUNTERS["UnsharedScalarRecompile"] += 1
+                general.append(build(body.fn))
+                run = general[0]
+        if local is not None:
+            packed_vals = [jax.device_put(p, local) for p in packed_vals]
+        return run([arrays[i] for i in donate], [arrays[i] for i in kept], packed_vals)
 
     return Executable(call, xla=compiled)
 

@@ -9,18 +9,20 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from xlatorch.runtime.base.dtypes import weak
 from xlatorch.runtime.ir.body import Ref, node_refs, plan, stack_rows
 from xlatorch.runtime.ir.emit import emit_node
 from xlatorch.runtime.lower.checks import Table
 
-__all__ = ["plan", "lower_fn", "LoweringError", "Ref", "node_refs"]
+__all__ = ["plan", "lower_fn", "LoweringError", "Ref", "node_refs", "Shared", "shared"]
 
 
-def lower_fn(plan, leaf_kinds, root_refs, scopes=None, table=None, keep=()):
+def lower_fn(plan, leaf_kinds, root_refs, scopes=None, table=None, keep=(), share=None):
     """The JAX function computing the roots from (device data..., packed scalars...);
-    ``scopes``: per-node names for the HLO metadata (``XLA_HLO_DEBUG``), or None.
+    ``scopes``: per-node names for the HLO metadata (``XLA_HLO_DEBUG``), or None; ``share``
+    (a ``Shared``): scalars read from the slot of an equal one (valid while ``share.fits``).
 
     When nodes have on-device checks (``runtime/lower/checks.py``), one more output holds their
     ``[bad, value, position]`` rows, and ``table`` (a ``checks.Table``) gets each row's node,
@@ -37,13 +39,24 @@ def lower_fn(plan, leaf_kinds, root_refs, scopes=None, table=None, keep=()):
 
     def fn(data, packed):
         table.clear()  # filled anew by each trace
+        # Each packed group's scalars come out of one split: one primitive to trace, where
+        # indexing traced a small jitted function per scalar (half the lowering of a graph
+        # of scalar adds, ``bench.long_graph``).
+        groups = [_unpack(p) for p in packed]
+        rep = share.rep if share is not None else None
         leaf_vals = []
+        read: dict = {}
         for kind in leaf_kinds:
             if kind[0] == "d":
                 leaf_vals.append(data[kind[1]])
-            else:
-                v = packed[kind[0]][kind[1]]
-                leaf_vals.append(weak(v) if kind[2] else v)
+                continue
+            j = rep.get((kind[0], kind[1]), kind[1]) if rep else kind[1]
+            at = (kind[0], j, kind[2])
+            v = read.get(at)
+            if v is None:
+                v = groups[kind[0]][j]
+                v = read[at] = weak(v) if kind[2] else v
+            leaf_vals.append(v)
         vals = []
 
         def get(a):
@@ -83,6 +96,61 @@ def lower_fn(plan, leaf_kinds, root_refs, scopes=None, table=None, keep=()):
         return tuple(outs) + (rows,)
 
     return fn
+
+
+def _unpack(p) -> list:
+    """The 0-d values of a packed 1-d argument."""
+    n = p.shape[0]
+    if n == 1:
+        return [lax.reshape(p, ())]
+    return [lax.reshape(x, ()) for x in lax.split(p, (1,) * n)]
+
+
+class Shared:
+    """Which host scalars of the step a graph is compiled for are equal, bit for bit: the
+    lowering reads each distinct value once (``rep``: ``(group, slot)`` -> the slot of the
+    first equal scalar), and a run checks that its scalars are still equal where those were
+    (``fits``). Values enter the graph as parameters, never constants, and the cache key does
+    not depend on them: a scalar XLA knows to be one parameter is what lets it fold what
+    depends on it alone (the convert and ``* alpha`` of each ``t + 1``; ``bench.long_graph``).
+
+    ``pairs``: per group with shared slots, ``(group, slots, their representatives)``."""
+
+    __slots__ = ("rep", "pairs")
+
+    def __init__(self, rep: dict, pairs: list):
+        self.rep, self.pairs = rep, pairs
+
+    def fits(self, packed) -> bool:
+        """Whether ``packed`` (a step's packed scalars) has equal values wherever the
+        compiled step had: a few numpy operations per group of shared slots."""
+        for g, idx, rep in self.pairs:
+            b = _bits(packed[g])
+            if not np.array_equal(b[idx], b[rep]):
+                return False
+        return True
+
+
+def _bits(p):
+    p = np.ascontiguousarray(p)
+    return p.view(np.uint8).reshape(p.shape[0], p.dtype.itemsize)
+
+
+def shared(packed) -> Shared | None:
+    """The ``Shared`` of packed scalars (``plan.collect.pack``), or None when none are equal.
+    Equal means the same bits: 0.0 and -0.0 stay apart, a NaN joins only the same NaN."""
+    rep, pairs = {}, []
+    for g, p in enumerate(packed):
+        p = np.asarray(p)
+        if p.ndim != 1 or p.shape[0] < 2:
+            continue
+        _, first, inv = np.unique(_bits(p), axis=0, return_index=True, return_inverse=True)
+        r = first[inv.reshape(-1)]
+        idx = np.nonzero(r != np.arange(r.shape[0]))[0]
+        if idx.shape[0]:
+            pairs.append((g, idx, r[idx]))
+            rep.update(((g, int(i)), int(j)) for i, j in zip(idx, r[idx]))
+    return Shared(rep, pairs) if pairs else None
 
 
 class LoweringError(Exception):
