@@ -204,5 +204,5 @@ def test_equal_scalars_share_a_parameter_until_they_differ(monkeypatch):
     step(1.0, 2.0, -0.0)  # no longer equal: compiled once without sharing
     step(5.0, 5.0, 0.0)
     step(2.0, 2.0, 2.0)
-    assert met.counter_value("UncachedCompile") == 1
+    assert met.counter_value("UncachedCompile") == 2  # the recompile without sharing counts as a compile
     assert COUNTERS["UnsharedScalarRecompile"] == 1

@@ -270,7 +270,9 @@ def lowered_body(req: CompileRequest, table) -> Body:
         return body
 
     body = over(fn)
-    b.share = shared(req.packed) if SHARE_SCALARS else None
+    # Not with on-device checks: tracing the function again (the unshared one, later) would add
+    # its check rows to ``table`` a second time.
+    b.share = shared(req.packed) if SHARE_SCALARS and not any(n.info.checked for n in req.nodes) else None
     b.shared_fn = None
     if b.share is not None:
         b.shared_fn = over(lower_fn(rows, req.leaf_kinds, req.root_refs, scopes, table, req.keep, b.share))
@@ -307,7 +309,9 @@ def compile_one(body: Body, once: bool = False) -> Executable:
                 run = general[0]
             elif not share.fits(packed_vals):
                 COUNTERS["UnsharedScalarRecompile"] += 1
-                general.append(build(body.fn))
+                COUNTERS["UncachedCompile"] += 1
+                with record.TIMED("CompileTime"):
+                    general.append(build(body.fn))
                 run = general[0]
         if local is not None:
             packed_vals = [jax.device_put(p, local) for p in packed_vals]
