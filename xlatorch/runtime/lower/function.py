@@ -7,6 +7,7 @@ export) lowers the same plan without running it.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -99,7 +100,12 @@ def lower_fn(plan, leaf_kinds, root_refs, scopes=None, table=None, keep=(), shar
 
 
 def _unpack(p) -> list:
-    """The 0-d values of a packed 1-d argument."""
+    """The 0-d values of a packed 1-d argument (of a concrete one, e.g. an export's inlined
+    constants: 0-d constants, which the program then holds as such)."""
+    if isinstance(p, (list, tuple)):  # an export's group: each value a constant or an argument of its own
+        return [x if isinstance(x, jax.core.Tracer) else jnp.asarray(x) for x in p]
+    if not isinstance(p, jax.core.Tracer):
+        return [jnp.asarray(x) for x in np.asarray(p)]
     n = p.shape[0]
     if n == 1:
         return [lax.reshape(p, ())]
