@@ -365,16 +365,7 @@ def _run_dry(step: Step) -> None:
                              gdev, step.keep, None, step.spmd, step.once)  # fmt: skip
         for hook in record.COMPILE_HOOKS:
             hook(req, None, 0)
-    for st in step.storages:
-        aval = st.value.aval
-        st.set(Data(dry.DryArray(aval[0], to_jax(aval[1]), source=st.value), aval, gdev))
-        st.prev = None
-    if step.everything:
-        PENDING.clear()
-        CHECKED_SINCE_SYNC.clear()
-    else:
-        for st in step.storages:
-            PENDING.pop(st.sid, None)
+    _give(step, [dry.DryArray(st.value.aval[0], to_jax(st.value.aval[1]), source=st.value) for st in step.storages])
     if req is not None and dry.LOWER[0]:
         body = lowered_body(req, checks.Table())
         try:
@@ -474,10 +465,10 @@ def _stage_key(encoded, gdev, donate=()) -> tuple:
     return key if opts is None else key + (opts,)
 
 
-def _commit(step: Step, outs, t_run) -> None:
-    """Give each storage its result: they are no longer pending."""
+def _give(step: Step, arrays) -> None:
+    """Each of the step's storages takes its array as device data: none is pending any more."""
     gdev = step.storages[0].dev
-    for st, arr in zip(step.storages, outs):
+    for st, arr in zip(step.storages, arrays):
         st.set(Data(arr, st.value.aval, gdev))
         st.prev = None
     if step.everything:
@@ -486,6 +477,11 @@ def _commit(step: Step, outs, t_run) -> None:
     else:
         for st in step.storages:
             PENDING.pop(st.sid, None)
+
+
+def _commit(step: Step, outs, t_run) -> None:
+    """Give each storage its result: they are no longer pending."""
+    _give(step, outs)
     _last[:] = outs
     EXECUTIONS.started(outs, t_run, "EagerOpExecuteTime" if step.reason == EAGER else "ExecuteTime")
 
