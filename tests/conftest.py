@@ -41,6 +41,21 @@ def fresh_dynamo():
 
 
 @pytest.fixture
+def debug_level_0(monkeypatch):
+    """Debug level 0 and no source-line flags whatever the environment says; records cleared."""
+    import xlatorch.debug as xd
+    from xlatorch.debug import knob
+
+    monkeypatch.setattr(knob, "_IR_DEBUG", False)
+    monkeypatch.setattr(knob, "_HLO_DEBUG", False)
+    prev = xd.get_level()
+    xd.set_level(0)
+    xd.clear()
+    yield
+    xd.set_level(prev)
+
+
+@pytest.fixture
 def no_cached_executables(monkeypatch):
     """No executable compiled by an earlier test is reused: a test that breaks a lowering
     meets it whatever ran before it in this process."""

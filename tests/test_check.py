@@ -159,3 +159,21 @@ def test_an_op_whose_lowering_fails_is_an_error_at_its_line():
     finally:
         spec.emit = orig
         cache.CACHE.clear()
+
+
+def test_a_host_read_through_an_in_place_op_leaves_the_inputs_as_they_were():
+    import torch
+
+    x = torch.randn(8, 16)
+    before = x.clone()
+
+    class InPlace(cm.Mlp):
+        def forward(self, x):
+            h = x.mul_(2).add_(1)  # in place on the device input; the dry run computes it on CPU
+            if h.sum().item() > 1e9:
+                h = h * 0
+            return self.b(torch.relu(self.a(h)))
+
+    r = check(lambda: (InPlace(), (x,), cm._loss), steps=1)
+    assert r.error is None and len(r.cuts) == 1
+    assert torch.equal(x, before)

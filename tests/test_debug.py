@@ -16,7 +16,6 @@ import torch.nn as nn
 import xlatorch.core.xla_model as xm
 import xlatorch.debug as xd
 import xlatorch.debug.metrics as met
-from xlatorch.debug import knob
 from xlatorch.runtime.base import record
 from xlatorch.runtime.ir import values as ir
 from xlatorch.runtime.ir.values import Out
@@ -27,15 +26,9 @@ HERE = os.path.basename(__file__)
 
 
 @pytest.fixture(autouse=True)
-def _fresh_records(monkeypatch):
-    # Level 0 and no source flags whatever the environment says, so tests can check each level.
-    monkeypatch.setattr(knob, "_IR_DEBUG", False)
-    monkeypatch.setattr(knob, "_HLO_DEBUG", False)
-    prev = xd.get_level()
-    xd.set_level(0)
-    xd.clear()
+def _fresh_records(debug_level_0):
+    # Level 0 and no source flags, so each test sets what it checks (conftest.debug_level_0).
     yield
-    xd.set_level(prev)
 
 
 def _next_line() -> int:

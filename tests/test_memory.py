@@ -19,7 +19,6 @@ import xlatorch.core.xla_model as xm
 import xlatorch.debug as xd
 import xlatorch.debug.metrics as met
 import xlatorch.debug.profiler as xp
-from xlatorch.debug import knob
 from xlatorch.runtime.base import memory
 from xlatorch.runtime.ir import ops
 from xlatorch.runtime.ir.failed import FailedValueError
@@ -29,15 +28,9 @@ HERE = os.path.basename(__file__)
 
 
 @pytest.fixture(autouse=True)
-def _level_0(monkeypatch):
-    # Level 0 and no source flags whatever the environment says: big buffers record their line anyway.
-    monkeypatch.setattr(knob, "_IR_DEBUG", False)
-    monkeypatch.setattr(knob, "_HLO_DEBUG", False)
-    prev = xd.get_level()
-    xd.set_level(0)
-    xd.clear()
+def _level_0(debug_level_0):
+    # Level 0 and no source flags, so each test sets what it checks (conftest.debug_level_0).
     yield
-    xd.set_level(prev)
 
 
 def _next_line() -> int:

@@ -42,6 +42,7 @@ from xlatorch.runtime.ir.ops import GENERATOR
 from xlatorch.runtime.ir.values import Data, Out, Scalar, operands
 from xlatorch.runtime.lower import precision
 from xlatorch.runtime.plan.collect import collect
+from xlatorch.runtime.trace.nodes import run_node_on_cpu as _run
 from xlatorch.runtime.trace.tensor import XlaTensor, pending_storages, reroot_lone_views, wrap
 
 __all__ = ["compare", "compare_pending", "CompareReport", "OpDiff", "Growth"]
@@ -320,43 +321,6 @@ def _operand(get, dtype64=False, noise=None):
         return a
 
     return conv
-
-
-def _run(n, conv) -> list:
-    """Node ``n``'s op on CPU, its results flattened in the order of ``n.outs``.
-
-    An in-place op runs on copies (its inputs are the device's values, or the chain's): its
-    results are its first argument's new values; one writing several arguments runs as its
-    functional variant (``meta_overload``), whose results are their new values."""
-    spec = n.spec
-    op = spec.meta_overload if spec.mutates else spec.overload
-    inplace = not spec.mutates and op._schema.is_mutable
-    args, kwargs = [], {}
-    for name, a, ko, kind in zip(spec.arg_names, n.args, spec.kwarg_only, spec.kinds):
-        if kind is GENERATOR:
-            continue
-        a = conv(a)
-        if inplace:
-            a = _copied(a)
-        if ko:
-            kwargs[name] = a
-        else:
-            args.append(a)
-    if kwargs.get("device") is not None:
-        kwargs["device"] = "cpu"
-    res = op(*args, **kwargs)
-    if inplace:
-        res = args[0]
-    res = [res] if isinstance(res, torch.Tensor) or res is None else list(res)
-    return [x for r in res for x in (r if isinstance(r, (list, tuple)) else (r,))]
-
-
-def _copied(a):
-    if isinstance(a, torch.Tensor):
-        return a.clone()
-    if type(a) is list:
-        return [_copied(x) for x in a]
-    return a
 
 
 def _value_getter(dev, vals):

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from xlatorch.runtime.base.dtypes import EXACT, JAX_TO_TORCH
-from xlatorch.runtime.ir.ops import GENERATOR
 from xlatorch.runtime.ir.values import Data, Out, Scalar
+from xlatorch.runtime.trace.nodes import run_node_on_cpu
 
 __all__ = ["ACTIVE", "DryArray", "dry_run", "first_time"]
 
@@ -121,21 +121,8 @@ def _host(a, done):
 
 def _run_node(n, done) -> list:
     """A node's outputs computed by its ATen op on CPU; zeros where that is not possible."""
-    spec = n.spec
     try:
-        args, kwargs = [], {}
-        for name, a, ko, kind in zip(spec.arg_names, n.args, spec.kwarg_only, spec.kinds):
-            v = None if kind is GENERATOR else _host(a, done)
-            if ko:
-                kwargs[name] = v
-            else:
-                args.append(v)
-        res = spec.overload(*args, **kwargs)
-        res = (
-            [res]
-            if isinstance(res, torch.Tensor)
-            else [x for r in res for x in (r if isinstance(r, (list, tuple)) else (r,))]
-        )
+        res = run_node_on_cpu(n, lambda a: _host(a, done))
         if len(res) != len(n.outs):
             raise ValueError("output count")
         return [None if o is None else r.to(o.aval[1]).reshape(o.aval[0]) for o, r in zip(n.outs, res)]

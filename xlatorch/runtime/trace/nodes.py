@@ -19,7 +19,16 @@ from xlatorch.runtime.base.threads import CHECKED_SINCE_SYNC, TICKS, owner
 from xlatorch.runtime.ir.ops import GENERATOR, SPECS, Info, OpSpec, _sig
 from xlatorch.runtime.ir.values import VALUE_TYPES, Node, Scalar
 
-__all__ = ["node", "scalar", "info_of", "apply_view", "apply_scatter", "convert_value", "replay_on_cpu"]
+__all__ = [
+    "node",
+    "scalar",
+    "info_of",
+    "apply_view",
+    "apply_scatter",
+    "convert_value",
+    "replay_on_cpu",
+    "run_node_on_cpu",
+]
 
 
 def scalar(a) -> Scalar:
@@ -151,6 +160,45 @@ def replay_on_cpu(step, cpu: torch.Tensor) -> torch.Tensor:
             args.append(a)
     res = spec.overload(*args, **kwargs)
     return res if idx == 0 and isinstance(res, torch.Tensor) else res[idx]
+
+
+def run_node_on_cpu(n, conv) -> list:
+    """Node ``n``'s op run by PyTorch on CPU, its arguments converted by ``conv`` (values to CPU
+    tensors); its results flattened in the order of ``n.outs``. A random op's generator is
+    left out (CPU's own RNG).
+
+    An in-place op runs on copies (``conv``'s tensors are never written): its results are its
+    first argument's new values; one writing several arguments runs as its functional variant
+    (``meta_overload``), whose results are their new values."""
+    spec = n.spec
+    op = spec.meta_overload if spec.mutates else spec.overload
+    inplace = not spec.mutates and op._schema.is_mutable
+    args, kwargs = [], {}
+    for name, a, ko, kind in zip(spec.arg_names, n.args, spec.kwarg_only, spec.kinds):
+        if kind is GENERATOR:
+            continue
+        a = conv(a)
+        if inplace:
+            a = _copied(a)
+        if ko:
+            kwargs[name] = a
+        else:
+            args.append(a)
+    if kwargs.get("device") is not None:
+        kwargs["device"] = "cpu"
+    res = op(*args, **kwargs)
+    if inplace:
+        res = args[0]
+    res = [res] if isinstance(res, torch.Tensor) or res is None else list(res)
+    return [x for r in res for x in (r if isinstance(r, (list, tuple)) else (r,))]
+
+
+def _copied(a):
+    if isinstance(a, torch.Tensor):
+        return a.clone()
+    if type(a) is list:
+        return [_copied(x) for x in a]
+    return a
 
 
 def apply_view(step, base):
