@@ -51,7 +51,7 @@ from jax._src.compilation_cache_interface import CacheInterface
 from xlatorch.runtime.base import config
 from xlatorch.runtime.base.record import COUNTERS
 
-__all__ = ["directory", "configure", "use"]
+__all__ = ["directory", "configure", "use", "disk", "readonly"]
 
 _EVENTS = {
     "/jax/compilation_cache/cache_hits": "PersistentCacheHit",
@@ -63,6 +63,7 @@ _listening = [False]  # our counters listen to JAX's cache events
 _SUFFIX = "-cache"  # JAX's LRUCache names its entries so: caches it wrote stay valid
 _LOW_WATER = 0.9  # eviction goes down to this share of the bound, so writes don't each evict
 _STALE_TMP_S = 3600  # a temporary file this old was left by a writer that died
+_DISKS: dict = {}  # directory -> its _DiskCache: JAX's entries and program_cache.py's share one bound
 
 
 class _DiskCache(CacheInterface):
@@ -90,6 +91,10 @@ class _DiskCache(CacheInterface):
                 return f.read()
         except FileNotFoundError:  # never written, or evicted (maybe by another process just now)
             return None
+
+    def remove(self, key: str) -> None:
+        """Delete entry ``key`` (one found corrupt: written again at the next miss)."""
+        _unlink(os.path.join(self._path, f"{key}{_SUFFIX}"))
 
     def put(self, key: str, value: bytes) -> None:
         dest = self._path / f"{key}{_SUFFIX}"
@@ -156,10 +161,31 @@ def _unlink(path: str) -> None:
 def _file_cache(path: str) -> tuple[CacheInterface, str]:
     """In place of JAX's ``compilation_cache.get_file_cache``, which its cache calls once
     (lazily, at the first compile)."""
-    cache: CacheInterface = _DiskCache(path, config.env("XLATORCH_CACHE_MAX_BYTES"))
+    cache: CacheInterface = _disk(path)
     if jax.config.jax_compilation_cache_check_contents:
         cache = compilation_cache.VerificationCache(cache)
     return cache, path
+
+
+def _disk(path: str) -> _DiskCache:
+    d = _DISKS.get(path)
+    if d is None:
+        d = _DISKS[path] = _DiskCache(path, config.env("XLATORCH_CACHE_MAX_BYTES"))
+    return d
+
+
+def disk() -> _DiskCache | None:
+    """The persistent cache's directory as a ``_DiskCache`` (``program_cache.py`` keeps its
+    entries there too), or None when the cache is off."""
+    path = jax.config.jax_compilation_cache_dir
+    if not path or not jax.config.jax_enable_compilation_cache or compilation_cache.get_file_cache is not _file_cache:
+        return None
+    return _disk(path)
+
+
+def readonly() -> bool:
+    """Whether entries are only read (``use(path, readonly=True)``)."""
+    return jax.config.jax_persistent_cache_min_compile_time_secs == float("inf")
 
 
 def directory() -> str | None:
