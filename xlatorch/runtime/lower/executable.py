@@ -362,6 +362,7 @@ def _from_exported(exported, args, placed, once):
             d[i] = x
         return exported.call(d, kept, packed)
 
+    outer.__name__ = exported.fun_name  # the HLO module's name (``jit_<region>``, ``lowered_body``)
     d = args[0]
     with program_cache.calling(exported):
         lowered = jax.jit(outer, donate_argnums=(0,), out_shardings=placed).lower(

@@ -91,7 +91,7 @@ def _enc(o, out: list) -> None:
         out.append(repr(o))
     elif t is float:
         out.append(o.hex())
-    elif t is torch.dtype or t is torch.memory_format or t is torch.layout:
+    elif t is torch.dtype or t is torch.memory_format or t is torch.layout or t is torch.device:
         out.append(str(o))
     elif t is OpSpec:
         if SPECS.get(o.name) is not o:  # made at run time: its name may not say what it emits
