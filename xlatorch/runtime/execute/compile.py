@@ -20,8 +20,8 @@ from xlatorch.runtime.lower.executable import (
     compile_one,
     lowered_body,
     record_memory,
-    stored_body,
     roots,
+    stored_body,
 )
 from xlatorch.runtime.multi import sharding
 from xlatorch.runtime.multi.spmd import compile_spmd

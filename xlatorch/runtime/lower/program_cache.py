@@ -39,21 +39,23 @@ import os
 import pathlib
 import struct
 import threading
+import zlib
 from contextlib import contextmanager
 
 import jax
 import numpy as np
 import torch
 
-from xlatorch.runtime.base import config, record
+from xlatorch.runtime.base import config, record, regions
 from xlatorch.runtime.base.record import COUNTERS
+from xlatorch.runtime.base.topology import jax_device
 from xlatorch.runtime.ir.ops import SPECS, OpSpec
 from xlatorch.runtime.lower import compile_cache
 from xlatorch.runtime.plan.keep import Keep
 
 __all__ = ["graph_key", "key_text", "load", "export", "calling"]
 
-_MAGIC = b"xlatorch-program-1\n"
+_MAGIC = b"xlatorch-program-2\n"
 _PREFIX = "xlatorch-program-"
 # Variables that cannot change a lowered program (where the cache is, timeouts, ranks ...):
 # every other one of xlatorch's variables is part of the key.
@@ -139,12 +141,11 @@ def graph_key(req) -> str | None:
         if not _process:
             import jaxlib
 
-            dev = jax.devices()[0]
+            dev = jax_device(0)
             _process.append(f"xlatorch {_package_digest()} jax {jax.__version__} jaxlib {jaxlib.__version__} "
-                            f"{dev.platform} {dev.device_kind!r} env {_ENV!r}")  # fmt: skip
+                            f"torch {torch.__version__} numpy {np.__version__} {dev.platform} "
+                            f"{dev.device_kind!r} env {_ENV!r}")  # fmt: skip
         out = [_process[0], _jax_settings()]
-        from xlatorch.runtime.base import regions
-
         region = regions.current() if regions.ACTIVE else None
         out.append(f"region {region.name if region is not None else None!r}")
         _enc(req.key, out)
@@ -212,8 +213,8 @@ def export(fn, args, text: str | None, table):
         return exported
     t = dict(rows=rows, masks=table.masks, undo=table.undo, in_graph=table.in_graph,
              node_rows=sorted(table.node_rows.items()))  # fmt: skip
-    head = json.dumps(dict(key=text, table=t, exported=meta)).encode()
-    body = _MAGIC + struct.pack(">Q", len(head)) + head + exported.mlir_module_serialized
+    head = zlib.compress(json.dumps(dict(key=text, table=t, exported=meta)).encode())
+    body = _MAGIC + struct.pack(">Q", len(head)) + head + zlib.compress(exported.mlir_module_serialized)
     disk.put(_name(text), body + hashlib.sha256(body).digest())
     return exported
 
@@ -252,7 +253,7 @@ def _split(blob: bytes) -> tuple[dict, bytes]:
         raise ValueError("corrupt entry")
     n = struct.unpack_from(">Q", body, len(_MAGIC))[0]
     start = len(_MAGIC) + 8
-    return json.loads(body[start : start + n]), body[start + n :]
+    return json.loads(zlib.decompress(body[start : start + n])), zlib.decompress(body[start + n :])
 
 
 def _avals(avals) -> list:
@@ -310,4 +311,3 @@ def _exception(name: str) -> type:
     if not (isinstance(obj, type) and issubclass(obj, BaseException)):
         raise ValueError(f"not an exception: {name}")
     return obj
-
