@@ -323,6 +323,8 @@ def compile_one(body: Body, once: bool = False) -> Executable:
         return compiled, compiled
 
     first, compiled = build(body.shared_fn, body.share) if body.share is not None else build(body.fn, None)
+    if body.share is None:  # never built again: the executable does not keep the key's text
+        body.program = None
     donate, kept, share = body.donate, body.kept, body.share
     local = next(iter(body.placed.device_set)) if body.placed is not None else None
     general: list = []  # body.fn compiled, once a run's scalars do not fit ``share``
