@@ -167,6 +167,32 @@ def test_equal_scalars_programs_come_back_apart(tmp_path):
     assert second["programs"] == {"Hit": 3, "Miss": 0} and second["traces"] == 0
 
 
+_CHECKED = r"""
+import json, sys, torch
+import xlatorch.core.xla_model as xm, xlatorch.debug.metrics as met
+w = torch.arange(12.0).view(4, 3).to("xla")
+i = torch.tensor([int(sys.argv[1])]).to("xla")
+xm.mark_step()
+try:
+    y = torch.nn.functional.embedding(i, w) * 2
+    xm.mark_step()
+    out = y.cpu().tolist()
+except IndexError as e:
+    out = "IndexError: " + str(e)
+print(json.dumps(dict(out=out, hits=met.counter_value("ProgramCacheHit") or 0)))
+"""
+
+
+def test_a_program_from_disk_keeps_its_checks(tmp_path):
+    """The on-device checks' table comes back with the program: an index out of range in a
+    graph found on disk raises CPU's error, naming the op."""
+    (first,) = _run(tmp_path, script=_CHECKED, args=(1,))
+    assert first["out"] == [[6.0, 8.0, 10.0]] and first["hits"] == 0
+    (second,) = _run(tmp_path, script=_CHECKED, args=(7,))
+    assert second["hits"] >= 1
+    assert second["out"].startswith("IndexError: index out of range in self") and "aten::embedding" in second["out"]
+
+
 _KEY = r"""
 import hashlib, json, sys, torch
 import xlatorch.core.xla_model as xm
