@@ -4,8 +4,9 @@ prints figures and their ratio.
 
 The warm process reads the cache after it was moved to another directory (the key must not
 depend on where the cache lives). ``compile_s``: the ``CompileTime`` metric (lowering to
-StableHLO and XLA's compile, or the cache's load instead); ``step_s``: wall time of the
-first step to its loss on the host; ``process_s``: the child's whole life (imports too).
+StableHLO and XLA's compile, or the cache's loads instead); ``step_s``: wall time of the
+first step to its loss on the host; ``process_s``: the child's whole life (imports too);
+``hits``/``program_hits``: graphs whose XLA compile / lowered program came from the cache.
 ``--rounds R`` repeats the pair R times and prints medians (figures on a shared machine vary).
 
 Usage: python -m bench.compile_cache [--program gpt] [--steps 1] [--small] [--rounds 1]
@@ -54,6 +55,7 @@ print(json.dumps(dict(step_s=step_s, compile_s=compile_data[1] / 1e9 if compile_
                       compiles=met.counter_value("UncachedCompile") or 0,
                       hits=met.counter_value("PersistentCacheHit") or 0,
                       misses=met.counter_value("PersistentCacheMiss") or 0,
+                      program_hits=met.counter_value("ProgramCacheHit") or 0,
                       process_s=time.perf_counter() - t_start)))
 """
 

@@ -1,4 +1,5 @@
-"""The persistent compilation cache: a second process loads what the first compiled.
+"""The persistent compilation cache: a second process loads what the first compiled, its
+lowered programs too (runtime/lower/program_cache.py: nothing traced).
 
 (tests/test_precision.py runs its modes in processes sharing one cache, LAPACK graphs
 included: the cache must be safe for those too.)
@@ -12,9 +13,30 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-_SCRIPT = r"""
+# Counts the traces of graphs' lowerings (a program found on disk traces none).
+_COUNT_TRACES = r"""
+from xlatorch.runtime.lower import executable
+traces = [0]
+def _counting(lower_fn):
+    def make(*a, **k):
+        fn = lower_fn(*a, **k)
+        def traced(*args):
+            traces[0] += 1
+            return fn(*args)
+        return traced
+    return make
+executable.lower_fn = _counting(executable.lower_fn)
+"""
+
+_PROGRAMS = ("Hit", "Miss", "Skip", "Corrupt")
+
+_SCRIPT = (
+    r"""
 import json, time, torch
 import xlatorch, xlatorch.core.xla_model as xm, xlatorch.debug.metrics as met
+"""
+    + _COUNT_TRACES
+    + r"""
 from examples.models import programs
 p = programs(small=True)["gpt"]
 torch.manual_seed(0)
@@ -33,8 +55,11 @@ for _ in range(3):
 print(json.dumps(dict(losses=losses, hits=met.counter_value("PersistentCacheHit") or 0,
                       misses=met.counter_value("PersistentCacheMiss") or 0,
                       compiles=met.counter_value("UncachedCompile"),
-                      compile_s=met.metric_data("CompileTime")[1] / 1e9)))
+                      compile_s=met.metric_data("CompileTime")[1] / 1e9, traces=traces[0],
+                      programs={k: met.counter_value("ProgramCache" + k) or 0
+                                for k in ("Hit", "Miss", "Skip", "Corrupt")})))
 """
+)
 
 
 _GRAPHS = r"""
@@ -44,7 +69,9 @@ for n in map(int, sys.argv[1:]):  # one graph per length
     y = torch.arange(float(n), device="xla") * 3 + 1
     xm.mark_step()
     assert y.cpu()[-1].item() == 3 * n - 2
-print(json.dumps({k: met.counter_value("PersistentCache" + k) or 0 for k in ("Hit", "Miss", "Eviction")}))
+counts = {k: met.counter_value("PersistentCache" + k) or 0 for k in ("Hit", "Miss", "Eviction")}
+counts.update({"Program" + k: met.counter_value("ProgramCache" + k) or 0 for k in ("Hit", "Miss")})
+print(json.dumps(dict(counts, Corrupt=met.counter_value("ProgramCacheCorrupt") or 0)))
 """
 
 
@@ -63,11 +90,185 @@ def _run(cache_dir, n=1, script=_SCRIPT, args=(), **env):
 def test_second_run_hits_every_graph(tmp_path):
     (first,) = _run(tmp_path)
     assert first["hits"] == 0 and first["misses"] >= first["compiles"] >= 1
+    assert first["programs"] == {"Hit": 0, "Miss": first["compiles"], "Skip": 0, "Corrupt": 0}
+    assert first["traces"] == first["compiles"]
     assert os.listdir(tmp_path / "jax")
     (second,) = _run(tmp_path)
     assert second["hits"] >= second["compiles"] and second["misses"] == 0
+    # Every graph's program came from disk: nothing traced or lowered.
+    assert second["programs"] == {"Hit": second["compiles"], "Miss": 0, "Skip": 0, "Corrupt": 0}
+    assert second["traces"] == 0
     assert second["losses"] == first["losses"]
     assert second["compile_s"] < first["compile_s"]
+
+
+def test_a_cache_off_run_gives_the_same_numbers(tmp_path):
+    """A program compiled through its exported form computes what ``jax.jit`` of the lowering does."""
+    (cached,) = _run(tmp_path)
+    (off,) = _run("")
+    assert off["programs"] == {k: 0 for k in _PROGRAMS} and off["traces"] == off["compiles"]
+    assert cached["losses"] == off["losses"]
+
+
+_SCALARS = (
+    r"""
+import json, sys, torch
+import xlatorch.core.xla_model as xm, xlatorch.debug.metrics as met
+"""
+    + _COUNT_TRACES
+    + r"""
+x = torch.arange(4.0, device="xla")
+xm.mark_step()
+out = []
+for a, b in ((2.0, 2.0), (2.0, 3.0)):  # equal scalars (read once), then not (compiled apart)
+    y = x * a + b
+    xm.mark_step()
+    out.append(y.cpu().tolist())
+print(json.dumps(dict(out=out, traces=traces[0], unshared=met.counter_value("UnsharedScalarRecompile") or 0,
+                      programs={k: met.counter_value("ProgramCache" + k) or 0 for k in ("Hit", "Miss")})))
+"""
+)
+
+
+_DONATE = (
+    r"""
+import json, torch
+import xlatorch.core.xla_model as xm, xlatorch.debug.metrics as met
+"""
+    + _COUNT_TRACES
+    + r"""
+w = torch.zeros(256, 256, device="xla")
+xm.mark_step()
+for _ in range(3):
+    w.mul_(0.5).add_(1.0)  # an update in place: its old buffer is donated
+    xm.mark_step()
+print(json.dumps(dict(w=w[0, :3].cpu().tolist(), traces=traces[0], alias=met.metric_data("CompiledGraphAliasBytes")[1],
+                      hits=met.counter_value("ProgramCacheHit") or 0)))
+"""
+)
+
+
+def test_a_program_from_disk_still_donates(tmp_path):
+    (first,) = _run(tmp_path, script=_DONATE)
+    (second,) = _run(tmp_path, script=_DONATE)
+    assert second["hits"] >= 1 and second["traces"] == 0
+    assert first["alias"] == second["alias"] >= 256 * 256 * 4  # the update writes its old buffer
+    assert first["w"] == second["w"] == [1.75] * 3
+
+
+def test_equal_scalars_programs_come_back_apart(tmp_path):
+    """The sharing of equal scalars is part of the key: the shared program and the one
+    reading each scalar apart are two entries, both found by the next process."""
+    (first,) = _run(tmp_path, script=_SCALARS)
+    assert first["out"] == [[2.0, 4.0, 6.0, 8.0], [3.0, 5.0, 7.0, 9.0]]
+    assert first["unshared"] == 1 and first["programs"] == {"Hit": 0, "Miss": 3}  # arange, shared, apart
+    (second,) = _run(tmp_path, script=_SCALARS)
+    assert second["out"] == first["out"] and second["unshared"] == 1
+    assert second["programs"] == {"Hit": 3, "Miss": 0} and second["traces"] == 0
+
+
+_CHECKED = r"""
+import json, sys, torch
+import xlatorch.core.xla_model as xm, xlatorch.debug.metrics as met
+w = torch.arange(12.0).view(4, 3).to("xla")
+i = torch.tensor([int(sys.argv[1])]).to("xla")
+xm.mark_step()
+try:
+    y = torch.nn.functional.embedding(i, w) * 2
+    xm.mark_step()
+    out = y.cpu().tolist()
+except IndexError as e:
+    out = "IndexError: " + str(e)
+print(json.dumps(dict(out=out, hits=met.counter_value("ProgramCacheHit") or 0)))
+"""
+
+
+def test_a_program_from_disk_keeps_its_checks(tmp_path):
+    """The on-device checks' table comes back with the program: an index out of range in a
+    graph found on disk raises CPU's error, naming the op."""
+    (first,) = _run(tmp_path, script=_CHECKED, args=(1,))
+    assert first["out"] == [[6.0, 8.0, 10.0]] and first["hits"] == 0
+    (second,) = _run(tmp_path, script=_CHECKED, args=(7,))
+    assert second["hits"] >= 1
+    assert second["out"].startswith("IndexError: index out of range in self") and "aten::embedding" in second["out"]
+
+
+_KEY = r"""
+import hashlib, json, sys, torch
+import xlatorch.core.xla_model as xm
+from xlatorch.runtime.lower import program_cache
+keys = []
+graph_key = program_cache.graph_key
+def recording(req):
+    text = graph_key(req)
+    keys.append(hashlib.sha256(text.encode()).hexdigest())
+    return text
+program_cache.graph_key = recording
+x = torch.randn(8, 8, generator=torch.Generator().manual_seed(0)).to("xla")
+y = (x @ x.t()).softmax(-1)[:, 2:].sum(0) * 0.5
+y = torch.nn.functional.embedding(torch.tensor([1, 3], device="xla"), x)[:, :6] + y
+xm.mark_step()
+print(json.dumps(dict(keys=keys, out=y.cpu().tolist())))
+"""
+
+
+def test_the_key_is_the_same_in_another_process(tmp_path):
+    """No address, id or hash seed in the key: two processes (other hash seeds, other cache
+    directories) key the same graphs alike."""
+    (a,) = _run(tmp_path / "a", script=_KEY, PYTHONHASHSEED="1")
+    (b,) = _run(tmp_path / "b", script=_KEY, PYTHONHASHSEED="2")
+    assert a["keys"] and a["keys"] == b["keys"]
+    assert a["out"] == b["out"]
+
+
+def test_a_corrupt_entry_is_a_miss(tmp_path):
+    """A truncated or altered entry is counted, deleted and compiled again; never a crash."""
+    _run(tmp_path, script=_GRAPHS, args=(7,))
+    (entry,) = [f for f in (tmp_path / "jax").iterdir() if f.name.startswith("xlatorch-program-")]
+    blob = entry.read_bytes()
+    for broken in (blob[: len(blob) // 2], blob[:100] + bytes([blob[100] ^ 1]) + blob[101:], b""):
+        entry.write_bytes(broken)
+        (run,) = _run(tmp_path, script=_GRAPHS, args=(7,))  # the script checks its numbers
+        assert run["Corrupt"] == 1 and run["ProgramMiss"] == 1 and run["ProgramHit"] == 0
+        assert entry.read_bytes() == blob  # written again
+    (run,) = _run(tmp_path, script=_GRAPHS, args=(7,))
+    assert run["Corrupt"] == 0 and run["ProgramHit"] == 1
+
+
+def test_an_entry_for_another_key_is_never_run(monkeypatch):
+    """Two graphs whose digests collide (every name made equal here): the second finds the
+    first's entry, compares the key stored in it and compiles its own."""
+    import torch
+
+    import xlatorch.core.xla_model as xm
+    import xlatorch.debug.metrics as met
+    from xlatorch.runtime.lower import cache, program_cache
+
+    monkeypatch.setattr(program_cache, "_name", lambda text: "xlatorch-program-collision")
+    monkeypatch.setattr(cache, "CACHE", {})
+    met.clear_all()
+    a = torch.arange(5.0, device="xla") * 2
+    xm.mark_step()
+    b = torch.arange(5.0, device="xla") - 2
+    xm.mark_step()
+    assert a.cpu().tolist() == [0.0, 2.0, 4.0, 6.0, 8.0] and b.cpu().tolist() == [-2.0, -1.0, 0.0, 1.0, 2.0]
+    assert met.counter_value("ProgramCacheMiss") == 2 and not met.counter_value("ProgramCacheHit")
+
+
+def test_a_key_holding_an_object_is_not_served():
+    """A graph whose key holds what has no stable text (an object) skips the layer, counted."""
+    import types
+
+    import xlatorch.debug.metrics as met
+    from xlatorch.runtime.ir.ops import SPECS
+    from xlatorch.runtime.lower import program_cache
+
+    met.clear_all()
+    spec = SPECS["add.Tensor"]
+    req = types.SimpleNamespace(spmd=None, dev=0, key=((((spec, (((4,), "f"), object())), ()),),))
+    assert program_cache.graph_key(req) is None and met.counter_value("ProgramCacheSkip") == 1
+    req.key = ((((spec, (((4,), 1.5),)), ()),),)
+    assert program_cache.graph_key(req) is not None
 
 
 def test_processes_sharing_the_directory(tmp_path):
@@ -92,11 +293,12 @@ def test_a_cache_moved_elsewhere_hits(tmp_path):
 
 
 def test_the_cache_on_disk_is_bounded_and_keeps_the_newest(tmp_path):
-    """Entries of a graph of this kind are about 3.3 kB: a bound of 12 kB holds three. Each
-    process writes three; the oldest go (eviction runs when a write passes the bound), the
-    directory never holds more than the bound, and what survives still hits."""
+    """A graph of this kind leaves about 7 kB (its executable, 3.9 kB, and its lowered program,
+    3.2 kB): a bound of 24 kB holds three. Each process writes three; the oldest go (eviction
+    runs when a write passes the bound), the directory never holds more than the bound, and
+    what survives still hits."""
     entries = tmp_path / "jax"
-    limit = 12_000
+    limit = 24_000
 
     def size():
         return sum(f.stat().st_size for f in entries.iterdir() if f.name.endswith("-cache"))
@@ -110,9 +312,9 @@ def test_the_cache_on_disk_is_bounded_and_keeps_the_newest(tmp_path):
     assert evictions >= 6
     assert not [f for f in os.listdir(entries) if f.endswith(".tmp")]  # written whole, renamed
     (newest,) = _run(tmp_path, script=_GRAPHS, args=(302, 301), XLATORCH_CACHE_MAX_BYTES=str(limit))
-    assert newest["Hit"] == 2 and newest["Miss"] == 0
+    assert newest["Hit"] == 2 and newest["Miss"] == 0 and newest["ProgramHit"] == 2
     (oldest,) = _run(tmp_path, script=_GRAPHS, args=(100,), XLATORCH_CACHE_MAX_BYTES=str(limit))
-    assert oldest["Hit"] == 0 and oldest["Miss"] == 1
+    assert oldest["Hit"] == 0 and oldest["Miss"] == 1 and oldest["ProgramMiss"] == 1
     assert size() <= limit
 
 

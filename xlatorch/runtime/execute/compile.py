@@ -21,6 +21,7 @@ from xlatorch.runtime.lower.executable import (
     lowered_body,
     record_memory,
     roots,
+    stored_body,
 )
 from xlatorch.runtime.multi import sharding
 from xlatorch.runtime.multi.spmd import compile_spmd
@@ -67,16 +68,17 @@ def compile_graph(req: CompileRequest) -> Executable:
     """Compile ``req``'s graph: for one device, as an SPMD program over the replicas (a graph
     with collectives), or partitioned over the mesh (``req.spmd``)."""
     table = checks.Table()
-    body = lowered_body(req, table)
     if req.spmd is not None:  # one program partitioned over the mesh (runtime/multi/sharding.py)
+        body = lowered_body(req, table)
         data_avals = [sharding.data_aval(d, a.dtype) for d, a in zip(req.data, body.data_avals)]
         mesh, _, outs = req.spmd
         exe = sharding.compile_sharded(body.fn, data_avals, body.packed_avals, (body.donate, body.kept), outs, mesh)
     elif any(n.spec in COLLECTIVES for n in req.nodes):
+        body = lowered_body(req, table)
         out_avals = [r.aval for r in roots(req.nodes, req.leaves, req.root_refs)]
         exe = compile_spmd(body.fn, body.args(), out_avals, body.donate, body.kept, table)
-    else:
-        exe = compile_one(body, req.once)
+    else:  # through the lowered-program cache (runtime/lower/program_cache.py)
+        exe = compile_one(stored_body(req, table), req.once)
     if table.rows:
         exe.checks = table
     return exe

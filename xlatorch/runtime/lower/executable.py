@@ -21,7 +21,7 @@ from xlatorch.runtime.base.record import COUNTERS
 from xlatorch.runtime.base.source import fmt_src, user_frame
 from xlatorch.runtime.base.topology import jax_device
 from xlatorch.runtime.ir.emit import hlo_scopes
-from xlatorch.runtime.lower import compiler
+from xlatorch.runtime.lower import compiler, program_cache
 from xlatorch.runtime.lower.function import lower_fn, plan, shared
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "out_of_memory",
     "record_memory",
     "lowered_body",
+    "stored_body",
     "compile_one",
     "roots",
 ]
@@ -240,9 +241,11 @@ class Body:
     the kept (not donated) data, and the sharding of a local device other than the default
     one (``dp.DataParallel``), or None. ``share``/``shared_fn``: the same function reading
     each distinct host scalar once (``function.Shared``), for ``compile_one``; None when the
-    step's scalars are all distinct."""
+    step's scalars are all distinct. ``program``: the graph's key for the lowered-program
+    cache (``program_cache.graph_key``), or None; ``table``: its checks."""
 
-    __slots__ = ("fn", "data_avals", "packed_avals", "donate", "kept", "placed", "share", "shared_fn")
+    __slots__ = ("fn", "data_avals", "packed_avals", "donate", "kept", "placed", "share", "shared_fn", "program",
+                 "table")  # fmt: skip
 
     def args(self) -> tuple:
         """Abstract arguments for ``fn``: (donated data, kept data, packed scalars)."""
@@ -282,6 +285,16 @@ def lowered_body(req: CompileRequest, table) -> Body:
         if b.shared_fn is not None:
             b.shared_fn.__name__ = body.__name__
     b.fn = body
+    b.table = table
+    b.program = None
+    return b
+
+
+def stored_body(req: CompileRequest, table) -> Body:
+    """``lowered_body`` for a graph that ``compile_one`` compiles: with its key for the
+    lowered-program cache."""
+    b = lowered_body(req, table)
+    b.program = program_cache.graph_key(req)
     return b
 
 
@@ -291,19 +304,33 @@ def compile_one(body: Body, once: bool = False) -> Executable:
     With equal host scalars (``body.share``) it compiles the function that reads each once,
     and a run whose scalars are no longer equal where those were compiles ``body.fn`` (all
     scalars apart) and runs that from then on (counter ``UnsharedScalarRecompile``): at most one
-    more compile per graph, never one per changed value."""
+    more compile per graph, never one per changed value.
+
+    A graph with a ``body.program`` key is compiled from its exported program, found in the
+    lowered-program cache (``program_cache.py``; nothing traced) or exported and stored there."""
     args = body.args()
 
-    def build(fn):
-        return compiler.compile(jax.jit(fn, donate_argnums=(0,), out_shardings=body.placed).lower(*args), once)
+    def build(fn, share):
+        """``fn`` compiled: (the function running it on (donated, kept, packed), the jax Compiled)."""
+        if body.program is not None:
+            text = program_cache.key_text(body.program, share)
+            exported = program_cache.load(text, body.table)
+            if exported is None:
+                exported = program_cache.export(jax.jit(fn), args, text, body.table)
+            if exported is not None:
+                return _from_exported(exported, args, body.placed, once)
+        compiled = compiler.compile(jax.jit(fn, donate_argnums=(0,), out_shardings=body.placed).lower(*args), once)
+        return compiled, compiled
 
-    compiled = build(body.shared_fn if body.share is not None else body.fn)
+    first, compiled = build(body.shared_fn, body.share) if body.share is not None else build(body.fn, None)
+    if body.share is None:  # never built again: the executable does not keep the key's text
+        body.program = None
     donate, kept, share = body.donate, body.kept, body.share
     local = next(iter(body.placed.device_set)) if body.placed is not None else None
     general: list = []  # body.fn compiled, once a run's scalars do not fit ``share``
 
     def call(arrays, packed_vals):
-        run = compiled
+        run = first
         if share is not None:
             if general:
                 run = general[0]
@@ -311,13 +338,43 @@ def compile_one(body: Body, once: bool = False) -> Executable:
                 COUNTERS["UnsharedScalarRecompile"] += 1
                 COUNTERS["UncachedCompile"] += 1
                 with record.TIMED("CompileTime"):
-                    general.append(build(body.fn))
+                    general.append(build(body.fn, None)[0])
                 run = general[0]
         if local is not None:
             packed_vals = [jax.device_put(p, local) for p in packed_vals]
         return run([arrays[i] for i in donate], [arrays[i] for i in kept], packed_vals)
 
     return Executable(call, xla=compiled)
+
+
+def _from_exported(exported, args, placed, once):
+    """``build``'s answer for a program exported by ``jax.export``. Donated data the program
+    does not read is not donated (as ``jax.jit`` drops an unused argument, which ``exported.call``
+    would take and donate): a tensor may still hold it."""
+    read = set(exported.module_kept_var_idx)
+    n = len(args[0])
+    used = [i for i in range(n) if i in read]
+    unused = [i for i in range(n) if i not in read]
+
+    def outer(d_used, d_unused, kept, packed):
+        d = [None] * n
+        for i, x in zip(used, d_used):
+            d[i] = x
+        for i, x in zip(unused, d_unused):
+            d[i] = x
+        return exported.call(d, kept, packed)
+
+    outer.__name__ = exported.fun_name  # the HLO module's name (``jit_<region>``, ``lowered_body``)
+    d = args[0]
+    with program_cache.calling(exported):
+        lowered = jax.jit(outer, donate_argnums=(0,), out_shardings=placed).lower(
+            [d[i] for i in used], [d[i] for i in unused], args[1], args[2])  # fmt: skip
+    compiled = compiler.compile(lowered, once)
+
+    def run(donated, kept, packed):
+        return compiled([donated[i] for i in used], [donated[i] for i in unused], kept, packed)
+
+    return run, compiled
 
 
 def roots(nodes, leaves, root_refs) -> list:
