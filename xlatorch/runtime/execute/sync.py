@@ -322,7 +322,7 @@ def _run(step: Step) -> None:
                     return
         break
     g = step.graph
-    packed, leaf_kinds = pack(g.leaves)
+    packed, leaf_kinds = pack(g.leaves, step.key[2])
     try:
         if exe is None or exe.fast:
             req = CompileRequest(step.key, g.nodes, g.leaves, leaf_kinds, g.root_refs, step.data, packed, step.donate,
