@@ -12,6 +12,7 @@ from weakref import ref as _weakref
 
 import torch
 
+from xlatorch.runtime.base.dtypes import PY_SCALAR_DTYPE
 from xlatorch.runtime.base.record import COUNTERS
 from xlatorch.runtime.base.threads import _in_backward
 from xlatorch.runtime.ir.ops import (
@@ -161,7 +162,7 @@ _LINES = {
         "if a{i} is None:",
         "    v{i} = s{i} = None",
         "else:",
-        "    v{i} = scalar(a{i})",
+        "    v{i} = Scalar(a{i}, PY_SCALAR_DTYPE[type(a{i})])",  # nodes.scalar, inline
         "    s{i} = v{i}.sig",
     ),
     TENSOR_LIST: ("v{i} = tuple(_tensor_value(spec, x) for x in a{i})", "s{i} = _sig(v{i})"),
@@ -183,7 +184,7 @@ def _converter(kinds: tuple):
     ss = "".join(f"s{i}, " for i in range(n))
     lines.append(f"    return ({vs}), ({ss})")
     scope = {"XlaTensor": XlaTensor, "_tensor_value": _tensor_value, "_static_sig": _static_sig, "scalar": scalar,
-             "_sig": _sig, "next_key": next_key}  # fmt: skip
+             "_sig": _sig, "next_key": next_key, "Scalar": Scalar, "PY_SCALAR_DTYPE": PY_SCALAR_DTYPE}  # fmt: skip
     exec("\n".join(lines), scope)  # noqa: S102 - source built above from the fixed _LINES
     conv = _CONVERTERS[kinds] = scope["convert"]
     return conv
@@ -198,7 +199,8 @@ def _outputs(spec, n: Node):
 
 def call(spec: OpSpec, args: tuple):
     """A functional op: one new node, new tensors for its outputs (views alias their base)."""
-    vals, sig = _prepare(spec, args)
+    conv = spec.prepare  # _prepare, inline: the per-op path
+    vals, sig = conv(spec, args) if conv is not None and len(args) == len(spec.kinds) else _prepare(spec, args)
     n = _node(spec, vals, sig)
     if spec.view:
         base = args[0]
