@@ -296,8 +296,13 @@ def reroot_lone_views(storages) -> None:
     storing the ``mm`` would make XLA transpose a weight-sized buffer every step.
     """
     for st in storages:
+        refs = st.refs
+        if len(refs) == 1:  # the common case: one tensor made on it, no view
+            t = refs[0]()
+            if t is None or t._vw is None:
+                continue
         lone = None
-        for r in st.refs:
+        for r in refs:
             t = r()
             if _reads(t, st) and t is not lone:
                 if lone is not None:
