@@ -91,3 +91,20 @@ def test_execute_time_has_one_sample_per_execution():
     n, total, _ = met.metric_data("ExecuteTime")
     assert n == 3 and total > 0
     assert a.cpu().tolist() == [4.0] * 4
+
+
+def test_fused_view_shim_aliases_its_base():
+    dev = xm.xla_device()
+    x = torch.arange(6.0).reshape(2, 3)
+    xx = x.to(dev)
+    xx.t()  # the first call fuses the shim
+    assert hasattr(dispatch.SHIMS[aten.t.default], "__wrapped__")
+    v = xx.t()
+    vv = v.t()  # a view of a view
+    v.mul_(2)  # written through the view: the base changes
+    xx.add_(1)  # and the views read the base's new value
+    x.t().mul_(2)
+    x.add_(1)
+    torch.testing.assert_close(xx.cpu(), x)
+    torch.testing.assert_close(v.cpu(), x.t())
+    torch.testing.assert_close(vv.cpu(), x)

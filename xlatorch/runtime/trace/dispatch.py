@@ -194,20 +194,21 @@ def _converter(kinds: tuple):
 # The names a fused shim's code uses besides its parameters (``_fuse``).
 _FUSED_NAMES = frozenset(
     "XlaTensor _tensor_value _static_sig scalar _sig next_key Scalar PY_SCALAR_DTYPE spec cache counter _node Node "
-    "COUNTERS _in_backward _weakref _new DEVICE Storage info n out vals sig st t".split()
+    "COUNTERS _in_backward _weakref _new DEVICE Storage _reads info n out vals sig st t r".split()
 )
 
 
 def _fuse(spec: OpSpec) -> None:
     """Replace the generated shim of a functional op with one function doing what the shim,
-    ``call``, the argument converter, ``_node`` and ``wrap`` do, in one frame: the per-op path.
+    ``call``, the argument converter, ``_node`` and ``wrap`` (or ``_view_of``) do, in one frame:
+    the per-op path.
 
     Only for a shim that is exactly ``return call(S, (its parameters in schema order))``, of
-    an op that makes no view and returns one tensor. The first node of a signature, and a
-    checked one, still go through ``_node``; births are asked at each call (they change)."""
+    an op that returns one tensor. The first node of a signature, and a checked one, still go
+    through ``_node``; births are asked at each call (they change)."""
     shim = SHIMS.get(spec.overload)
     code = getattr(shim, "__code__", None)
-    if code is None or spec.view or spec.returns is not ONE or spec.mutates or code.co_flags & 0x0C:
+    if code is None or spec.returns is not ONE or spec.mutates or code.co_flags & 0x0C:
         return  # not a plain function, or *args / **kwargs
     params = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
     plain = code.co_varnames == params == tuple(spec.arg_names) and code.co_names[:1] == ("call",)
@@ -234,19 +235,31 @@ def _fuse(spec: OpSpec) -> None:
         "    else:",
         "        n = Node(spec, vals, info, info.key)",
         "        COUNTERS[counter] += 1",
-        "    out = n.outs[0]",  # wrap(out), inline
+        "    out = n.outs[0]",
         "    t = _new(XlaTensor, out.aval[0], dtype=out.aval[1], device=DEVICE)",
         "    COUNTERS['CreateXlaTensor'] += 1",
-        "    t._st = st = Storage(out, _weakref(t))",
-        "    if spec.born and _in_backward() == -1:",  # as call(): births
-        "        n.born = _weakref(st)",
-        "    return t",
     ]
+    if spec.view:  # _view_of(a0, (spec, rest, 0), out), inline
+        lines += [
+            "    t._st = st = a0._st",
+            "    t._vw, t._vc = (a0._vw or ()) + ((spec, n.args[1:], 0),), (st.gen, out)",
+            "    if len(st.refs) >= 16:",
+            "        st.refs = [r for r in st.refs if _reads(r(), st)]",
+            "    st.refs.append(_weakref(t))",
+            "    return t",
+        ]
+    else:  # wrap(out), inline
+        lines += [
+            "    t._st = st = Storage(out, _weakref(t))",
+            "    if spec.born and _in_backward() == -1:",  # as call(): births
+            "        n.born = _weakref(st)",
+            "    return t",
+        ]
     scope = {"XlaTensor": XlaTensor, "_tensor_value": _tensor_value, "_static_sig": _static_sig, "scalar": scalar,
              "_sig": _sig, "next_key": next_key, "Scalar": Scalar, "PY_SCALAR_DTYPE": PY_SCALAR_DTYPE, "spec": spec,
              "cache": spec.cache, "counter": spec.counter, "_node": _node, "Node": Node, "COUNTERS": COUNTERS,
              "_in_backward": _in_backward, "_weakref": _weakref, "_new": torch.Tensor._make_wrapper_subclass,
-             "DEVICE": _tensor_module.DEVICE, "Storage": Storage}  # fmt: skip
+             "DEVICE": _tensor_module.DEVICE, "Storage": Storage, "_reads": _tensor_module._reads}  # fmt: skip
     exec("\n".join(lines), scope)  # noqa: S102 - source built above from the fixed _LINES and the shim's parameters
     fused = scope["fused"]
     fused.__defaults__, fused.__kwdefaults__ = shim.__defaults__, shim.__kwdefaults__
