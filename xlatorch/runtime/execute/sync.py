@@ -96,7 +96,25 @@ class Step:
             opts = regions.options_key()
             if opts is not None:
                 self.key += (opts,)
-        return cache.CACHE.get(self.key)  # one lookup on a hit: hashing the key walks the whole graph's encoding
+        return _cached(self.key)
+
+
+# The newest executable found in the cache, and its key: a loop's next step has the same key.
+_LAST_HIT: list = [None, None]
+
+
+def _cached(key):
+    """The executable cached under ``key``, or None. Hashing the key walks the whole graph's
+    encoding (tuples do not keep their hash); comparing it with the newest hit's key is a tenth
+    of that (their node keys are the same objects), and that executable is still the one cached
+    under it if it is still in the cache (where an eviction or a clear removes it)."""
+    last_key, last = _LAST_HIT
+    if last is not None and key == last_key and last in cache.CACHE.values():
+        return last
+    exe = cache.CACHE.get(key)
+    if exe is not None:
+        _LAST_HIT[:] = key, exe
+    return exe
 
 
 def sync(reason: str = "mark_step", dev: int | None = None) -> None:
@@ -322,7 +340,7 @@ def _run(step: Step) -> None:
                     return
         break
     g = step.graph
-    packed, leaf_kinds = pack(g.leaves)
+    packed, leaf_kinds = pack(g.leaves, step.key[2])
     try:
         if exe is None or exe.fast:
             req = CompileRequest(step.key, g.nodes, g.leaves, leaf_kinds, g.root_refs, step.data, packed, step.donate,

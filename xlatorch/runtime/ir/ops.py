@@ -32,15 +32,17 @@ BIG_BYTES = 16 << 20
 
 class Info:
     """What a node's signature determines: output avals, computation dtype, whether the node
-    carries an on-device check (``runtime/lower/checks.py``), and whether an output is
-    large (``big``: at least ``BIG_BYTES``). ``key``: the key of the nodes made from it, one
+    carries an on-device check (``runtime/lower/checks.py``), whether an output is large
+    (``big``: at least ``BIG_BYTES``), and the aval of its only output (``one``; None if it has
+    several). ``key``: the key of the nodes made from it, one
     tuple shared by all of them (set by ``trace/nodes.py`` at the first), so that comparing two
     graphs' keys finds equal nodes by identity instead of walking their signatures."""
 
-    __slots__ = ("avals", "cdtype", "checked", "big", "key")
+    __slots__ = ("avals", "cdtype", "checked", "big", "key", "one")
 
     def __init__(self, avals, cdtype, checked=False):
         self.avals = avals
+        self.one = avals[0] if len(avals) == 1 else None
         self.cdtype = cdtype
         self.checked = checked
         self.big = any(a is not None and type(a) is tuple and _nbytes(a) >= BIG_BYTES for a in avals)

@@ -120,11 +120,11 @@ class Node:
         self.info = info
         self.key = key
         self.dev = _node_device(args) if _multi else 0
-        avals = info.avals
-        if len(avals) == 1 and avals[0] is not None:  # the common case, without a genexpr
-            self.outs = (Out(self, 0, avals[0]),)
+        one = info.one
+        if one is not None:  # the common case, without a genexpr
+            self.outs = (Out(self, 0, one),)
         else:
-            self.outs = tuple(None if aval is None else Out(self, i, aval) for i, aval in enumerate(avals))
+            self.outs = tuple(None if aval is None else Out(self, i, aval) for i, aval in enumerate(info.avals))
         if DEBUG_SOURCE or info.big:
             self.src = user_frame()
 

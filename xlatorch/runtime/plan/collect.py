@@ -32,84 +32,103 @@ class Graph:
 def collect(roots, cut=None) -> Graph:
     """The graph computing ``roots``. Runs at every sync over the whole graph: kept tight
     (one visit per node whose operands are already placed, the operand scan and the leaf
-    numbering inline; the order is the post-order of a depth-first walk, operands in order)."""
-    order = {}
+    numbering inline; the order is the post-order of a depth-first walk, operands in order).
+    Nodes and leaves are dictionary keys themselves: their hash is their identity."""
+    order = {}  # node -> position
+    scanned = {}  # node -> its operands, while its own operands are being placed
     nodes = []
-    leaf_pos = {}
+    leaf_pos = {}  # leaf -> position
     leaves = []
     enc = []
     failed = False
     failed_spec = failure._SPEC
     _Out, _Data, _Scalar, _tuple = Out, Data, Scalar, tuple
     for root in roots:
-        if id(root.node) in order:
+        if type(root) is not _Out or root.node in order:
             continue
         stack = [root.node]
-        pending = [None]
         while stack:
             n = stack[-1]
-            ops = pending[-1]
+            if n in order:  # reached twice before it was placed
+                stack.pop()
+                continue
+            ops = scanned.pop(n, None)
             if ops is None:
-                if id(n) in order:
-                    stack.pop()
-                    pending.pop()
-                    continue
                 ops = []
                 for a in n.args:
                     t = type(a)
                     if t is _Out or t is _Scalar or t is _Data:
                         ops.append(a)
                     elif t is _tuple:
-                        ops.extend(x for x in a if type(x) in (_Out, _Scalar, _Data))
+                        for x in a:
+                            t = type(x)
+                            if t is _Out or t is _Scalar or t is _Data:
+                                ops.append(x)
                 if cut:
                     ops = [cut.get(id(v), v) for v in ops]
-                pending[-1] = ops
                 more = False
                 for v in reversed(ops):
-                    if type(v) is _Out and id(v.node) not in order:
+                    if type(v) is _Out and v.node not in order:
                         stack.append(v.node)
-                        pending.append(None)
                         more = True
                 if more:
+                    scanned[n] = ops
                     continue
             stack.pop()
-            pending.pop()
-            if id(n) in order:
-                continue
             refs = []
             for v in ops:
                 if type(v) is _Out:
-                    refs.append(order[id(v.node)] * 4096 + v.idx)
+                    refs.append(order[v.node] * 4096 + v.idx)
                 else:
-                    i = leaf_pos.get(id(v))
+                    i = leaf_pos.get(v)
                     if i is None:
-                        i = leaf_pos[id(v)] = len(leaves)
+                        i = leaf_pos[v] = len(leaves)
                         leaves.append(v)
                     refs.append(-1 - i)
             enc.append((n.key, _tuple(refs)))
-            order[id(n)] = len(nodes)
+            order[n] = len(nodes)
             nodes.append(n)
             if n.spec is failed_spec:
                 failed = True
     root_refs = []
     for r in roots:
         if type(r) is _Out:
-            root_refs.append(order[id(r.node)] * 4096 + r.idx)
+            root_refs.append(order[r.node] * 4096 + r.idx)
         else:
-            i = leaf_pos.get(id(r))
+            i = leaf_pos.get(r)
             if i is None:
-                i = leaf_pos[id(r)] = len(leaves)
+                i = leaf_pos[r] = len(leaves)
                 leaves.append(r)
             root_refs.append(-1 - i)
     return Graph(nodes, leaves, enc, _tuple(root_refs), failed)
 
 
-def pack(leaves):
-    """Host scalars grouped by dtype into one array each: one transfer per dtype, not per scalar."""
-    groups: dict = {}  # packed dtype -> (group index, values)
+# Leaf signatures -> how ``pack`` lays their scalars out: (per leaf its kind, per packed
+# array its dtype and the positions of its leaves). The signatures decide it (a leaf's dtype,
+# and whether it is a 0-d tensor or a Python number), so a graph seen before reuses it.
+_LAYOUTS: dict = {}
+
+
+def pack(leaves, sigs=None):
+    """Host scalars grouped by dtype into one array each: one transfer per dtype, not per scalar.
+    ``sigs``: the leaves' signatures, when the caller has them already."""
+    if sigs is None:
+        sigs = tuple([v.sig for v in leaves])
+    layout = _LAYOUTS.get(sigs)
+    if layout is None:
+        layout = _layout(leaves)
+        if len(_LAYOUTS) >= 512:
+            _LAYOUTS.clear()
+        _LAYOUTS[sigs] = layout
+    kinds, groups = layout
+    return [np.asarray([leaves[i].value for i in idx], dtype=dt) for dt, idx in groups], kinds
+
+
+def _layout(leaves):
+    groups: dict = {}  # packed dtype -> (group index, positions of its leaves)
     kinds = []
     nd = 0
-    for v in leaves:
+    for pos, v in enumerate(leaves):
         if type(v) is Data:
             kinds.append(("d", nd))
             nd += 1
@@ -117,8 +136,7 @@ def pack(leaves):
             # Python numbers are weakly typed, as in PyTorch: 2.5 * float32 stays float32.
             # A precision mode may pack them wider than 0-d tensors of their dtype.
             dt = to_jax(v.aval[1]) if v.tensor else PY_SCALAR_JAX[v.aval[1]]
-            gi, vals = groups.setdefault(dt, (len(groups), []))
-            kinds.append((gi, len(vals), not v.tensor))
-            vals.append(v.value)
-    packed = [np.asarray(vals, dtype=dt) for dt, (_, vals) in groups.items()]
-    return packed, kinds
+            gi, idx = groups.setdefault(dt, (len(groups), []))
+            kinds.append((gi, len(idx), not v.tensor))
+            idx.append(pos)
+    return tuple(kinds), [(dt, tuple(idx)) for dt, (_, idx) in groups.items()]

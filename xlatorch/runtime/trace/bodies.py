@@ -26,7 +26,6 @@ from xlatorch.runtime.base.threads import BODIES, TICKS
 from xlatorch.runtime.ir.body import Body, plan
 from xlatorch.runtime.ir.ops import GENERATOR, ONE, STATIC, Info, OpSpec, _sig
 from xlatorch.runtime.ir.values import Data, Node, Out, Scalar, operands
-from xlatorch.runtime.trace import tensor as _tensor
 from xlatorch.runtime.trace.collectives import SPECS as COLLECTIVES
 from xlatorch.runtime.trace.tensor import PENDING, XlaTensor, fail_storages, value_of, wrap
 
@@ -75,7 +74,7 @@ def trace_values(fn, avals, name: str, requires_grad=(), frozen=()) -> tuple[lis
     the result tensors, for ``body_of`` to make one or several bodies from. The inputs at the
     positions in ``frozen`` may not be written in place (``InputWrittenError``): where the
     user's own tensor would be written by the same code run eagerly."""
-    first_sid = next(_tensor._ids)  # storages made from here on are the body's
+    first_sid = next(TICKS)  # storages made from here on are the body's (ids are creation ticks)
     snapshot = {sid: r().value for sid, r in list(PENDING.items()) if r() is not None}
     inputs = []
     for i, aval in enumerate(avals):

@@ -12,6 +12,7 @@ from weakref import ref as _weakref
 
 import torch
 
+from xlatorch.runtime.base.dtypes import PY_SCALAR_DTYPE
 from xlatorch.runtime.base.record import COUNTERS
 from xlatorch.runtime.base.threads import _in_backward
 from xlatorch.runtime.ir.ops import (
@@ -32,7 +33,7 @@ from xlatorch.runtime.ir.rng import next_key
 from xlatorch.runtime.ir.values import Node, Scalar
 from xlatorch.runtime.trace import tensor as _tensor_module
 from xlatorch.runtime.trace.nodes import _node, convert_value, scalar
-from xlatorch.runtime.trace.tensor import XlaTensor, value_of, wrap, write
+from xlatorch.runtime.trace.tensor import Storage, XlaTensor, value_of, wrap, write
 
 __all__ = ["dispatch", "call", "call_inplace", "call_out", "SHIMS", "RUNTIME_OPS", "DECOMPS", "FALLBACK"]
 
@@ -104,6 +105,7 @@ def _prepare(spec, args):
     if conv is None:
         kinds = tuple(spec.kinds)
         conv = spec.prepare = _CONVERTERS.get(kinds) or _converter(kinds)
+        _fuse(spec)
     if len(args) == len(spec.kinds):
         return conv(spec, args)
     return _convert(spec, args)
@@ -161,7 +163,7 @@ _LINES = {
         "if a{i} is None:",
         "    v{i} = s{i} = None",
         "else:",
-        "    v{i} = scalar(a{i})",
+        "    v{i} = Scalar(a{i}, PY_SCALAR_DTYPE[type(a{i})])",  # nodes.scalar, inline
         "    s{i} = v{i}.sig",
     ),
     TENSOR_LIST: ("v{i} = tuple(_tensor_value(spec, x) for x in a{i})", "s{i} = _sig(v{i})"),
@@ -183,10 +185,87 @@ def _converter(kinds: tuple):
     ss = "".join(f"s{i}, " for i in range(n))
     lines.append(f"    return ({vs}), ({ss})")
     scope = {"XlaTensor": XlaTensor, "_tensor_value": _tensor_value, "_static_sig": _static_sig, "scalar": scalar,
-             "_sig": _sig, "next_key": next_key}  # fmt: skip
+             "_sig": _sig, "next_key": next_key, "Scalar": Scalar, "PY_SCALAR_DTYPE": PY_SCALAR_DTYPE}  # fmt: skip
     exec("\n".join(lines), scope)  # noqa: S102 - source built above from the fixed _LINES
     conv = _CONVERTERS[kinds] = scope["convert"]
     return conv
+
+
+# The names a fused shim's code uses besides its parameters (``_fuse``).
+_FUSED_NAMES = frozenset(
+    "XlaTensor _tensor_value _static_sig scalar _sig next_key Scalar PY_SCALAR_DTYPE spec cache counter _node Node "
+    "COUNTERS _in_backward _weakref _new DEVICE Storage _reads info n out vals sig st t r".split()
+)
+
+
+def _fuse(spec: OpSpec) -> None:
+    """Replace the generated shim of a functional op with one function doing what the shim,
+    ``call``, the argument converter, ``_node`` and ``wrap`` (or ``_view_of``) do, in one frame:
+    the per-op path.
+
+    Only for a shim that is exactly ``return call(S, (its parameters in schema order))``, of
+    an op that returns one tensor. The first node of a signature, and a checked one, still go
+    through ``_node``; births are asked at each call (they change)."""
+    shim = SHIMS.get(spec.overload)
+    code = getattr(shim, "__code__", None)
+    if code is None or spec.returns is not ONE or spec.mutates or code.co_flags & 0x0C:
+        return  # not a plain function, or *args / **kwargs
+    params = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+    plain = code.co_varnames == params == tuple(spec.arg_names) and code.co_names[:1] == ("call",)
+    if not plain or len(code.co_names) != 2 or shim.__globals__.get(code.co_names[1]) is not spec:
+        return
+    if _FUSED_NAMES.intersection(params) or any(p[:1] in "avst" and p[1:].isdigit() for p in params):
+        return  # a parameter would shadow a name of the fused code
+    n = len(params)
+    pos = ", ".join(params[: code.co_argcount])
+    kw = ", ".join(params[code.co_argcount :])
+    head = pos + (", *, " + kw if kw else "")
+    lines = [f"def fused({head}):"]
+    lines += [f"    a{i} = {p}" for i, p in enumerate(params)]
+    for i, k in enumerate(spec.kinds):
+        lines += ["    " + line.format(i=i) for line in _LINES[k]]
+    vs = "".join(f"v{i}, " for i in range(n))
+    ss = "".join(f"s{i}, " for i in range(n))
+    lines += [
+        f"    vals = ({vs})",
+        f"    sig = ({ss})",
+        "    info = cache.get(sig)",
+        "    if info is None or info.checked or info.key is None:",
+        "        n = _node(spec, vals, sig)",
+        "    else:",
+        "        n = Node(spec, vals, info, info.key)",
+        "        COUNTERS[counter] += 1",
+        "    out = n.outs[0]",
+        "    t = _new(XlaTensor, out.aval[0], dtype=out.aval[1], device=DEVICE)",
+        "    COUNTERS['CreateXlaTensor'] += 1",
+    ]
+    if spec.view:  # _view_of(a0, (spec, rest, 0), out), inline
+        lines += [
+            "    t._st = st = a0._st",
+            "    t._vw, t._vc = (a0._vw or ()) + ((spec, n.args[1:], 0),), (st.gen, out)",
+            "    if len(st.refs) >= 16:",
+            "        st.refs = [r for r in st.refs if _reads(r(), st)]",
+            "    st.refs.append(_weakref(t))",
+            "    return t",
+        ]
+    else:  # wrap(out), inline
+        lines += [
+            "    t._st = st = Storage(out, _weakref(t))",
+            "    if spec.born and _in_backward() == -1:",  # as call(): births
+            "        n.born = _weakref(st)",
+            "    return t",
+        ]
+    scope = {"XlaTensor": XlaTensor, "_tensor_value": _tensor_value, "_static_sig": _static_sig, "scalar": scalar,
+             "_sig": _sig, "next_key": next_key, "Scalar": Scalar, "PY_SCALAR_DTYPE": PY_SCALAR_DTYPE, "spec": spec,
+             "cache": spec.cache, "counter": spec.counter, "_node": _node, "Node": Node, "COUNTERS": COUNTERS,
+             "_in_backward": _in_backward, "_weakref": _weakref, "_new": torch.Tensor._make_wrapper_subclass,
+             "DEVICE": _tensor_module.DEVICE, "Storage": Storage, "_reads": _tensor_module._reads}  # fmt: skip
+    exec("\n".join(lines), scope)  # noqa: S102 - source built above from the fixed _LINES and the shim's parameters
+    fused = scope["fused"]
+    fused.__defaults__, fused.__kwdefaults__ = shim.__defaults__, shim.__kwdefaults__
+    fused.__name__ = fused.__qualname__ = shim.__name__
+    fused.__wrapped__ = shim
+    SHIMS[spec.overload] = fused
 
 
 def _outputs(spec, n: Node):
@@ -198,7 +277,8 @@ def _outputs(spec, n: Node):
 
 def call(spec: OpSpec, args: tuple):
     """A functional op: one new node, new tensors for its outputs (views alias their base)."""
-    vals, sig = _prepare(spec, args)
+    conv = spec.prepare  # _prepare, inline: the per-op path
+    vals, sig = conv(spec, args) if conv is not None and len(args) == len(spec.kinds) else _prepare(spec, args)
     n = _node(spec, vals, sig)
     if spec.view:
         base = args[0]

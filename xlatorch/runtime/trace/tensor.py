@@ -9,7 +9,6 @@ lazily when the storage changes and inverted (scatter) when the view is written.
 from __future__ import annotations
 
 import copy
-import itertools
 import sys
 import threading
 import traceback
@@ -53,7 +52,6 @@ DEVICE = torch.device("xla", 0)
 # references without callbacks (a storage's ``__del__`` removes its entry) costs a
 # fraction of a WeakValueDictionary on the per-op path.
 PENDING: dict[int, weakref.ref] = {}
-_ids = itertools.count()
 _weakref = weakref.ref
 # Filled by the modules above that own them (they import this one): the ATen call's
 # dispatch (trace/dispatch.py), a tensor's download (execute/materialize.py), its pickling
@@ -88,18 +86,18 @@ class Storage:
 
     __slots__ = ("value", "gen", "sid", "dev", "refs", "prev", "first", "owner", "sharding", "__weakref__")
 
-    def __init__(self, value):
-        self.refs = []
+    def __init__(self, value, ref=None):
+        self.refs = [] if ref is None else [ref]  # ``ref``: a weak reference to its first tensor
         # The user thread that made it (errors of its value are raised there): this one,
         # unless autograd's device thread is running a backward pass for another (owner()).
         self.owner = _get_ident() if _in_backward() == -1 else owner()
-        self.gen = next(TICKS)
+        # Its id is the tick of its creation (its first write): ids follow creation order.
+        self.gen = self.sid = sid = next(TICKS)
         # The device data this storage held when the step began writing it: a step whose
         # on-device check fails gives it back (runtime/lower/checks.py). Reset at each commit.
         self.prev = None
         self.first = 0  # the tick of the step's first write of it (when ``prev`` was set)
         self.sharding = None  # SPMD: the sharding mark_sharding gave it (runtime/multi/sharding.py)
-        self.sid = sid = next(_ids)
         self.dev = value.dev if ir._multi else 0  # the local device index (see ir.current_device)
         self.value = value
         if type(value) is Data:
@@ -134,8 +132,9 @@ class XlaTensor(torch.Tensor):
     """A tensor on the ``xla`` device: lazy, with PyTorch's shape, dtype and autograd."""
 
     _st: Storage
-    _vw: tuple | None  # view steps from the storage's value, or None
-    _vc: tuple | None  # (storage gen, value) cache of a view's value
+    # Set on views only (a plain tensor reads these class defaults: two attribute writes less per op)
+    _vw: tuple | None = None  # view steps from the storage's value, or None
+    _vc: tuple | None = None  # (storage gen, value) cache of a view's value
 
     @staticmethod
     def __new__(cls, *args, **kwargs):
@@ -272,12 +271,13 @@ def wrap(value, st: Storage | None = None, view=None) -> XlaTensor:
     t = _new(XlaTensor, shape, dtype=dtype, device=DEVICE)
     COUNTERS["CreateXlaTensor"] += 1
     if st is None:
-        st = Storage(value)
-        t._st, t._vw, t._vc = st, None, None
-    else:
-        t._st, t._vw, t._vc = st, view, (st.gen, value)
-        if len(st.refs) >= 16:  # a long-lived storage (a weight read through .t() every step)
-            st.refs = [r for r in st.refs if _reads(r(), st)]
+        t._st = Storage(value, _weakref(t))
+        return t
+    t._st = st
+    if view is not None:
+        t._vw, t._vc = view, (st.gen, value)
+    if len(st.refs) >= 16:  # a long-lived storage (a weight read through .t() every step)
+        st.refs = [r for r in st.refs if _reads(r(), st)]
     st.refs.append(_weakref(t))
     return t
 
@@ -296,8 +296,13 @@ def reroot_lone_views(storages) -> None:
     storing the ``mm`` would make XLA transpose a weight-sized buffer every step.
     """
     for st in storages:
+        refs = st.refs
+        if len(refs) == 1:  # the common case: one tensor made on it, no view
+            t = refs[0]()
+            if t is None or t._vw is None:
+                continue
         lone = None
-        for r in st.refs:
+        for r in refs:
             t = r()
             if _reads(t, st) and t is not lone:
                 if lone is not None:

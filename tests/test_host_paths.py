@@ -1,0 +1,110 @@
+"""The host's shortcuts on the per-op and per-sync paths behave as the general paths they skip:
+fused shims (trace/dispatch._fuse), the pack layout kept per leaf signatures (plan/collect.pack),
+the newest cache hit (execute/sync._cached), ExecuteTime of an execution over at its commit."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+import xlatorch.core.xla_model as xm
+import xlatorch.debug.metrics as met
+from xlatorch._generated import dispatch as generated
+from xlatorch.runtime.ir.values import Data, Scalar
+from xlatorch.runtime.lower import cache
+from xlatorch.runtime.plan.collect import pack
+from xlatorch.runtime.trace import dispatch
+from xlatorch.runtime.trace.tensor import pending_storages
+
+aten = torch.ops.aten
+
+
+def _count(name: str) -> int:
+    return met.counter_value(name) or 0
+
+
+def test_fused_shim_computes_and_counts_as_the_generated_one():
+    dev = xm.xla_device()
+    a, b = torch.randn(3, 4), torch.randn(3, 4)
+    xa, xb = a.to(dev), b.to(dev)
+    torch.addcmul(xa, xb, xb, value=0.5)  # the first call fuses the shim
+    fused = dispatch.SHIMS[aten.addcmul.default]
+    assert fused.__wrapped__ is generated.addcmul
+    made, ops = _count("CreateXlaTensor"), _count("xla::addcmul")
+    got = fused(xa, xb, xb, value=0.5)
+    ref = generated.addcmul(xa, xb, xb, value=0.5)
+    assert _count("CreateXlaTensor") == made + 2 and _count("xla::addcmul") == ops + 2
+    torch.testing.assert_close(got.cpu(), ref.cpu())
+    torch.testing.assert_close(got.cpu(), torch.addcmul(a, b, b, value=0.5))
+
+
+def test_fused_shim_takes_defaults_and_new_signatures():
+    dev = xm.xla_device()
+    x = torch.randn(2, 3)
+    y = (x.to(dev) + 1).sum(1)  # add.Tensor's alpha from the shim's defaults
+    z = torch.ones(2, 3, dtype=torch.float64).to(dev) + 2  # a signature not seen yet: through _node
+    torch.testing.assert_close(y.cpu(), (x + 1).sum(1))
+    torch.testing.assert_close(z.cpu(), torch.full((2, 3), 3.0, dtype=torch.float64))
+    assert hasattr(dispatch.SHIMS[aten.add.Tensor], "__wrapped__")
+
+
+def test_pack_layout_reuse_packs_the_new_values():
+    d = Data(np.zeros(2, np.float32), ((2,), torch.float32))
+    first = [d, Scalar(1.5, torch.float64), Scalar(2, torch.int64), Scalar(3.5, torch.float64)]
+    second = [d, Scalar(-1.0, torch.float64), Scalar(7, torch.int64), Scalar(0.25, torch.float64)]
+    p1, k1 = pack(first)
+    p2, k2 = pack(second)
+    assert k1 == k2 and k1[0] == ("d", 0)
+    assert [a.tolist() for a in p1] == [[1.5, 3.5], [2]] and [a.tolist() for a in p2] == [[-1.0, 0.25], [7]]
+
+
+def test_a_cleared_cache_compiles_again():
+    dev = xm.xla_device()
+    a = torch.ones(3, device=dev)
+    xm.mark_step()
+
+    def step():
+        s = (a * 3 + 1).sum()
+        assert pending_storages()
+        xm.mark_step()
+        assert s.item() == 12.0
+
+    step()
+    step()  # a hit: the newest one
+    compiled = _count("UncachedCompile")
+    step()
+    assert _count("UncachedCompile") == compiled
+    cache.CACHE.clear()
+    step()  # not the executable that was cleared: compiled anew
+    assert _count("UncachedCompile") == compiled + 1
+
+
+def test_execute_time_has_one_sample_per_execution():
+    dev = xm.xla_device()
+    a = torch.ones(4, device=dev)
+    xm.mark_step()
+    met.clear_all()
+    for _ in range(3):
+        a = a + 1
+        xm.mark_step()
+    xm.wait_device_ops()
+    n, total, _ = met.metric_data("ExecuteTime")
+    assert n == 3 and total > 0
+    assert a.cpu().tolist() == [4.0] * 4
+
+
+def test_fused_view_shim_aliases_its_base():
+    dev = xm.xla_device()
+    x = torch.arange(6.0).reshape(2, 3)
+    xx = x.to(dev)
+    xx.t()  # the first call fuses the shim
+    assert hasattr(dispatch.SHIMS[aten.t.default], "__wrapped__")
+    v = xx.t()
+    vv = v.t()  # a view of a view
+    v.mul_(2)  # written through the view: the base changes
+    xx.add_(1)  # and the views read the base's new value
+    x.t().mul_(2)
+    x.add_(1)
+    torch.testing.assert_close(xx.cpu(), x)
+    torch.testing.assert_close(v.cpu(), x.t())
+    torch.testing.assert_close(vv.cpu(), x)
