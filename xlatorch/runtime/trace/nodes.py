@@ -42,6 +42,7 @@ def node(spec: OpSpec, vals: tuple) -> Node:
 
 
 def _node(spec: OpSpec, vals: tuple, sig: tuple) -> Node:
+    # Its path for a cached, unchecked signature is inlined in the fused shims (dispatch._fuse).
     info = spec.cache.get(sig)
     if info is None:
         info = spec.cache[sig] = _infer(spec, vals)

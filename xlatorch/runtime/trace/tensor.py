@@ -266,7 +266,10 @@ _new = torch.Tensor._make_wrapper_subclass
 
 
 def wrap(value, st: Storage | None = None, view=None) -> XlaTensor:
-    """A new device tensor holding ``value`` (a fresh storage unless ``st`` is given)."""
+    """A new device tensor holding ``value`` (a fresh storage unless ``st`` is given).
+
+    Inlined, with ``dispatch._view_of`` and ``nodes._node``'s cached path, in the fused shims
+    (``dispatch._fuse``): a change here is made there too (``tests/test_host_paths.py``)."""
     shape, dtype = value.aval
     t = _new(XlaTensor, shape, dtype=dtype, device=DEVICE)
     COUNTERS["CreateXlaTensor"] += 1
