@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from xlatorch._generated import dispatch as generated
 
 import xlatorch.core.xla_model as xm
 import xlatorch.debug.metrics as met
-from xlatorch._generated import dispatch as generated
 from xlatorch.runtime.ir.values import Data, Scalar
 from xlatorch.runtime.lower import cache
 from xlatorch.runtime.plan.collect import pack
