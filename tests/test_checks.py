@@ -338,6 +338,7 @@ def test_on_cpu_checked_steps_undo_in_the_graph_once_keeping_the_state_would_not
     monkeypatch.setattr(keep, "_UNDO", "")
     monkeypatch.setattr(cache, "CACHE", {})
     monkeypatch.setattr(memory, "host_available_bytes", lambda: 4000)  # the state kept: ~1.5 kB
+    monkeypatch.setattr(keep, "_SMALL", 0)  # read the host's memory for this small a state too
     steps = AdaptiveSteps(rtol=1e-5, atol=1e-6)
     cpu_params = _adam_steps_with_a_bad_target("cpu", steps)
     met.clear_all()

@@ -29,10 +29,17 @@ def undo_in_graph(dev: int, kept=None) -> bool:
     if mode is None:
         mode = UNDO_IN_GRAPH[0] = jax_device(dev).platform != "cpu"
     if not mode and kept is not None and not _UNDO:
-        free = memory.host_available_bytes()
-        if free is not None and 4 * sum(math.prod(v.aval[0]) * v.aval[1].itemsize for v in kept) > free:
-            mode = UNDO_IN_GRAPH[0] = True
+        need = 4 * sum(math.prod(v.aval[0]) * v.aval[1].itemsize for v in kept)
+        # Reading the host's memory opens three files (0.1 ms, at every compile of a generation
+        # loop's growing step): not for data too small to matter to any host still running.
+        if need > _SMALL:
+            free = memory.host_available_bytes()
+            if free is not None and need > free:
+                mode = UNDO_IN_GRAPH[0] = True
     return mode
+
+
+_SMALL = 64 << 20  # four times the kept data, below which the host's memory is not read
 
 
 class Keep(tuple):
