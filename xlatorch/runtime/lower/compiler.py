@@ -21,14 +21,18 @@ is (``worth_optimizing``: XLA's own cost analysis, so the choice is the same eve
 either level, and recompiling their 30 lengths stalled the dynamic-cache loop's ninth call
 5 s (0.24 s before and after); a 256x1024 MLP layer (5e8 flops) runs 1 ms faster per call.
 
-On CPU a graph with a weight-gradient convolution (the batch dimension contracted: a window
-as large as the image, ``_WEIGHT_GRADIENT``) has its convolutions compiled by XLA's own (Eigen)
-kernels instead of YNNPACK's (``_EIGEN_CONVOLUTIONS``): YNNPACK runs those 2-2.4x slower
-(MNIST's second conv 11.6 -> 4.9 ms, a ResNet 3x3 64-channel layer at 56x56 49 -> 23 ms),
-and forward and input-gradient convolutions about as fast (a step of the MNIST CNN: 48 ->
-40 ms, of a ResNet block's conv 81 -> 56 ms, forward and backward). Depthwise convolutions
-(grouped: not this pattern) run faster on YNNPACK, and graphs without a weight gradient
-(inference) keep it: there it wins as often as it loses.
+On CPU a graph compiled to run fast that has a weight-gradient convolution (the batch
+dimension contracted: a window as large as the image, ``_WEIGHT_GRADIENT``) has its
+convolutions compiled by XLA's own (Eigen) kernels instead of YNNPACK's
+(``_EIGEN_CONVOLUTIONS``). YNNPACK runs those 2-2.4x slower (MNIST's second conv 11.6 -> 4.9
+ms, a ResNet 3x3 64-channel layer at 56x56 49 -> 23 ms) and forward and input-gradient
+convolutions about as fast: a ResNet conv's forward and backward 81 -> 56 ms, the MNIST
+step 0.59x torch_xla's time from 1.08x (``bench.vs_torch_xla``, with the max pools of
+``lowering/pool.py``). Depthwise convolutions (grouped: not this pattern) run faster on
+YNNPACK (a graph with both gives them up too), and graphs without a weight gradient
+(inference) keep it: there it wins as often
+as it loses. Finding the pattern reads the module's text: 13 ms of the GPT bench's 0.9 s
+first step.
 
 ``XLATORCH_XLA_OPTIONS="name=value,..."`` gives every graph these options instead
 (``XLATORCH_XLA_OPTIONS=``, empty: XLA's defaults everywhere); names are fields of XLA's
@@ -100,7 +104,7 @@ def compile(lowered, once: bool = False):
     """``lowered.compile()`` (a ``jax.stages.Lowered``) with ``options(once)``; an error
     caused by options the user set says where they came from."""
     opts = options(once)
-    if config.env("XLATORCH_XLA_OPTIONS") is None and _weight_gradient_on_cpu(lowered):
+    if not once and config.env("XLATORCH_XLA_OPTIONS") is None and _weight_gradient_on_cpu(lowered):
         opts = {**_EIGEN_CONVOLUTIONS, **(opts or {})}
     try:
         return lowered.compile(compiler_options=opts)
