@@ -192,7 +192,7 @@ def _max_pool_taps(x, lead, pads, out_spatial, k, s, p, d):
     # Each tap's offset from its window's first element, as a flat index into the input.
     inner = [int(np.prod(x.shape[lead + j + 1 :])) for j in range(len(k))]
     offsets = [sum(o * dd * st for o, dd, st in zip(offs, d, inner)) for offs in itertools.product(*map(range, k))]
-    offset = jnp.full(m.shape, offsets[-1], jnp.int32)
+    offset = jnp.full(m.shape, offsets[-1], jnp.int32 if max(offsets) < 2**31 else jnp.int64)
     for n in reversed(range(len(taps) - 1)):
         hit = taps[n] == m if real is None else (taps[n] == m) & real[n]
         offset = jnp.where(hit, offsets[n], offset)
