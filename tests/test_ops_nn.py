@@ -158,3 +158,48 @@ def test_recurrent_layers_equal_cpu_forward_and_backward(cls, bias):
     for got, want in zip(outs[1], outs[0]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert not [op for op in met.executed_fallback_ops() if "thnn" in op or "rnn" in op]
+
+
+# (spatial dims, kernel, stride, padding, dilation, ceil_mode): the window geometries of max pools,
+# overlapping or not, padded, dilated, with ceil_mode's partial last window.
+_MAX_POOLS = [
+    (1, 3, 2, 1, 1, True),
+    (2, 2, 2, 0, 1, False),
+    (2, 3, 2, 1, 1, False),
+    (2, (3, 2), (1, 2), (1, 0), (2, 1), True),
+    (2, 5, 5, 2, 1, False),  # 25 taps
+    (2, 6, 6, 3, 1, True),  # 36 taps: a (value, index) window reduction
+    (3, 2, 2, 1, 1, True),
+    (3, 3, 2, 1, (1, 2, 1), False),
+]
+
+
+@pytest.mark.parametrize("nd, k, stride, pad, dil, ceil", _MAX_POOLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_max_pool_values_indices_and_gradient_equal_cpu(nd, k, stride, pad, dil, ceil, dtype):
+    """max_pool1d/2d/3d with indices against CPU eager, exactly: values (signed zeros too) and
+    indices where windows hold ties, -inf, NaNs (the last NaN wins) and negative zeros, and
+    the input's gradient."""
+    torch.manual_seed(0)
+    shape = (2, 3) + (9, 8, 7)[:nd]
+    x = torch.randint(-2, 3, shape).to(dtype)  # few distinct values: many ties
+    flat = x.view(-1)
+    n = flat.numel()
+    flat[torch.randperm(n)[: n // 6]] = float("nan")  # windows with several NaNs
+    flat[torch.randperm(n)[: n // 8]] = float("-inf")
+    flat[torch.randperm(n)[: n // 8]] = -0.0
+    flat[: (9, 8, 7)[nd - 1]] = float("-inf")  # a whole row of -inf: windows with padding and -inf only
+    pool = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}[nd]
+    xc = x.clone().requires_grad_()
+    out, idx = pool(xc, k, stride, pad, dil, ceil_mode=ceil, return_indices=True)
+    cot = torch.randn(out.shape).to(dtype)
+    (want,) = torch.autograd.grad(out, xc, cot)
+    xx = x.to("xla").requires_grad_()
+    xout, xidx = pool(xx, k, stride, pad, dil, ceil_mode=ceil, return_indices=True)
+    (got,) = torch.autograd.grad(xout, xx, cot.to("xla"))
+    xm.mark_step()
+    torch.testing.assert_close(xidx.cpu(), idx, atol=0, rtol=0)
+    torch.testing.assert_close(xout.cpu(), out.detach(), atol=0, rtol=0, equal_nan=True)
+    assert torch.equal(torch.signbit(xout.cpu()), torch.signbit(out.detach()))
+    torch.testing.assert_close(got.cpu(), want, atol=0, rtol=0, equal_nan=True)
+    assert not _fallbacks()

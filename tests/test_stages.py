@@ -292,6 +292,36 @@ def test_xla_options_from_the_environment_reach_the_compiler(monkeypatch):
     assert compiler.options(True, "cpu") is None
 
 
+def test_a_convolutions_weight_gradient_compiles_with_xlas_own_convolutions_on_cpu(monkeypatch):
+    """On CPU a graph computing a convolution's weight gradient compiles its convolutions with
+    XLA's own kernels, not YNNPACK's (``compiler._EIGEN_CONVOLUTIONS``); a forward-only one
+    keeps XLA's defaults. Results equal CPU's either way."""
+    seen = []
+    detect = compiler._weight_gradient_on_cpu
+
+    def spy(lowered):
+        seen.append(detect(lowered))
+        return seen[-1]
+
+    monkeypatch.setattr(compiler, "_weight_gradient_on_cpu", spy)
+    monkeypatch.setattr(cache, "CACHE", {})
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+    x = torch.randn(2, 3, 8, 8)
+    want = conv(x)
+    want_grad = torch.autograd.grad(want.square().sum(), conv.weight)[0]
+    conv.to(DEV)
+    with torch.no_grad():
+        got = conv(x.to(DEV))
+        xm.mark_step()
+    assert seen == [False], seen
+    got_grad = torch.autograd.grad(conv(x.to(DEV)).square().sum(), conv.weight)[0]
+    xm.mark_step()
+    assert seen[-1] is True, seen
+    torch.testing.assert_close(got.cpu(), want.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_grad.cpu(), want_grad, rtol=1e-4, atol=1e-4)
+
+
 def test_a_small_graph_or_a_mostly_changing_one_compiles_whole():
     staged = _counter("StagedSync")
     x = torch.rand(6, 6).to(DEV)

@@ -10,6 +10,8 @@ product of the forward (average pools) or a scatter-add through the indices (max
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -143,11 +145,67 @@ def _max_pool(out, x, nd, kernel_size, stride, padding, dilation, ceil_mode):
     d = _nd_args(dilation, nd)
     lead = x.ndim - nd
     pads = _window_pads(x.shape[lead:], out[0].shape[lead:], k, s, p, d)
+    if any(n == 0 for n in out[0].shape):
+        return jnp.zeros(out[0].shape, x.dtype), jnp.zeros(out[1].shape, jnp.int64)
+    if np.prod(k) <= _MAX_TAPS:
+        return _max_pool_taps(x, lead, pads, out[0].shape[lead:], k, s, p, d)
     xv = _pad(x, lead, pads, _lowest(x.dtype))
     xi = _pad(_spatial_index(x.shape, nd), lead, pads, _IDX_PAD)
     init = (jnp.asarray(_lowest(x.dtype), x.dtype), jnp.asarray(_IDX_PAD, jnp.int64))
     ones = (1,) * lead
     return lax.reduce_window((xv, xi), init, _pick, ones + k, ones + s, "VALID", window_dilation=ones + d)
+
+
+# Windows of up to this many elements are pooled tap by tap (``_max_pool_taps``); larger
+# ones by a (value, index) window reduction.
+_MAX_TAPS = 27
+
+
+def _taps(x, lead, pads, out_spatial, k, s, d, fill):
+    """For each window offset, in PyTorch's scan order, the strided slice of ``x`` (padded
+    with ``fill``) holding that element of every window: an array of the output's shape."""
+    xp = _pad(x, lead, pads, fill)
+    strides = (1,) * lead + tuple(s)
+    for offs in itertools.product(*map(range, k)):
+        start = (0,) * lead + tuple(o * dd for o, dd in zip(offs, d))
+        limit = x.shape[:lead] + tuple(b + (o - 1) * ss + 1 for b, o, ss in zip(start[lead:], out_spatial, s))
+        yield lax.slice(xp, start, limit, strides)
+
+
+def _max_pool_taps(x, lead, pads, out_spatial, k, s, p, d):
+    """A max pool as elementwise passes over the window's taps, which XLA fuses into loops
+    (a (value, index) ``reduce_window`` with ``_pick`` runs 2-4x slower on CPU). The value
+    is PyTorch's scan (a later tap wins if greater or NaN); the index, the first tap equal
+    to the maximum (a real one, not padding), or where the maximum is NaN the last NaN tap:
+    the same picks as ``_pick``'s. The two are separate passes because XLA fuses each into
+    its consumers, and the value's alone is cheap."""
+    taps = list(_taps(x, lead, pads, out_spatial, k, s, d, _lowest(x.dtype)))
+    floating = jnp.issubdtype(x.dtype, jnp.floating)
+    value = taps[0]
+    for t in taps[1:]:
+        value = jnp.where((t > value) | jnp.isnan(t), t, value) if floating else jnp.maximum(t, value)
+    padded = any(lo or hi for lo, hi in pads)
+    real = list(_taps(jnp.ones(x.shape, bool), lead, pads, out_spatial, k, s, d, False)) if padded else None
+    m = taps[0]
+    for t in taps[1:]:
+        m = jnp.maximum(m, t)  # a NaN anywhere in the window makes the maximum NaN
+    # Each tap's offset from its window's first element, as a flat index into the input.
+    inner = [int(np.prod(x.shape[lead + j + 1 :])) for j in range(len(k))]
+    offsets = [sum(o * dd * st for o, dd, st in zip(offs, d, inner)) for offs in itertools.product(*map(range, k))]
+    offset = jnp.full(m.shape, offsets[-1], jnp.int32 if max(offsets) < 2**31 else jnp.int64)
+    for n in reversed(range(len(taps) - 1)):
+        hit = taps[n] == m if real is None else (taps[n] == m) & real[n]
+        offset = jnp.where(hit, offsets[n], offset)
+    if floating:
+        last_nan = offset
+        for n, t in enumerate(taps):
+            last_nan = jnp.where(jnp.isnan(t), offsets[n], last_nan)
+        offset = jnp.where(jnp.isnan(m), last_nan, offset)
+    start = None  # each window's first element (padding included), as a flat index
+    for j, (ss, pp, st) in enumerate(zip(s, p, inner)):
+        term = (lax.broadcasted_iota(jnp.int64, m.shape, lead + j) * ss - pp) * st
+        start = term if start is None else start + term
+    return value, start + offset.astype(jnp.int64)
 
 
 def max_pool2d_with_indices(out, self, kernel_size, stride, padding, dilation, ceil_mode):
