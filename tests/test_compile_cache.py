@@ -271,6 +271,34 @@ def test_a_key_holding_an_object_is_not_served():
     assert program_cache.graph_key(req) is not None
 
 
+def test_an_op_whose_emitter_was_replaced_is_not_served(monkeypatch):
+    """An emitter put in place of the registry's at run time (a wrapper, a debugging patch)
+    keeps its graphs out of the layer: the op's stored program would otherwise run in its
+    place, or its program be stored under the op's name."""
+    import types
+
+    import torch
+
+    import xlatorch.debug.metrics as met
+    from xlatorch.runtime.ir.ops import SPECS
+    from xlatorch.runtime.lower import cache, program_cache
+
+    spec = SPECS["tanh.default"]
+    req = types.SimpleNamespace(spmd=None, dev=0, key=((((spec, (((4,), "f"),)), ()),),))
+    assert program_cache.graph_key(req) is not None
+    x = torch.linspace(-1, 1, 8)
+    close = dict(rtol=1e-6, atol=1e-6)  # tanh's last bit may differ from CPU's
+    torch.testing.assert_close(torch.tanh(x.to("xla")).cpu(), torch.tanh(x), **close)  # its program, now on disk
+    orig = spec.emit
+    monkeypatch.setattr(spec, "emit", lambda out, *a: orig(out, *a) * 2)
+    monkeypatch.setattr(cache, "CACHE", {})
+    met.clear_all()
+    assert program_cache.graph_key(req) is None and met.counter_value("ProgramCacheSkip") == 1
+    torch.testing.assert_close(torch.tanh(x.to("xla")).cpu(), torch.tanh(x) * 2, **close)  # the replacement runs
+    monkeypatch.undo()
+    assert program_cache.graph_key(req) is not None
+
+
 def test_processes_sharing_the_directory(tmp_path):
     runs = _run(tmp_path, n=2)  # both compile and write the same entries at once
     assert runs[0]["losses"] == runs[1]["losses"]

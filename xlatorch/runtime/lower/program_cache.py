@@ -41,6 +41,7 @@ import json
 import os
 import pathlib
 import struct
+import sys
 import threading
 import zlib
 from contextlib import contextmanager
@@ -99,7 +100,7 @@ def _enc(o, out: list) -> None:
     elif t is torch.dtype or t is torch.memory_format or t is torch.layout or t is torch.device:
         out.append(str(o))
     elif t is OpSpec:
-        if SPECS.get(o.name) is not o:  # made at run time: its name may not say what it emits
+        if SPECS.get(o.name) is not o or not _as_registered(o):  # its name may not say what it emits
             raise _Unstable
         out.append("op:" + o.name)
     elif t is type and o.__module__ == "builtins":
@@ -111,12 +112,40 @@ def _enc(o, out: list) -> None:
         raise _Unstable
 
 
+_VERIFIED: dict = {}  # OpSpec -> (emit, check) found to be the module-level functions they name
+
+
+def _as_registered(spec: OpSpec) -> bool:
+    """Whether ``spec`` emits with the functions its modules define under their names (not one
+    put in their place at run time, such as a test's or a debugging session's wrapper: its
+    program would be stored under the op's name, or the op's served in its place)."""
+    fns = (spec.emit, spec.check)
+    if _VERIFIED.get(spec) == fns:
+        return True
+    for fn in fns:
+        if fn is None:
+            continue
+        obj = sys.modules.get(getattr(fn, "__module__", None) or "")
+        for part in getattr(fn, "__qualname__", "<>").split("."):
+            obj = getattr(obj, part, None)
+        if obj is not fn:
+            return False
+    _VERIFIED[spec] = fns
+    return True
+
+
 def _package_digest() -> str:
+    """A digest of xlatorch's source: the package's files and the generated shims and
+    emitters (``xlatorch._generated``, a folder of its own in a source checkout)."""
     root = pathlib.Path(__file__).resolve().parents[2]  # the xlatorch package
+    gen = importlib.import_module("xlatorch._generated")
     h = hashlib.sha256()
-    for p in sorted(root.rglob("*")):
-        if p.suffix in (".py", ".yaml", ".json") and "__pycache__" not in p.parts:
-            h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes() + b"\0")
+    seen = set()
+    for top in (root, *(pathlib.Path(p).resolve() for p in gen.__path__)):
+        for p in sorted(top.rglob("*")):
+            if p.suffix in (".py", ".yaml", ".json") and "__pycache__" not in p.parts and p.resolve() not in seen:
+                seen.add(p.resolve())
+                h.update(str(p.relative_to(top)).encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()
 
 
