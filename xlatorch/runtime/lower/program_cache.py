@@ -139,12 +139,11 @@ def _package_digest() -> str:
     emitters (``xlatorch._generated``, a folder of its own in a source checkout)."""
     root = pathlib.Path(__file__).resolve().parents[2]  # the xlatorch package
     gen = importlib.import_module("xlatorch._generated")
+    tops = [root] + [g for g in (pathlib.Path(p).resolve() for p in gen.__path__) if not g.is_relative_to(root)]
     h = hashlib.sha256()
-    seen = set()
-    for top in (root, *(pathlib.Path(p).resolve() for p in gen.__path__)):
+    for top in tops:
         for p in sorted(top.rglob("*")):
-            if p.suffix in (".py", ".yaml", ".json") and "__pycache__" not in p.parts and p.resolve() not in seen:
-                seen.add(p.resolve())
+            if p.suffix in (".py", ".yaml", ".json") and "__pycache__" not in p.parts:
                 h.update(str(p.relative_to(top)).encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()
 
