@@ -11,10 +11,21 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# Every graph of these scripts is served by the lowered-program cache, however small (its
+# MIN_NODES is a policy of its own: test_a_graph_of_few_nodes_is_not_served).
+_SERVE_ALL = r"""
+from xlatorch.runtime.lower import program_cache
+program_cache.MIN_NODES = 1
+"""
+
 # Counts the traces of graphs' lowerings (a program found on disk traces none).
-_COUNT_TRACES = r"""
+_COUNT_TRACES = (
+    _SERVE_ALL
+    + r"""
 from xlatorch.runtime.lower import executable
 traces = [0]
 def _counting(lower_fn):
@@ -27,6 +38,7 @@ def _counting(lower_fn):
     return make
 executable.lower_fn = _counting(executable.lower_fn)
 """
+)
 
 _PROGRAMS = ("Hit", "Miss", "Skip", "Corrupt")
 
@@ -62,7 +74,9 @@ print(json.dumps(dict(losses=losses, hits=met.counter_value("PersistentCacheHit"
 )
 
 
-_GRAPHS = r"""
+_GRAPHS = (
+    _SERVE_ALL
+    + r"""
 import json, sys, torch
 import xlatorch.core.xla_model as xm, xlatorch.debug.metrics as met
 for n in map(int, sys.argv[1:]):  # one graph per length
@@ -73,6 +87,7 @@ counts = {k: met.counter_value("PersistentCache" + k) or 0 for k in ("Hit", "Mis
 counts.update({"Program" + k: met.counter_value("ProgramCache" + k) or 0 for k in ("Hit", "Miss")})
 print(json.dumps(dict(counts, Corrupt=met.counter_value("ProgramCacheCorrupt") or 0)))
 """
+)
 
 
 def _run(cache_dir, n=1, script=_SCRIPT, args=(), **env):
@@ -87,13 +102,27 @@ def _run(cache_dir, n=1, script=_SCRIPT, args=(), **env):
     return out
 
 
-def test_second_run_hits_every_graph(tmp_path):
-    (first,) = _run(tmp_path)
+@pytest.fixture(scope="module")
+def cold(tmp_path_factory):
+    """(the cache directory a first process filled, what that process printed): tests copy
+    the directory before they use it."""
+    path = tmp_path_factory.mktemp("cold")
+    (first,) = _run(path)
+    return path, first
+
+
+def _copy(cold, to):
+    shutil.copytree(cold[0], to)
+    return cold[1]
+
+
+def test_second_run_hits_every_graph(cold, tmp_path):
+    first = _copy(cold, tmp_path / "c")
     assert first["hits"] == 0 and first["misses"] >= first["compiles"] >= 1
     assert first["programs"] == {"Hit": 0, "Miss": first["compiles"], "Skip": 0, "Corrupt": 0}
     assert first["traces"] == first["compiles"]
-    assert os.listdir(tmp_path / "jax")
-    (second,) = _run(tmp_path)
+    assert os.listdir(tmp_path / "c" / "jax")
+    (second,) = _run(tmp_path / "c")
     assert second["hits"] >= second["compiles"] and second["misses"] == 0
     # Every graph's program came from disk: nothing traced or lowered.
     assert second["programs"] == {"Hit": second["compiles"], "Miss": 0, "Skip": 0, "Corrupt": 0}
@@ -102,12 +131,13 @@ def test_second_run_hits_every_graph(tmp_path):
     assert second["compile_s"] < first["compile_s"]
 
 
-def test_a_cache_off_run_gives_the_same_numbers(tmp_path):
-    """A program compiled through its exported form computes what ``jax.jit`` of the lowering does."""
-    (cached,) = _run(tmp_path)
+def test_a_cache_off_run_gives_the_same_numbers(cold):
+    """``XLATORCH_CACHE_DIR=`` turns the cache off; a program compiled through its exported
+    form computes what ``jax.jit`` of the lowering does."""
     (off,) = _run("")
+    assert off["hits"] == 0 and off["misses"] == 0
     assert off["programs"] == {k: 0 for k in _PROGRAMS} and off["traces"] == off["compiles"]
-    assert cached["losses"] == off["losses"]
+    assert cold[1]["losses"] == off["losses"]
 
 
 _SCALARS = (
@@ -167,7 +197,9 @@ def test_equal_scalars_programs_come_back_apart(tmp_path):
     assert second["programs"] == {"Hit": 3, "Miss": 0} and second["traces"] == 0
 
 
-_CHECKED = r"""
+_CHECKED = (
+    _SERVE_ALL
+    + r"""
 import json, sys, torch
 import xlatorch.core.xla_model as xm, xlatorch.debug.metrics as met
 w = torch.arange(12.0).view(4, 3).to("xla")
@@ -181,6 +213,7 @@ except IndexError as e:
     out = "IndexError: " + str(e)
 print(json.dumps(dict(out=out, hits=met.counter_value("ProgramCacheHit") or 0)))
 """
+)
 
 
 def test_a_program_from_disk_keeps_its_checks(tmp_path):
@@ -193,7 +226,9 @@ def test_a_program_from_disk_keeps_its_checks(tmp_path):
     assert second["out"].startswith("IndexError: index out of range in self") and "aten::embedding" in second["out"]
 
 
-_KEY = r"""
+_KEY = (
+    _SERVE_ALL
+    + r"""
 import hashlib, json, sys, torch
 import xlatorch.core.xla_model as xm
 from xlatorch.runtime.lower import program_cache
@@ -210,6 +245,7 @@ y = torch.nn.functional.embedding(torch.tensor([1, 3], device="xla"), x)[:, :6] 
 xm.mark_step()
 print(json.dumps(dict(keys=keys, out=y.cpu().tolist())))
 """
+)
 
 
 def test_the_key_is_the_same_in_another_process(tmp_path):
@@ -245,6 +281,7 @@ def test_an_entry_for_another_key_is_never_run(monkeypatch):
     from xlatorch.runtime.lower import cache, program_cache
 
     monkeypatch.setattr(program_cache, "_name", lambda text: "xlatorch-program-collision")
+    monkeypatch.setattr(program_cache, "MIN_NODES", 1)
     monkeypatch.setattr(cache, "CACHE", {})
     met.clear_all()
     a = torch.arange(5.0, device="xla") * 2
@@ -286,6 +323,7 @@ def test_an_op_whose_emitter_was_replaced_is_not_served(monkeypatch):
     spec = SPECS["tanh.default"]
     req = types.SimpleNamespace(spmd=None, dev=0, key=((((spec, (((4,), "f"),)), ()),),))
     assert program_cache.graph_key(req) is not None
+    monkeypatch.setattr(program_cache, "MIN_NODES", 1)
     x = torch.linspace(-1, 1, 8)
     close = dict(rtol=1e-6, atol=1e-6)  # tanh's last bit may differ from CPU's
     torch.testing.assert_close(torch.tanh(x.to("xla")).cpu(), torch.tanh(x), **close)  # its program, now on disk
@@ -299,6 +337,31 @@ def test_an_op_whose_emitter_was_replaced_is_not_served(monkeypatch):
     assert program_cache.graph_key(req) is not None
 
 
+def test_a_graph_of_few_nodes_is_not_served(monkeypatch):
+    """Below ``MIN_NODES`` a graph is traced and lowered as without the layer (loading it would
+    cost what that does, and exporting it costs its first run); from there it is served."""
+    import torch
+
+    import xlatorch.core.xla_model as xm
+    import xlatorch.debug.metrics as met
+    from xlatorch.runtime.lower import cache, program_cache
+
+    monkeypatch.setattr(cache, "CACHE", {})
+    met.clear_all()
+    x = torch.arange(9.0, device="xla")
+    y = x * 3 + 1  # 2 nodes
+    xm.mark_step()
+    assert not met.counter_value("ProgramCacheMiss") and not met.counter_value("ProgramCacheHit")
+    for _ in range(program_cache.MIN_NODES):
+        y = y * 3 + 1
+    xm.mark_step()
+    assert (met.counter_value("ProgramCacheMiss") or 0) + (met.counter_value("ProgramCacheHit") or 0) == 1
+    want = torch.arange(9.0) * 3 + 1
+    for _ in range(program_cache.MIN_NODES):
+        want = want * 3 + 1
+    torch.testing.assert_close(y.cpu(), want)
+
+
 def test_processes_sharing_the_directory(tmp_path):
     runs = _run(tmp_path, n=2)  # both compile and write the same entries at once
     assert runs[0]["losses"] == runs[1]["losses"]
@@ -306,17 +369,16 @@ def test_processes_sharing_the_directory(tmp_path):
     assert after["hits"] >= after["compiles"] and after["misses"] == 0
 
 
-def test_a_cache_moved_elsewhere_hits(tmp_path):
+def test_a_cache_moved_elsewhere_hits(cold, tmp_path):
     """The key does not hold the cache's path (JAX's XLA caches would put it in the compile
     options): a CI cache restored under another home still hits."""
-    (first,) = _run(tmp_path / "a")
+    first = _copy(cold, tmp_path / "a")  # copied from where it was written
     assert first["misses"] >= first["compiles"] >= 1
+    (copied,) = _run(tmp_path / "a")
+    assert copied["hits"] >= copied["compiles"] and copied["misses"] == 0
     shutil.move(tmp_path / "a", tmp_path / "b")
     (moved,) = _run(tmp_path / "b")
     assert moved["hits"] >= moved["compiles"] and moved["misses"] == 0
-    shutil.copytree(tmp_path / "b", tmp_path / "c")
-    (copied,) = _run(tmp_path / "c")
-    assert copied["hits"] >= copied["compiles"] and copied["misses"] == 0
     assert first["losses"] == moved["losses"] == copied["losses"]
 
 
@@ -359,11 +421,6 @@ def test_a_hit_only_reads_its_entry(tmp_path):
     (again,) = _run(tmp_path, script=_GRAPHS, args=(7,))
     assert again["Hit"] == 1 and again["Miss"] == 0
     assert files() == before
-
-
-def test_cache_off():
-    (run,) = _run("")  # XLATORCH_CACHE_DIR= turns the cache off
-    assert run["hits"] == 0 and run["misses"] == 0
 
 
 def test_the_in_memory_cache_is_bounded_and_evicted_graphs_come_back_from_disk():

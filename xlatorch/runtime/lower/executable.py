@@ -292,9 +292,9 @@ def lowered_body(req: CompileRequest, table) -> Body:
 
 def stored_body(req: CompileRequest, table) -> Body:
     """``lowered_body`` for a graph that ``compile_one`` compiles: with its key for the
-    lowered-program cache."""
+    lowered-program cache, if it has ``program_cache.MIN_NODES`` nodes or more."""
     b = lowered_body(req, table)
-    b.program = program_cache.graph_key(req)
+    b.program = program_cache.graph_key(req) if len(req.nodes) >= program_cache.MIN_NODES else None
     return b
 
 

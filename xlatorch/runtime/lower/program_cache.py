@@ -59,6 +59,9 @@ from xlatorch.runtime.plan.keep import Keep
 
 __all__ = ["graph_key", "key_text", "load", "export", "calling"]
 
+# Graphs of fewer nodes are not served: tracing and lowering them again costs about what
+# loading them does, and exporting them costs a first run 5-10 ms a graph (eager mode, tests).
+MIN_NODES = 16
 _MAGIC = b"xlatorch-program-2\n"
 _PREFIX = "xlatorch-program-"
 # Variables that cannot change a lowered program (where the cache is, timeouts, ranks ...):
