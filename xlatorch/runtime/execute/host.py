@@ -13,19 +13,9 @@ from xlatorch.runtime.base import record
 from xlatorch.runtime.execute.transfer import from_array, to_device
 from xlatorch.runtime.ir.values import Data, Out, Scalar
 from xlatorch.runtime.plan.stages import bookkeeping, exact
+from xlatorch.runtime.trace.nodes import run_node_on_cpu
 
 __all__ = ["on_host"]
-
-
-_WRITES: dict = {}  # spec -> positions of the arguments its ATen op writes in place
-
-
-def _writes(spec) -> tuple:
-    w = _WRITES.get(spec)
-    if w is None:
-        args = spec.overload._schema.arguments
-        w = _WRITES[spec] = tuple(i for i, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write)
-    return w
 
 
 def on_host(nodes, cut, roots, gdev, whole=False) -> list | None:
@@ -55,23 +45,7 @@ def on_host(nodes, cut, roots, gdev, whole=False) -> list | None:
 
     try:
         for n in nodes:
-            spec = n.spec
-            args, kwargs = [], {}
-            writes = _writes(spec)
-            for i, (name, a, ko) in enumerate(zip(spec.arg_names, n.args, spec.kwarg_only)):
-                x = value(a)
-                if name == "device" and x is not None:
-                    x = "cpu"
-                if i in writes and isinstance(x, torch.Tensor):
-                    x = x.clone()  # the node is functional: its in-place op writes a copy
-                if ko:
-                    kwargs[name] = x
-                else:
-                    args.append(x)
-            res = spec.overload(*args, **kwargs)
-            res = [res] if isinstance(res, torch.Tensor) else list(res)
-            if spec.mutates:
-                res = [x for r in res for x in (r if isinstance(r, (list, tuple)) else (r,))]
+            res = run_node_on_cpu(n, value)
             for o, r in zip(n.outs, res):
                 if o is not None:
                     if (tuple(r.shape), r.dtype) != o.aval:

@@ -168,30 +168,38 @@ def run_node_on_cpu(n, conv) -> list:
     tensors); its results flattened in the order of ``n.outs``. A random op's generator is
     left out (CPU's own RNG).
 
-    An in-place op runs on copies (``conv``'s tensors are never written): its results are its
-    first argument's new values; one writing several arguments runs as its functional variant
-    (``meta_overload``), whose results are their new values."""
+    An in-place op runs on copies of what it writes (``conv``'s tensors are never written): its
+    results are its first argument's new values; one writing several arguments runs as its
+    functional variant (``meta_overload``), whose results are their new values."""
     spec = n.spec
     op = spec.meta_overload if spec.mutates else spec.overload
-    inplace = not spec.mutates and op._schema.is_mutable
+    writes = _WRITES.get(op)
+    if writes is None:
+        writes = _WRITES[op] = frozenset(
+            i for i, a in enumerate(op._schema.arguments) if a.alias_info is not None and a.alias_info.is_write
+        )
+    inplace = bool(writes)
     args, kwargs = [], {}
-    for name, a, ko, kind in zip(spec.arg_names, n.args, spec.kwarg_only, spec.kinds):
+    for i, (name, a, ko, kind) in enumerate(zip(spec.arg_names, n.args, spec.kwarg_only, spec.kinds)):
         if kind is GENERATOR:
             continue
         a = conv(a)
-        if inplace:
+        if i in writes:
             a = _copied(a)
+        elif name == "device" and a is not None:
+            a = "cpu"
         if ko:
             kwargs[name] = a
         else:
             args.append(a)
-    if kwargs.get("device") is not None:
-        kwargs["device"] = "cpu"
     res = op(*args, **kwargs)
     if inplace:
         res = args[0]
     res = [res] if isinstance(res, torch.Tensor) or res is None else list(res)
     return [x for r in res for x in (r if isinstance(r, (list, tuple)) else (r,))]
+
+
+_WRITES: dict = {}  # ATen overload -> positions of the arguments it writes in place
 
 
 def _copied(a):
