@@ -17,13 +17,24 @@ import xlatorch  # noqa: E402,F401
 import xlatorch.debug.metrics as met  # noqa: E402
 
 
+def _dispatch_state() -> tuple:
+    """The calling thread's dispatch state a test must leave as it found it (a leaked key,
+    mode or vmap level makes a later test fail far from its cause)."""
+    c = torch._C
+    return (str(c._dispatch_tls_local_include_set()), str(c._dispatch_tls_local_exclude_set()),
+            c._functorch.peek_interpreter_stack() is None, c._len_torch_function_stack(),
+            c._len_torch_dispatch_stack(), torch.is_grad_enabled())  # fmt: skip
+
+
 @pytest.fixture(autouse=True)
 def _fresh_metrics():
     import xlatorch.core.xla_model as xm
 
     xm.mark_step()
     met.clear_all()
+    before = _dispatch_state()
     yield
+    assert _dispatch_state() == before, "the test leaked dispatch state (keys, modes, vmap levels, grad mode)"
     torch.set_default_device(None)
     from xlatorch.runtime.execute import settle
 

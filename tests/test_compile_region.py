@@ -172,6 +172,7 @@ def test_full_graph_raises_at_a_cut_naming_the_line_and_the_cause(cut, cause):
         return y
 
     line = cut.__code__.co_firstlineno + 1  # the body line of the cut
+    before = torch._C._dispatch_tls_local_exclude_set()
     with pytest.raises(RuntimeError, match="Unexpected execution happens inside the compiled function") as info:
         xlatorch.compile(f, full_graph=True)(x)
     msg = str(info.value)
@@ -179,6 +180,10 @@ def test_full_graph_raises_at_a_cut_naming_the_line_and_the_cause(cut, cause):
     assert "full_graph=True" in msg and "'f'" in msg
     assert re.search(cause, msg), msg
     assert not regions.ACTIVE
+    # The error, alive, holds nothing that changes how ops dispatch (print: PyTorch's printing
+    # turns functorch off in a local the traceback would keep): vmap works with it.
+    assert torch._C._dispatch_tls_local_exclude_set() == before
+    torch.testing.assert_close(torch.vmap(torch.mul)(x.cpu(), x.cpu()), x.cpu() * x.cpu())
     # Without full_graph the region runs in pieces, with the right values.
     got = xlatorch.compile(f)(x)
     torch.testing.assert_close(got.cpu(), x.cpu() * 2 + 1)

@@ -176,7 +176,15 @@ class XlaTensor(torch.Tensor):
     def __repr__(self, *, tensor_contents=None):
         # PyTorch prints subclasses as "XlaTensor(...)"; device tensors print as "tensor(...)".
         with _cause("print"):
-            text = torch._tensor_str._str(self, tensor_contents=tensor_contents)
+            try:
+                text = torch._tensor_str._str(self, tensor_contents=tensor_contents)
+            except BaseException as e:
+                # PyTorch's printing holds a guard that turns functorch off in a local variable.
+                # While the error's traceback lives, that frame would keep it (and vmap off for
+                # this thread: a later vmap fails "Cannot access data pointer"), and when it
+                # died, it would restore this thread's dispatch keys to what they were then.
+                traceback.clear_frames(e.__traceback__)
+                raise
         pad = len("XlaTensor(") - len("tensor(")
         first, *rest = text.split("\n")
         return "\n".join(["tensor(" + first[len("XlaTensor(") :]] + [line[pad:] for line in rest])
