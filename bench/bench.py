@@ -6,6 +6,9 @@ Each step is timed alone (``mark_step(wait=True)``) and, as a training loop runs
 back ("pipe": N steps then one wait, per step), where the host traces the next step while
 the device runs this one; JAX's program likewise (blocking each step, then not).
 
+"sync ms" is ``mark_step``'s host time (collect, key, launch), "exec ms" the wait that follows
+it, with the host idle: the device's time for the step (JAX's "jax ms" is its whole step).
+
 "us/aten op" is the host time of a step (everything before ``mark_step``) divided by the
 ATen ops it dispatches to the device; the micro-benchmark that follows (``bench/trace_ops.py``)
 times single ops against the floor PyTorch's Python dispatch costs any backend.
@@ -86,14 +89,19 @@ def run_xla(p, steps, compiled=False):
     xm.mark_step(wait=True)
     compiles_before = met.counter_value("UncachedCompile") or 0
     transfers_before = _transfers()
-    trace, step_times = [], []
+    trace, syncs, execs, step_times = [], [], [], []
     for i in range(steps):
         t0 = time.perf_counter()
         _step(p, model, opt, batches[i % 4])
         t1 = time.perf_counter()
-        xm.mark_step(wait=True)
-        step_times.append(time.perf_counter() - t0)
+        xm.mark_step()
+        t2 = time.perf_counter()
+        xm.wait_device_ops()
+        t3 = time.perf_counter()
+        step_times.append(t3 - t0)
         trace.append(t1 - t0)
+        syncs.append(t2 - t1)
+        execs.append(t3 - t2)
     nodes = met.metric_data("TensorsGraphSize")[2][-1][1]
     t0 = time.perf_counter()  # back to back, as a training loop runs: tracing overlaps execution
     for i in range(steps):
@@ -105,6 +113,8 @@ def run_xla(p, steps, compiled=False):
         pipelined=(time.perf_counter() - t0) / steps,
         first=first,
         trace_ms=statistics.median(trace) * 1e3,
+        sync_ms=statistics.median(syncs) * 1e3,
+        exec_ms=statistics.median(execs) * 1e3,
         trace_us_per_op=statistics.median(trace) / ops * 1e6,
         aten_ops=ops,
         graph_nodes=int(nodes),
@@ -190,7 +200,7 @@ def main() -> None:
     print(f"{'program':8} {'eager ms':>9} {'jax ms':>7} {'xla ms':>7} {'xla/jax':>7} {'xla/eager':>9} "
           f"{'jax pipe':>8} {'xla pipe':>8} {'pipe x/j':>8} "
           f"{'compiled ms':>11} {'compiled/jax':>12} {'first s':>7} {'jax 1st':>7} {'trace ms':>8} "
-          f"{'us/aten op':>10} {'nodes':>5} {'compiles':>8} "
+          f"{'sync ms':>7} {'exec ms':>7} {'exec/jax':>8} {'us/aten op':>10} {'nodes':>5} {'compiles':>8} "
           f"{'transfers':>9} "
           f"{'loss xla/jax':>13} fallbacks")  # fmt: skip
     for name in a.programs.split(","):
@@ -207,13 +217,15 @@ def main() -> None:
                    jax_pipe_ms=j["pipelined"] * 1e3, xla_pipe_ms=x["pipelined"] * 1e3,
                    ratio_pipe_jax=x["pipelined"] / j["pipelined"],
                    jax_first_s=j["first"], first_loss=x["first_loss"], jax_first_loss=j["first_loss"],
-                   **{k: x[k] for k in ("trace_ms", "trace_us_per_op", "aten_ops", "graph_nodes", "steady_compiles",
-                                         "steady_transfers", "fallbacks")},
+                   ratio_exec_jax=x["exec_ms"] / (j["step"] * 1e3),
+                   **{k: x[k] for k in ("trace_ms", "sync_ms", "exec_ms", "trace_us_per_op", "aten_ops", "graph_nodes",
+                                         "steady_compiles", "steady_transfers", "fallbacks")},
                    time=time.time())  # fmt: skip
         print(f"{name:8} {row['eager_ms']:9.2f} {row['jax_ms']:7.2f} {row['xla_ms']:7.2f} {row['ratio_jax']:7.2f} "
               f"{row['ratio']:9.2f} {row['jax_pipe_ms']:8.2f} {row['xla_pipe_ms']:8.2f} {row['ratio_pipe_jax']:8.2f} "
               f"{row['compiled_ms']:11.2f} {row['ratio_compiled_jax']:12.2f} "
               f"{row['first_s']:7.2f} {row['jax_first_s']:7.2f} {row['trace_ms']:8.2f} "
+              f"{row['sync_ms']:7.2f} {row['exec_ms']:7.2f} {row['ratio_exec_jax']:8.2f} "
               f"{row['trace_us_per_op']:10.1f} "
               f"{row['graph_nodes']:5d} {row['steady_compiles']:8d} {row['steady_transfers']:9d} "
               f"{row['first_loss']:6.3f}/{row['jax_first_loss']:<6.3f} {row['fallbacks']}", flush=True)  # fmt: skip
