@@ -34,12 +34,15 @@ def _fresh_metrics():
     met.clear_all()
     before = _dispatch_state()
     yield
-    assert _dispatch_state() == before, "the test leaked dispatch state (keys, modes, vmap levels, grad mode)"
+    after = _dispatch_state()
     torch.set_default_device(None)
     from xlatorch.runtime.execute import settle
 
-    settle.settle()  # a failed on-device check the test left unread fails that test, not the next
-    settle._THREAD[0] = None  # a test's threads do not make the next test read its checks at once
+    try:
+        settle.settle()  # a failed on-device check the test left unread fails that test, not the next
+    finally:
+        settle._THREAD[0] = None  # a test's threads do not make the next test read its checks at once
+    assert after == before, "the test leaked dispatch state (keys, modes, vmap levels, grad mode)"
 
 
 @pytest.fixture
