@@ -186,6 +186,31 @@ def test_a_program_from_disk_still_donates(tmp_path):
     assert first["w"] == second["w"] == [1.75] * 3
 
 
+_UNREAD = (
+    r"""
+import json, torch
+import xlatorch.core.xla_model as xm, xlatorch.debug.metrics as met
+"""
+    + _COUNT_TRACES
+    + r"""
+w = torch.ones(256, 256, device="xla")
+v = torch.ones(4, device="xla")
+xm.mark_step()
+w = torch.zeros_like(w) + v.sum()  # the old w, donated, is not read: only its shape is
+xm.mark_step()
+print(json.dumps(dict(w=w[0, :3].cpu().tolist(), v=v.cpu().tolist(), traces=traces[0],
+                      hits=met.counter_value("ProgramCacheHit") or 0)))
+"""
+)
+
+
+def test_a_program_from_disk_runs_with_donated_data_it_does_not_read(tmp_path):
+    (first,) = _run(tmp_path, script=_UNREAD)
+    (second,) = _run(tmp_path, script=_UNREAD)
+    assert second["hits"] >= 1 and second["traces"] == 0
+    assert first["w"] == second["w"] == [4.0] * 3 and first["v"] == second["v"] == [1.0] * 4
+
+
 def test_equal_scalars_programs_come_back_apart(tmp_path):
     """The sharing of equal scalars is part of the key: the shared program and the one
     reading each scalar apart are two entries, both found by the next process."""

@@ -371,8 +371,15 @@ def _from_exported(exported, args, placed, once):
             [d[i] for i in used], [d[i] for i in unused], args[1], args[2])  # fmt: skip
     compiled = compiler.compile(lowered, once)
 
-    def run(donated, kept, packed):
-        return compiled([donated[i] for i in used], [donated[i] for i in unused], kept, packed)
+    if not unused:  # the program reads all of it (the usual case): no reordering per run
+
+        def run(donated, kept, packed):
+            return compiled(donated, [], kept, packed)
+
+    else:
+
+        def run(donated, kept, packed):
+            return compiled([donated[i] for i in used], [donated[i] for i in unused], kept, packed)
 
     return run, compiled
 
