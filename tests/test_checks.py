@@ -559,3 +559,19 @@ def test_a_value_the_program_gave_a_tensor_after_a_failed_step_is_kept(undo):
         xm.mark_step()
     torch.testing.assert_close(w.cpu(), torch.full((3,), 7.0))
     torch.testing.assert_close(v.cpu(), torch.zeros(3))  # as before the failed step
+
+
+def test_a_step_that_fails_gives_back_data_the_program_wrote_in_an_earlier_step(undo):
+    # The tensor held zeros, then the program gave it ones from the host, in a step of their
+    # own. The failed step's update of it is undone to the ones, as CPU (which raises before
+    # the update) leaves it: not to the zeros it held two steps ago, nor to the error.
+    x = torch.zeros(3, device="xla")
+    xm.mark_step()
+    x.copy_(torch.ones(3))
+    xm.mark_step()
+    y = torch.arange(3, device="xla").float()[I([5], device="xla")] * 2.5  # index 5: out of range
+    x.add_(1)  # traced after the failed op: undone
+    with pytest.raises(IndexError, match="index 5 is out of bounds"):
+        xm.mark_step()
+        y.cpu()
+    torch.testing.assert_close(x.cpu(), torch.ones(3))

@@ -90,6 +90,26 @@ def test_a_growing_loop_compiles_its_unchanged_part_once_and_matches_cpu():
     assert _counter("StageOnHost") - host >= steps - 1
 
 
+def test_what_the_host_stages_compute_stays_on_the_host_until_a_graph_reads_it():
+    model, ids, mask, want_ids, want_logits = _run()
+    uploads, downloads = [], []
+
+    def count():
+        uploads.append(_counter("TensorToData"))
+        downloads.append((met.metric_data("TransferFromDeviceTime") or (0,))[0])
+
+    got_ids, got_logits = _generate(model, ids.to(DEV), mask.to(DEV), 12, DEV, sync=count)
+    # Each step the host computes the new ids, mask, position and the token to read; of
+    # those only the token the model reads is uploaded (before: every result of the stage).
+    per_step = [b - a for a, b in zip(uploads[2:], uploads[3:])]
+    assert per_step and all(n <= 1 for n in per_step), per_step
+    # The ids were computed on the host: reading them downloads nothing.
+    before = downloads[-1]
+    assert torch.equal(got_ids.cpu(), want_ids)
+    assert (met.metric_data("TransferFromDeviceTime") or (0,))[0] == before
+    torch.testing.assert_close(got_logits.cpu(), want_logits, rtol=1e-5, atol=1e-5)
+
+
 def test_the_same_loop_again_compiles_nothing():
     model, ids, mask, want_ids, _ = _run()
     _generate(model, ids.to(DEV), mask.to(DEV), 12, DEV)

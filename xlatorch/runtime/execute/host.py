@@ -2,7 +2,7 @@
 
 runtime/plan/stages.py decides which nodes may (``bookkeeping``: small integer tensors of a
 generation loop; ``exact``: float ops that give the same bits on the host); ``on_host`` runs
-them and uploads what the next stage reads.
+them; what the next stage or the step's tensors read stays on the host until a graph reads it.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from xlatorch.runtime.base import record
-from xlatorch.runtime.execute.transfer import from_array, to_device
+from xlatorch.runtime.execute.transfer import from_array
 from xlatorch.runtime.ir.values import Data, Out, Scalar
 from xlatorch.runtime.plan.stages import bookkeeping, exact
 from xlatorch.runtime.trace.nodes import run_node_on_cpu
@@ -19,11 +19,11 @@ __all__ = ["on_host"]
 
 
 def on_host(nodes, cut, roots, gdev, whole=False) -> list | None:
-    """Run a stage's ``nodes`` on the host with PyTorch's CPU kernels and upload ``roots``'
-    values; None (nothing uploaded) when the stage may not run there: a value that is not a
-    small integer or boolean tensor (``whole``, a tiny graph: nor an exact float op), a random
-    op, or an op that raises (the caller then compiles the stage, and a real error is
-    reported from the device as usual)."""
+    """Run a stage's ``nodes`` on the host with PyTorch's CPU kernels: ``roots``' values, as
+    device data held on the host (``Data.host``; uploaded when a graph reads one); None when
+    the stage may not run there: a value that is not a small integer or boolean tensor
+    (``whole``, a tiny graph: nor an exact float op), a random op, or an op that raises (the
+    caller then compiles the stage, and a real error is reported from the device as usual)."""
     if not all((exact if whole else bookkeeping)(n) for n in nodes):
         return None
     host: dict = {}  # id(value) -> CPU tensor
@@ -34,8 +34,11 @@ def on_host(nodes, cut, roots, gdev, whole=False) -> list | None:
             x = host.get(id(a))
             if x is None:
                 d = cut.get(id(a), a)  # an earlier stage's output, or a leaf
-                with record.TIMED("TransferFromDeviceTime"):
-                    x = host[id(a)] = from_array(d.array, d.aval[1])
+                x = d.host
+                if x is None:
+                    with record.TIMED("TransferFromDeviceTime"):
+                        x = d.host = from_array(d.array, d.aval[1])  # kept: small, read again next time
+                host[id(a)] = x
             return x
         if t is Scalar:
             return torch.tensor(a.value, dtype=a.aval[1]) if a.tensor else a.value
@@ -55,4 +58,4 @@ def on_host(nodes, cut, roots, gdev, whole=False) -> list | None:
         return None
     if not whole:
         record.COUNTERS["StageOnHost"] += 1
-    return [to_device(host[id(o)], gdev) for o in roots]
+    return [Data(None, o.aval, gdev, host[id(o)]) for o in roots]  # uploaded when a graph reads it

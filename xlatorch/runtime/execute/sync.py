@@ -86,9 +86,11 @@ class Step:
         # outputs are written would make XLA copy every updated buffer.
         out_avals = {st.value.aval for st in self.storages}
         self.held = held = () if in_graph else {id(leaves[k[0]]) for k in kept if k is not None and k[0] >= 0}
+        # Not data held on the host too (``Data.host``): small, maybe not uploaded yet; it saves nothing.
         self.donate = tuple(
-            i for i, v in enumerate(data) if (v.holders == 0 or v.donor) and v.aval in out_avals and id(v) not in held
-        )
+            i for i, v in enumerate(data)
+            if (v.holders == 0 or v.donor) and v.aval in out_avals and id(v) not in held and v.host is None
+        )  # fmt: skip
         self.spmd = sharding.prepare(data, self.storages) if topology.SPMD[0] else None  # (mesh, key part, outs)
         self.key = (tuple(g.enc), g.root_refs, tuple(v.sig for v in leaves), self.donate, gdev, kept,
                     self.spmd and self.spmd[1], in_graph)  # fmt: skip
@@ -471,7 +473,7 @@ def _run_stages(step: Step, stage) -> bool:
     if donated:
         COUNTERS["StagedDonation"] += 1
     with uninterrupted():
-        _commit(step, [cut[id(st.value)].array for st in step.storages], t_run)
+        _commit(step, [cut[id(st.value)] for st in step.storages], t_run)
     return True
 
 
@@ -484,10 +486,11 @@ def _stage_key(encoded, gdev, donate=()) -> tuple:
 
 
 def _give(step: Step, arrays) -> None:
-    """Each of the step's storages takes its array as device data: none is pending any more."""
+    """Each of the step's storages takes its array (or ``Data``: a staged step's value, which
+    may be held on the host) as device data: none is pending any more."""
     gdev = step.storages[0].dev
     for st, arr in zip(step.storages, arrays):
-        st.set(Data(arr, st.value.aval, gdev))
+        st.set(arr if type(arr) is Data else Data(arr, st.value.aval, gdev))
         st.prev = None
     if step.everything:
         PENDING.clear()
@@ -498,8 +501,10 @@ def _give(step: Step, arrays) -> None:
 
 
 def _commit(step: Step, outs, t_run) -> None:
-    """Give each storage its result: they are no longer pending."""
+    """Give each storage its result (an array, or ``Data``): they are no longer pending."""
     _give(step, outs)
+    if outs and type(outs[0]) is Data:  # a staged step: what runs on the device is its arrays
+        outs = [d._array for d in outs if d._array is not None]
     _last[:] = outs
     EXECUTIONS.started(outs, t_run, "EagerOpExecuteTime" if step.reason == EAGER else "ExecuteTime")
 

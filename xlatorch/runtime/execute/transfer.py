@@ -12,10 +12,10 @@ from xlatorch.runtime.base import record, topology
 from xlatorch.runtime.base.dtypes import EXACT, TORCH_TO_JAX, to_jax
 from xlatorch.runtime.base.topology import current_device, jax_device
 from xlatorch.runtime.execute import dry, settle
-from xlatorch.runtime.ir.values import Data
+from xlatorch.runtime.ir.values import UPLOAD, Data
 from xlatorch.runtime.multi import sharding
 
-__all__ = ["to_device", "from_array"]
+__all__ = ["to_device", "upload", "from_array"]
 
 
 def _to_numpy(t: torch.Tensor, private: bool = False) -> np.ndarray:
@@ -79,6 +79,19 @@ def to_device(t: torch.Tensor, dev: int | None = None) -> Data:
         arr = jax.device_put(a, sharding.placement()) if topology.SPMD[0] else _put(a, jdev)
     record.COUNTERS["TensorToData"] += 1
     return Data(arr, (tuple(t.shape), t.dtype), dev)
+
+
+def upload(t: torch.Tensor, dev: int):
+    """The device array of a value made on the host (``Data.array``'s first read)."""
+    if dry.ACTIVE[0]:
+        return dry.DryArray(t.shape, TORCH_TO_JAX[t.dtype], host=t)
+    with record.TIMED("TransferToDeviceTime"):
+        arr = _put(_to_numpy(t, private=True), jax_device(dev))
+    record.COUNTERS["TensorToData"] += 1
+    return arr
+
+
+UPLOAD[0] = upload
 
 
 def from_array(arr, dtype: torch.dtype) -> torch.Tensor:

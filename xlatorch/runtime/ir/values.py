@@ -13,7 +13,7 @@ from xlatorch.runtime.base import memory, record, topology
 from xlatorch.runtime.base.source import user_frame
 from xlatorch.runtime.base.topology import current_device
 
-__all__ = ["Data", "Scalar", "Node", "Out", "Value", "VALUE_TYPES", "operands", "replace_operands"]
+__all__ = ["UPLOAD", "Data", "Scalar", "Node", "Out", "Value", "VALUE_TYPES", "operands", "replace_operands"]
 
 # Local device placement. With one device (the common case) every value lives on device 0
 # and nothing below looks further. With several (``dp.DataParallel``), a node lives on its
@@ -60,13 +60,19 @@ class Data:
     donatable (``_XLAC._set_buffer_donation``): a step that reads it may donate it even while
     tensors hold it (they cannot be read after that step).
 
+    ``host``: a small value's CPU tensor as well (computed or read by a graph's stage run on the
+    host, ``execute/host.py``), or None. Never written: a reader that hands it out copies it.
+    A value computed on the host has no device array until one is read (``array``): it is
+    uploaded then, once.
+
     ``nbytes`` counts in ``memory.LIVE`` while the leaf lives (``get_memory_info``'s peak).
     """
 
-    __slots__ = ("array", "aval", "sig", "holders", "dev", "donor", "nbytes")
+    __slots__ = ("_array", "host", "aval", "sig", "holders", "dev", "donor", "nbytes")
 
-    def __init__(self, array, aval, dev=0):
-        self.array = array
+    def __init__(self, array, aval, dev=0, host=None):
+        self._array = array
+        self.host = host
         self.aval = self.sig = aval
         self.holders = 0
         self.dev = dev
@@ -77,11 +83,27 @@ class Data:
         self.nbytes = n
         _LIVE[dev] = _LIVE.get(dev, 0) + n
 
+    @property
+    def array(self):
+        """The device array (a value made on the host: uploaded at this first read)."""
+        a = self._array
+        if a is None:
+            a = self._array = UPLOAD[0](self.host, self.dev)
+        return a
+
+    @array.setter
+    def array(self, a) -> None:
+        self._array = a
+
     def __del__(self):
         try:
             _LIVE[self.dev] -= self.nbytes
         except Exception:  # at interpreter exit the module's globals may be gone
             pass
+
+
+# (CPU tensor, local device) -> jax.Array: set by runtime/execute/transfer.py (it sits above).
+UPLOAD: list = [None]
 
 
 class Scalar:

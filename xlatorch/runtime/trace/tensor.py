@@ -110,13 +110,16 @@ class Storage:
         first = False
         if type(old) is Data:
             old.holders -= 1
-            if self.prev is None:
+            if self.prev is None and type(value) is not Data:
                 self.prev = first = old
         self.value = value
         self.gen = next(TICKS)
         if first:
             self.first = self.gen
         if type(value) is Data:
+            # New data written outside a graph (an upload, an op run on the host): a later
+            # step's undo gives back this, not what the storage held before.
+            self.prev = None
             value.holders += 1
         elif self.sid not in PENDING:
             PENDING[self.sid] = _weakref(self)
