@@ -46,7 +46,7 @@ def _base_to_cpu(st, reason: str = "to_cpu") -> torch.Tensor:
         if type(st.value) is Out:  # a value whose earlier sync failed: raise its error
             sync_value(st.value)
     v = st.value
-    if v.host is not None:  # held on the host too (trace/host_ops.py): a copy, never the value itself
+    if v.host is not None:  # held on the host too (execute/host.py): a copy, never the value itself
         return v.host.clone()
     with record.TIMED("TransferFromDeviceTime"):
         return from_array(v.array, v.aval[1])

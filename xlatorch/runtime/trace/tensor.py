@@ -117,8 +117,8 @@ class Storage:
         if first:
             self.first = self.gen
         if type(value) is Data:
-            # New data written outside a graph (an upload, an op run on the host): a later
-            # step's undo gives back this, not what the storage held before.
+            # New data written outside a graph (an upload, a step's result): a later step's
+            # undo gives back this, not what the storage held before.
             self.prev = None
             value.holders += 1
         elif self.sid not in PENDING:
