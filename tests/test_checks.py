@@ -281,9 +281,11 @@ def test_a_step_with_a_bad_target_raises_and_keeps_the_model_as_cpu_does(optimiz
         steps.assert_close(xla_params, cpu_params)
 
 
-def _adam_steps_with_a_bad_target(device, record=None):
+def _adam_steps_with_a_bad_target(device, record=None, computed=False):
     """A small model trained by Adam, with a step whose target is out of range in the middle;
-    its parameters at the end (``record``: an ``AdaptiveSteps`` that sees each step)."""
+    its parameters at the end (``record``: an ``AdaptiveSteps`` that sees each step).
+    ``computed``: the targets are computed on the device (not data the host holds, so every
+    step runs its checks on the device, ``runtime/plan/prechecks.py``)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Linear(8, 5)).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=0.01, capturable=device != "cpu")
@@ -291,7 +293,8 @@ def _adam_steps_with_a_bad_target(device, record=None):
 
     def step(target):
         opt.zero_grad()
-        F.cross_entropy(model(x), I(target, device=device)).backward()
+        t = I(target, device=device)
+        F.cross_entropy(model(x), t * 1 if computed else t).backward()
         if record:
             record.before(model.parameters())
         opt.step()
@@ -319,11 +322,26 @@ def test_a_checked_step_undone_in_the_graph_donates_the_state_it_updates(undo):
     sync instead (CPU's default), they are not. Either way a failed step leaves the model as
     CPU does."""
     steps = AdaptiveSteps(rtol=1e-5, atol=1e-6)
+    cpu_params = _adam_steps_with_a_bad_target("cpu", steps, computed=True)
+    met.clear_all()
+    xla_params = _adam_steps_with_a_bad_target("xla", computed=True)
+    # The step's graph updates 4 parameters and Adam's 8 moments (and 4 step counts).
+    assert (_donated() >= 12) == (undo == "graph"), _donated()
+    assert not met.counter_value("ChecksOnHost")
+    steps.assert_close(xla_params, cpu_params)
+
+
+def test_checks_on_targets_the_host_holds_are_decided_before_the_step(undo):
+    """Targets uploaded from the host are checked there before the step runs: a good step runs
+    unchecked and donates what it updates (either undo mode), reading no rows; the bad step
+    runs checked, raises CPU's error and leaves the model as CPU does."""
+    steps = AdaptiveSteps(rtol=1e-5, atol=1e-6)
     cpu_params = _adam_steps_with_a_bad_target("cpu", steps)
     met.clear_all()
     xla_params = _adam_steps_with_a_bad_target("xla")
-    # The step's graph updates 4 parameters and Adam's 8 moments (and 4 step counts).
-    assert (_donated() >= 12) == (undo == "graph"), _donated()
+    assert met.counter_value("ChecksOnHost") >= 4  # the good steps (a step may be prepared twice)
+    assert met.counter_value("CheckRowsRead") == 1  # the bad one's
+    assert _donated() >= 12
     steps.assert_close(xla_params, cpu_params)
 
 
@@ -366,7 +384,8 @@ def test_mark_step_does_not_wait_to_read_the_checks():
     xm.mark_step()
     met.clear_all()
     for i in range(3):
-        w.add_(F.embedding(I([i, 9], device="xla"), w).sum())
+        # Indices computed on the device: checked there (the host's own are checked before the step).
+        w.add_(F.embedding(I([i, 9], device="xla") * 1, w).sum())
         xm.mark_step()  # reads the rows of the step before, if any (it has finished or is running)
         assert (met.counter_value("CheckRowsRead") or 0) == i
     w.cpu()
@@ -380,7 +399,7 @@ def test_once_a_second_thread_uses_the_device_each_step_reads_its_own_checks():
 
     w = torch.randn(10, 4, device="xla")
     xm.mark_step()
-    w.add_(F.embedding(I([1, 2], device="xla"), w).sum())
+    w.add_(F.embedding(I([1, 2], device="xla") * 1, w).sum())  # checked on the device
     xm.mark_step()
     met.clear_all()
     xm.mark_step()  # one thread so far: the rows of the step before are read now, not at its own sync
@@ -390,7 +409,7 @@ def test_once_a_second_thread_uses_the_device_each_step_reads_its_own_checks():
     def other():
         try:
             v = torch.randn(10, 4, device="xla")
-            v.add_(F.embedding(I([3, 9], device="xla"), v).sum())
+            v.add_(F.embedding(I([3, 9], device="xla") * 1, v).sum())
             xm.mark_step()
         except BaseException as e:  # noqa: BLE001 - the test reads it
             errors.append(e)
@@ -399,7 +418,7 @@ def test_once_a_second_thread_uses_the_device_each_step_reads_its_own_checks():
     t.start()
     t.join()
     assert errors == [] and met.counter_value("CheckRowsRead") == 2  # read by its own sync
-    w.add_(F.embedding(I([4, 12], device="xla"), w).sum())  # 12: out of range
+    w.add_(F.embedding(I([4, 12], device="xla") * 1, w).sum())  # 12: out of range
     with pytest.raises(IndexError, match="index out of range|out of bounds"):
         xm.mark_step()  # the step's own sync raises
 

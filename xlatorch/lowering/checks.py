@@ -25,14 +25,21 @@ __all__ = ["in_range", "always", "index_range", "select_range", "along_dim", "in
            "targets", "bag", "divisor", "index_out_of_range", "flat", "segments", "lu_pivots"]  # fmt: skip
 
 
+def _xp(x):
+    """The array module for ``x``: numpy for a host array (a check decided before the step,
+    ``runtime/plan/prechecks.py``), else jax.numpy (inside the graph)."""
+    return np if type(x) is np.ndarray else jnp
+
+
 def in_range(index, low, high, exc, msg):
     """A result for ``index`` values outside ``[low, high)``; None for an empty index."""
     if index is None or not hasattr(index, "shape") or index.size == 0:
         return None
-    flat_index = index.reshape(-1).astype(jnp.int64)
+    xp = _xp(index)
+    flat_index = index.reshape(-1).astype(np.int64)
     bad = (flat_index < low) | (flat_index >= high)
-    pos = jnp.argmax(bad)
-    return jnp.any(bad), flat_index[pos], pos, exc, msg
+    pos = xp.argmax(bad)
+    return xp.any(bad), flat_index[pos], pos, exc, msg
 
 
 def always(exc, msg: str):
@@ -137,12 +144,13 @@ def targets(self, target, ignore_index: int, class_dim: int | None = None):
     if class_dim is None:
         class_dim = 1 if self.ndim >= 2 else 0
     n = self.shape[class_dim]
-    t = target.reshape(-1).astype(jnp.int64)
+    xp = _xp(target)
+    t = target.reshape(-1).astype(np.int64)
     bad = ((t < 0) | (t >= n)) & (t != ignore_index)
     if t.size == 0:
         return None
-    pos = jnp.argmax(bad)
-    return jnp.any(bad), t[pos], pos, IndexError, "Target {0} is out of bounds."
+    pos = xp.argmax(bad)
+    return xp.any(bad), t[pos], pos, IndexError, "Target {0} is out of bounds."
 
 
 def bag(weight, indices):
@@ -155,10 +163,11 @@ def bag(weight, indices):
 def divisor(out, other):
     """Integer ``//``, ``%``, ``fmod``, ``div(rounding_mode=...)``: CPU raises on a zero divisor
     of an element it computes (none when ``out`` has no elements)."""
-    other = jnp.asarray(other)
+    xp = _xp(other)
+    other = xp.asarray(other)
     if other.size == 0 or _empty(out):
         return None
-    return jnp.any(other == 0), 0, 0, RuntimeError, "ZeroDivisionError"
+    return xp.any(other == 0), 0, 0, RuntimeError, "ZeroDivisionError"
 
 
 _SEGMENT_LENGTH = ("Expected segment_length >= 0 to be true, but got false.  (Could this error message be "

@@ -32,7 +32,7 @@ from xlatorch.runtime.lower.executable import CompileRequest, OutOfMemory, check
 from xlatorch.runtime.lower.function import LoweringError
 from xlatorch.runtime.multi import sharding
 from xlatorch.runtime.multi.replication import ReplicaMismatch, collective_roots, run_replicated
-from xlatorch.runtime.plan import births, keep, stages
+from xlatorch.runtime.plan import births, keep, prechecks, stages
 from xlatorch.runtime.plan.collect import collect, pack
 from xlatorch.runtime.trace.bodies import BodyError
 from xlatorch.runtime.trace.tensor import PENDING, pending_storages, reroot_lone_views
@@ -76,8 +76,11 @@ class Step:
         kept = ()
         in_graph = False  # a checked step undoes itself in the graph (runtime/plan/keep.py)
         if config.CHECKS and any(n.info.checked for n in g.nodes):
-            kept = keep.undoable(self.storages, g.nodes, leaves)
-            in_graph = kept.in_graph = any(k is not None for k in kept) and keep.undo_in_graph(gdev)
+            if prechecks.decided(g.nodes):  # none can fire: the step runs unchecked
+                kept = keep.UNCHECKED
+            else:
+                kept = keep.undoable(self.storages, g.nodes, leaves)
+                in_graph = kept.in_graph = any(k is not None for k in kept) and keep.undo_in_graph(gdev)
         self.keep = kept
         self.data = data = [v for v in leaves if type(v) is Data]
         # Donate buffers no live tensor holds any more (or that the user marked donatable:

@@ -8,12 +8,13 @@ import jax
 import numpy as np
 import torch
 
-from xlatorch.runtime.base import record, topology
+from xlatorch.runtime.base import config, record, topology
 from xlatorch.runtime.base.dtypes import EXACT, TORCH_TO_JAX, to_jax
 from xlatorch.runtime.base.topology import current_device, jax_device
 from xlatorch.runtime.execute import dry, settle
 from xlatorch.runtime.ir.values import UPLOAD, Data
 from xlatorch.runtime.multi import sharding
+from xlatorch.runtime.plan.stages import small_integral
 
 __all__ = ["to_device", "upload", "from_array"]
 
@@ -78,7 +79,11 @@ def to_device(t: torch.Tensor, dev: int | None = None) -> Data:
         a = _to_numpy(t.cpu(), private=jdev.platform == "cpu")
         arr = jax.device_put(a, sharding.placement()) if topology.SPMD[0] else _put(a, jdev)
     record.COUNTERS["TensorToData"] += 1
-    return Data(arr, (tuple(t.shape), t.dtype), dev)
+    aval = (tuple(t.shape), t.dtype)
+    # Small integer data (targets, token ids) is held on the host too: a step's checks on it
+    # are decided there (plan/prechecks.py), and a stage on the host reads it without a download.
+    host = t.detach().cpu().clone() if config.CHECKS and small_integral(aval) and not topology.SPMD[0] else None
+    return Data(arr, aval, dev, host)
 
 
 def upload(t: torch.Tensor, dev: int):

@@ -275,7 +275,8 @@ def lowered_body(req: CompileRequest, table) -> Body:
     body = over(fn)
     # Not with on-device checks: tracing the function again (the unshared one, later) would add
     # its check rows to ``table`` a second time.
-    b.share = shared(req.packed) if SHARE_SCALARS and not any(n.info.checked for n in req.nodes) else None
+    checked = not getattr(req.keep, "unchecked", False) and any(n.info.checked for n in req.nodes)
+    b.share = shared(req.packed) if SHARE_SCALARS and not checked else None
     b.shared_fn = None
     if b.share is not None:
         b.shared_fn = over(lower_fn(rows, req.leaf_kinds, req.root_refs, scopes, table, req.keep, b.share))

@@ -34,9 +34,11 @@ def lower_fn(plan, leaf_kinds, root_refs, scopes=None, table=None, keep=(), shar
     (``table.undo[i]`` holds those rows): with ``keep.in_graph`` (``checks.Keep``) the graph
     selects it itself, and the sync may donate the leaf as it does without checks (one copy of
     the model's state on the device, not two); otherwise, or when the step did not read that
-    data (``keep[i][0]`` is -1), the sync keeps it and restores it."""
+    data (``keep[i][0]`` is -1), the sync keeps it and restores it. A ``keep`` whose
+    ``unchecked`` is set (``plan.keep.UNCHECKED``) lowers the graph without its checks."""
     if table is None:  # a dump: the checks' rows are computed all the same
         table = Table()
+    unchecked = getattr(keep, "unchecked", False)  # checks decided before the step (plan/prechecks.py)
 
     def fn(data, packed):
         table.clear()  # filled anew by each trace
@@ -69,12 +71,13 @@ def lower_fn(plan, leaf_kinds, root_refs, scopes=None, table=None, keep=(), shar
 
         found: list = []
         for k, (spec, args, info) in enumerate(plan):
-            found_k: list = []
+            found_k: list | None = None if unchecked else []
             try:
                 vals.append(emit_node(spec, tuple(get(a) for a in args), info, scopes[k] if scopes else None, found_k))
             except Exception as e:
                 raise LoweringError(k, e) from e
-            table.add_node(k, node_refs(args), [c for c in found_k if c is not None], found)
+            if found_k is not None:
+                table.add_node(k, node_refs(args), [c for c in found_k if c is not None], found)
         outs = tuple(leaf_vals[-1 - r] if r < 0 else vals[r // 4096][r % 4096] for r in root_refs)
         if not found:
             return outs

@@ -56,7 +56,7 @@ from xlatorch.runtime.base.record import COUNTERS
 from xlatorch.runtime.base.topology import jax_device
 from xlatorch.runtime.ir.ops import SPECS, OpSpec
 from xlatorch.runtime.lower import compile_cache
-from xlatorch.runtime.plan.keep import Keep
+from xlatorch.runtime.plan.keep import Keep, Unchecked
 
 __all__ = ["graph_key", "key_text", "load", "export", "calling"]
 
@@ -112,6 +112,8 @@ def _enc(o, out: list) -> None:
     elif t is Keep:
         out.append(f"keep:{o.in_graph}")
         _enc(tuple(o), out)
+    elif t is Unchecked:  # checks decided before the step: lowered without them
+        out.append("unchecked")
     else:
         raise _Unstable
 

@@ -13,7 +13,7 @@ import math
 from xlatorch.runtime.base import config, memory
 from xlatorch.runtime.base.topology import jax_device
 
-__all__ = ["Keep", "undoable", "undo_in_graph", "UNDO_IN_GRAPH"]
+__all__ = ["Keep", "Unchecked", "UNCHECKED", "undoable", "undo_in_graph", "UNDO_IN_GRAPH"]
 
 _UNDO = config.env("XLATORCH_CHECKS_UNDO")  # "graph", "keep", or None: by platform
 # Whether a checked step undoes itself in the graph (and donates what it updates): None until
@@ -49,6 +49,16 @@ class Keep(tuple):
 
     in_graph = False
     between: tuple = ()
+
+
+class Unchecked(Keep):
+    """A checked step whose checks were decided before it ran (``plan/prechecks.py``): it keeps
+    nothing and is lowered without its checks."""
+
+    unchecked = True
+
+
+UNCHECKED = Unchecked()
 
 
 def undoable(storages, nodes, leaves) -> Keep:

@@ -58,6 +58,7 @@ __all__ = [
     "SEEN",
     "TINY",
     "HOST_READS",
+    "small_integral",
 ]
 
 # At most this many stages per sync: each costs an execution's launch (a host stage: a wait
@@ -260,7 +261,8 @@ def donors(nodes, leaves, enc, stage, data) -> dict:
 HOST_MAX_ELEMENTS = 1 << 16  # per value: a stage reading or making more stays on the device
 
 
-def _small_integral(aval) -> bool:
+def small_integral(aval) -> bool:
+    """Whether ``aval`` is an integer or boolean tensor of at most ``HOST_MAX_ELEMENTS`` elements."""
     return (
         aval is not None
         and not (aval[1].is_floating_point or aval[1].is_complex)
@@ -280,8 +282,8 @@ def bookkeeping(n) -> bool:
         ok = (
             GENERATOR not in spec.kinds
             and isinstance(spec.overload, torch._ops.OpOverload)
-            and all(_small_integral(a) for a in n.info.avals)
-            and all(type(v) is Scalar or _small_integral(v.aval) for v in ir.operands(n.args))
+            and all(small_integral(a) for a in n.info.avals)
+            and all(type(v) is Scalar or small_integral(v.aval) for v in ir.operands(n.args))
         )
         if len(_BOOKKEEPING) > 4096:
             _BOOKKEEPING.clear()

@@ -1,0 +1,155 @@
+"""A step's on-device checks decided before it runs, from data the host holds.
+
+A checked step (``runtime/lower/checks.py``) computes its checks' rows beside its results, and
+until the rows are read the step keeps what it updates in place so that a check that fires can
+give it back: on CPU the old buffers are kept (nothing updated is donated), on an accelerator
+the graph selects them itself. Most training steps have one kind of check only, on data that
+came from the host: a loss's targets, an embedding's token ids (uploaded from a CPU batch,
+``Data.host``). Those checks can be computed before the step runs.
+
+``decided(nodes)`` is True when every checked node's checks read only such data (values the
+host holds, and the shapes of everything else) and none fires: the step then compiles and runs
+without checks (its key says so), donating as an unchecked step does, and reads no rows. When
+one reads a value the host does not hold (an index computed on the device), or one fires, the
+step runs checked as before, and a check that fires raises there with CPU's error and undoes
+the step as usual. The checks are the ops' own (``L.checks``), computed with numpy on the
+host's values (those written for it: index bounds, loss targets, integer divisors; a check
+that is not, or that reads a value the host does not hold, is not decided so for that node's
+signature again). Counter ``ChecksOnHost``: steps whose checks were decided so.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from xlatorch.runtime.base.dtypes import to_jax
+from xlatorch.runtime.base.record import COUNTERS
+from xlatorch.runtime.ir.values import Data, Out, Scalar
+
+__all__ = ["decided"]
+
+_UNDECIDABLE: set = set()  # (node key, which arguments the host holds) whose check is not decided so
+_LIMIT = 1024
+_DECIDED = (bool, np.bool_)  # what a check computed on the host gives
+
+
+class _Shape:
+    """A tensor the host does not hold, for a check: its shape and dtype, and no value (any
+    use of one raises, so the check is not decided on the host)."""
+
+    __slots__ = ("shape", "dtype", "ndim", "size")
+
+    def __init__(self, aval):
+        self.shape = tuple(aval[0])
+        self.dtype = np.dtype(to_jax(aval[1]))
+        self.ndim = len(self.shape)
+        self.size = math.prod(self.shape)
+
+    def _no_value(self, *_):
+        raise TypeError("xlatorch: a check read a value the host does not hold")
+
+    __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __bool__ = __array__ = __jax_array__ = _no_value
+    __add__ = __sub__ = __mul__ = __getitem__ = __and__ = __or__ = __invert__ = __neg__ = _no_value
+    __hash__ = object.__hash__
+
+
+def _struct(aval):
+    return None if aval is None else _Shape(aval)
+
+
+def _args(args, host: list) -> tuple:
+    """The node's arguments for its check, each ``("h", i)``: a value the host holds,
+    ``host[i]`` (appended here); ``("s", shape)``: a tensor the host does not hold, its shape
+    only; ``("t", parts)``: a list of tensors; ``("v", a)``: a static argument."""
+    out = []
+    for a in args:
+        t = type(a)
+        if t is Data and a.host is not None:
+            out.append(("h", len(host)))
+            host.append(a.host)
+        elif t is Data or t is Out:
+            out.append(("s", _struct(a.aval)))
+        elif t is Scalar:  # a parameter too: its value changes from step to step
+            out.append(("h", len(host)))
+            host.append(torch.tensor(a.value, dtype=a.aval[1]))
+        elif t is tuple and any(type(x) in (Data, Out, Scalar) for x in a):
+            out.append(("t", _args(a, host)))
+        else:
+            out.append(("v", a))
+    return tuple(out)
+
+
+def _pattern(layout) -> tuple:
+    """Which arguments are the host's values (the same node key may have other ones)."""
+    return tuple(_pattern(x) if kind == "t" else kind for kind, x in layout)
+
+
+def _fill(layout, vals) -> list:
+    out = []
+    for kind, x in layout:
+        if kind == "h":
+            out.append(vals[x])
+        elif kind == "t":
+            out.append(tuple(_fill(x, vals)))
+        else:
+            out.append(x)
+    return out
+
+
+def _flat(layout):
+    for kind, x in layout:
+        if kind == "t":
+            yield from _flat(x)
+        else:
+            yield kind, x
+
+
+def _bads(n, layout, vals) -> list:
+    """Node ``n``'s check over the host's values ``vals`` (numpy): its rows' ``bad`` flags."""
+    spec, info = n.spec, n.info
+    first = [_struct(a) for a in info.avals]
+    first = first[0] if len(first) == 1 and spec.returns == 0 else tuple(first)
+    args = _fill(layout, vals)
+    if info.cdtype is not None:  # as emit_node casts the promoting arguments
+        cd = np.dtype(to_jax(info.cdtype))
+        for i in spec.promote_idx:
+            a = args[i]
+            if type(a) is np.ndarray and a.dtype != cd:
+                args[i] = a.astype(cd)
+    found = spec.check(first, *args)
+    return [r[0] for r in (found if isinstance(found, list) else [found]) if r is not None]
+
+
+def decided(nodes) -> bool:
+    """Whether the checks of ``nodes`` (a graph's) are all decided on the host, none firing."""
+    any_checked = False
+    for n in nodes:
+        if not n.info.checked:
+            continue
+        any_checked = True
+        host: list = []
+        layout = _args(n.args, host)
+        if not any(k == "h" for k, _ in _flat(layout)):
+            return False  # nothing the host holds: the check reads the device's values
+        key = (n.key, _pattern(layout))
+        if key in _UNDECIDABLE:
+            return False
+        try:
+            bads = _bads(n, layout, [h.numpy() for h in host])
+        except Exception:  # it reads a value the host does not hold (a shape-only stand-in)
+            bads = None
+        # A check not written for numpy gives device values (jax.numpy on host arrays: never
+        # read here, so never waited for behind the running step): not decided on the host.
+        if bads is None or not all(type(b) in _DECIDED for b in bads):
+            if len(_UNDECIDABLE) >= _LIMIT:
+                _UNDECIDABLE.clear()
+            _UNDECIDABLE.add(key)
+            return False
+        if any(bads):
+            return False  # it fires: the step runs checked, and raises as it always has
+    if any_checked:
+        COUNTERS["ChecksOnHost"] += 1
+    return any_checked
