@@ -594,3 +594,18 @@ def test_a_step_that_fails_gives_back_data_the_program_wrote_in_an_earlier_step(
         xm.mark_step()
         y.cpu()
     torch.testing.assert_close(x.cpu(), torch.ones(3))
+
+
+def test_a_compiled_graphs_checks_stay_on_the_device():
+    """A node holding a whole graph (torch.compile's, a loop's body) is checked on the device,
+    even over indices the host holds: only ops.yaml's own checks are computed on the host."""
+    w = torch.randn(10, 4).to("xla")
+    f = torch.compile(lambda w, i: F.embedding(i, w) * 2, backend="openxla")
+    xm.mark_step()
+    met.clear_all()
+    got = f(w, I([1, 9], device="xla"))
+    xm.mark_step()
+    torch.testing.assert_close(got.cpu(), F.embedding(I([1, 9]), w.cpu()) * 2)
+    assert not met.counter_value("ChecksOnHost")
+    with pytest.raises(IndexError, match="index out of range"):
+        f(w, I([1, 12], device="xla")).cpu()

@@ -130,6 +130,8 @@ def decided(nodes) -> bool:
         if not n.info.checked:
             continue
         any_checked = True
+        if not isinstance(n.spec.overload, torch._ops.OpOverload):
+            return False  # a body's or a compiled graph's checks (loops, torch.compile): on the device
         host: list = []
         layout = _args(n.args, host)
         if not any(k == "h" for k, _ in _flat(layout)):
