@@ -76,7 +76,7 @@ def _index_dtype(e: registry.Entry, args) -> str:
 
 
 def _kinds(e: registry.Entry, args) -> list[str]:
-    return ["STATIC" if a.py in e.static else a.kind for a in args]
+    return ["STATIC" if a.py in e.static else "HOST_SCALARS" if a.py in e.host_scalars else a.kind for a in args]
 
 
 class _Spec:

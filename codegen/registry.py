@@ -13,7 +13,7 @@ from codegen.schema import Schema
 
 KEYS = {
     "lower", "helper", "decompose", "fallback", "promote", "promote_args", "static", "random", "scatter",
-    "variants", "dispatch", "test", "note", "check", "check_if", "index_dtype",
+    "variants", "dispatch", "test", "note", "check", "check_if", "index_dtype", "host_scalars",
 }  # fmt: skip
 # How an entry is executed: exactly one of these fields, except for dispatch runtime/metadata.
 RULES = ("lower", "helper", "decompose", "fallback")
@@ -43,6 +43,7 @@ class Entry:
     promote: str | None = None
     promote_args: list = field(default_factory=list)
     static: list = field(default_factory=list)
+    host_scalars: list = field(default_factory=list)  # CPU tensors of scalars, read on the host
     random: bool = False
     scatter: str | None = None
     variants: bool = True
@@ -189,7 +190,7 @@ def load(path: str, schemas: dict) -> list[Entry]:
         _check_rule(name, e)
         _check_test(name, e.test)
         argnames = {a.py for a in s.args if not a.is_out}
-        for field_name in ("promote_args", "static"):
+        for field_name in ("promote_args", "static", "host_scalars"):
             for a in getattr(e, field_name):
                 if a not in argnames:
                     raise RegistryError(f"ops.yaml entry '{name}': {field_name} names unknown argument '{a}'")

@@ -5,7 +5,7 @@ import torch
 
 from xlatorch._generated import lowerings as E
 from xlatorch.runtime.ir.ops import (
-    GENERATOR, LIST, ONE, OPT_TENSOR, SCALAR, SCALAR_LIST, STATIC, TENSOR, TENSOR_LIST, TUPLE, OpSpec,
+    GENERATOR, HOST_SCALARS, LIST, ONE, OPT_TENSOR, SCALAR, SCALAR_LIST, STATIC, TENSOR, TENSOR_LIST, TUPLE, OpSpec,
 )
 from xlatorch.runtime.trace.dispatch import call, call_inplace, call_out
 
@@ -3157,19 +3157,19 @@ S__foreach_div__Tensor = OpSpec(
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_div.Tensor,
 )
 S__foreach_addcmul_Tensor = OpSpec(
-    "_foreach_addcmul.Tensor", aten._foreach_addcmul.Tensor, E._foreach_addcmul_Tensor, ('self', 'tensor1', 'tensor2', 'scalars'), (TENSOR_LIST, TENSOR_LIST, TENSOR_LIST, TENSOR,), (False, False, False, False), LIST,
+    "_foreach_addcmul.Tensor", aten._foreach_addcmul.Tensor, E._foreach_addcmul_Tensor, ('self', 'tensor1', 'tensor2', 'scalars'), (TENSOR_LIST, TENSOR_LIST, TENSOR_LIST, HOST_SCALARS,), (False, False, False, False), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
 )
 S__foreach_addcmul__Tensor = OpSpec(
-    "_foreach_addcmul_.Tensor", aten._foreach_addcmul_.Tensor, E._foreach_addcmul_Tensor, ('self', 'tensor1', 'tensor2', 'scalars'), (TENSOR_LIST, TENSOR_LIST, TENSOR_LIST, TENSOR,), (False, False, False, False), LIST,
+    "_foreach_addcmul_.Tensor", aten._foreach_addcmul_.Tensor, E._foreach_addcmul_Tensor, ('self', 'tensor1', 'tensor2', 'scalars'), (TENSOR_LIST, TENSOR_LIST, TENSOR_LIST, HOST_SCALARS,), (False, False, False, False), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_addcmul.Tensor,
 )
 S__foreach_addcdiv_Tensor = OpSpec(
-    "_foreach_addcdiv.Tensor", aten._foreach_addcdiv.Tensor, E._foreach_addcdiv_Tensor, ('self', 'tensor1', 'tensor2', 'scalars'), (TENSOR_LIST, TENSOR_LIST, TENSOR_LIST, TENSOR,), (False, False, False, False), LIST,
+    "_foreach_addcdiv.Tensor", aten._foreach_addcdiv.Tensor, E._foreach_addcdiv_Tensor, ('self', 'tensor1', 'tensor2', 'scalars'), (TENSOR_LIST, TENSOR_LIST, TENSOR_LIST, HOST_SCALARS,), (False, False, False, False), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
 )
 S__foreach_addcdiv__Tensor = OpSpec(
-    "_foreach_addcdiv_.Tensor", aten._foreach_addcdiv_.Tensor, E._foreach_addcdiv_Tensor, ('self', 'tensor1', 'tensor2', 'scalars'), (TENSOR_LIST, TENSOR_LIST, TENSOR_LIST, TENSOR,), (False, False, False, False), LIST,
+    "_foreach_addcdiv_.Tensor", aten._foreach_addcdiv_.Tensor, E._foreach_addcdiv_Tensor, ('self', 'tensor1', 'tensor2', 'scalars'), (TENSOR_LIST, TENSOR_LIST, TENSOR_LIST, HOST_SCALARS,), (False, False, False, False), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_addcdiv.Tensor,
 )
 S__foreach_lerp_List = OpSpec(

@@ -12,11 +12,13 @@ from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND
 from xlatorch.runtime.ir.values import VALUE_TYPES
 
 __all__ = ["OpSpec", "Info", "signature", "SPECS", "TENSOR", "OPT_TENSOR", "TENSOR_LIST", "SCALAR", "SCALAR_LIST",
-           "STATIC", "GENERATOR", "ONE", "TUPLE", "LIST", "PROMOTION"]  # fmt: skip
+           "HOST_SCALARS", "STATIC", "GENERATOR", "ONE", "TUPLE", "LIST", "PROMOTION"]  # fmt: skip
 
 # Argument kinds, from the schema's types (codegen decides; see codegen/schema.py).
 # GENERATOR is a synthetic trailing argument of random ops: a fresh seed per call.
-TENSOR, OPT_TENSOR, TENSOR_LIST, SCALAR, SCALAR_LIST, STATIC, GENERATOR = range(7)
+# HOST_SCALARS (ops.yaml ``host_scalars``): a 1-d CPU tensor of scalars, one per list element
+# (foreach's ``Tensor scalars``), read on the host as traced scalars.
+TENSOR, OPT_TENSOR, TENSOR_LIST, SCALAR, SCALAR_LIST, STATIC, GENERATOR, HOST_SCALARS = range(8)
 # Return kinds.
 ONE, TUPLE, LIST = range(3)
 

@@ -17,6 +17,7 @@ from xlatorch.runtime.base.record import COUNTERS
 from xlatorch.runtime.base.threads import _in_backward
 from xlatorch.runtime.ir.ops import (
     GENERATOR,
+    HOST_SCALARS,
     LIST,
     ONE,
     OPT_TENSOR,
@@ -96,6 +97,19 @@ def _tensor_value(spec, t):
     return scalar(t)  # a wrapped Python number
 
 
+def _host_scalars(spec, t) -> tuple:
+    """A ``host_scalars`` argument (foreach's ``scalars``): the values of a 1-d CPU tensor, one
+    traced scalar each, so new values never recompile. PyTorch's own kernels read it on the
+    host too, and reject what they reject here."""
+    if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+        got = t.device if isinstance(t, torch.Tensor) else type(t).__name__
+        raise RuntimeError(f"Expected scalars to be on CPU, got {got} instead. (aten::{spec.name})")
+    if t.dim() != 1:
+        raise RuntimeError(f"Expected packed scalar Tensor to be of dimension 1. Got {t.dim()} instead.")
+    dtype = t.dtype
+    return tuple(Scalar(x, dtype) for x in t.tolist())
+
+
 def _prepare(spec, args):
     """The converted arguments and their signature, in one pass: the per-op hot path.
 
@@ -134,6 +148,8 @@ def _convert(spec, args):
                 v = tuple(_tensor_value(spec, x) for x in a)
             elif kind is SCALAR_LIST:
                 v = tuple(scalar(x) for x in a)
+            elif kind is HOST_SCALARS:
+                v = _host_scalars(spec, a)
             else:  # GENERATOR
                 v = next_key()
             s = _sig(v)
@@ -169,6 +185,7 @@ _LINES = {
     TENSOR_LIST: ("v{i} = tuple(_tensor_value(spec, x) for x in a{i})", "s{i} = _sig(v{i})"),
     SCALAR_LIST: ("v{i} = tuple(scalar(x) for x in a{i})", "s{i} = _sig(v{i})"),
     GENERATOR: ("v{i} = next_key()", "s{i} = _sig(v{i})"),
+    HOST_SCALARS: ("v{i} = _host_scalars(spec, a{i})", "s{i} = _sig(v{i})"),
 }
 _LINES[OPT_TENSOR] = _LINES[TENSOR]
 _CONVERTERS: dict = {}  # kinds -> converter
@@ -185,7 +202,8 @@ def _converter(kinds: tuple):
     ss = "".join(f"s{i}, " for i in range(n))
     lines.append(f"    return ({vs}), ({ss})")
     scope = {"XlaTensor": XlaTensor, "_tensor_value": _tensor_value, "_static_sig": _static_sig, "scalar": scalar,
-             "_sig": _sig, "next_key": next_key, "Scalar": Scalar, "PY_SCALAR_DTYPE": PY_SCALAR_DTYPE}  # fmt: skip
+             "_sig": _sig, "next_key": next_key, "Scalar": Scalar, "PY_SCALAR_DTYPE": PY_SCALAR_DTYPE,
+             "_host_scalars": _host_scalars}  # fmt: skip
     exec("\n".join(lines), scope)  # noqa: S102 - source built above from the fixed _LINES
     conv = _CONVERTERS[kinds] = scope["convert"]
     return conv
@@ -194,7 +212,7 @@ def _converter(kinds: tuple):
 # The names a fused shim's code uses besides its parameters (``_fuse``).
 _FUSED_NAMES = frozenset(
     "XlaTensor _tensor_value _static_sig scalar _sig next_key Scalar PY_SCALAR_DTYPE spec cache counter _node Node "
-    "COUNTERS _in_backward _weakref _new DEVICE Storage _reads info n out vals sig st t r".split()
+    "COUNTERS _in_backward _weakref _new DEVICE Storage _reads _host_scalars info n out vals sig st t r".split()
 )
 
 
@@ -259,7 +277,8 @@ def _fuse(spec: OpSpec) -> None:
              "_sig": _sig, "next_key": next_key, "Scalar": Scalar, "PY_SCALAR_DTYPE": PY_SCALAR_DTYPE, "spec": spec,
              "cache": spec.cache, "counter": spec.counter, "_node": _node, "Node": Node, "COUNTERS": COUNTERS,
              "_in_backward": _in_backward, "_weakref": _weakref, "_new": torch.Tensor._make_wrapper_subclass,
-             "DEVICE": _tensor_module.DEVICE, "Storage": Storage, "_reads": _tensor_module._reads}  # fmt: skip
+             "DEVICE": _tensor_module.DEVICE, "Storage": Storage, "_reads": _tensor_module._reads,
+             "_host_scalars": _host_scalars}  # fmt: skip
     exec("\n".join(lines), scope)  # noqa: S102 - source built above from the fixed _LINES and the shim's parameters
     fused = scope["fused"]
     fused.__defaults__, fused.__kwdefaults__ = shim.__defaults__, shim.__kwdefaults__

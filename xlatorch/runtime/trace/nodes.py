@@ -16,7 +16,7 @@ from xlatorch.runtime.base.dtypes import PY_SCALAR_DTYPE
 from xlatorch.runtime.base.record import COUNTERS
 from xlatorch.runtime.base.source import user_frame
 from xlatorch.runtime.base.threads import CHECKED_SINCE_SYNC, TICKS, owner
-from xlatorch.runtime.ir.ops import GENERATOR, SPECS, Info, OpSpec, _sig
+from xlatorch.runtime.ir.ops import GENERATOR, HOST_SCALARS, SPECS, Info, OpSpec, _sig
 from xlatorch.runtime.ir.values import VALUE_TYPES, Node, Scalar
 
 __all__ = [
@@ -82,8 +82,13 @@ def _to_meta(a):
     return a
 
 
+def _host_tensor(a: tuple) -> torch.Tensor:
+    """A ``HOST_SCALARS`` argument's traced scalars as the CPU tensor PyTorch takes."""
+    return torch.tensor([s.value for s in a], dtype=a[0].aval[1] if a else torch.float64)
+
+
 def _infer(spec: OpSpec, vals: tuple) -> Info:
-    meta = [_to_meta(a) for a in vals]
+    meta = [_host_tensor(a) if k is HOST_SCALARS else _to_meta(a) for a, k in zip(vals, spec.kinds)]
     if spec.index_dtype is not None:
         _check_index_dtype(spec.index_dtype, meta)
     args, kwargs = [], {}
@@ -183,7 +188,7 @@ def run_node_on_cpu(n, conv) -> list:
     for i, (name, a, ko, kind) in enumerate(zip(spec.arg_names, n.args, spec.kwarg_only, spec.kinds)):
         if kind is GENERATOR:
             continue
-        a = conv(a)
+        a = _host_tensor(a) if kind is HOST_SCALARS else conv(a)
         if i in writes:
             a = _copied(a)
         elif name == "device" and a is not None:
