@@ -70,28 +70,25 @@ def to_device(t: torch.Tensor, dev: int | None = None) -> Data:
     to_jax(t.dtype)  # a clear error for unsupported dtypes
     if dev is None:
         dev = current_device()
+    aval = (tuple(t.shape), t.dtype)
+    arr = upload(t, dev)
+    # Small integer data (targets, token ids) is held on the host too: a step's checks on it
+    # are decided there (plan/prechecks.py), and a stage on the host reads it without a download.
+    keep = config.CHECKS and small_integral(aval) and not topology.SPMD[0] and not dry.ACTIVE[0]
+    return Data(arr, aval, dev, t.detach().cpu().clone() if keep else None)
+
+
+def upload(t: torch.Tensor, dev: int):
+    """``t``'s device array on local device ``dev`` (``to_device``; and ``Data.array``'s first
+    read of a value made on the host); counted in ``TransferToDeviceTime``."""
     if dry.ACTIVE[0]:  # xlatorch.check: the shape and dtype only
-        return Data(dry.DryArray(t.shape, TORCH_TO_JAX[t.dtype], host=t.detach().cpu()), (tuple(t.shape), t.dtype), dev)
+        return dry.DryArray(t.shape, TORCH_TO_JAX[t.dtype], host=t.detach().cpu())
     jdev = jax_device(dev)  # first: starting the runtime is not a transfer (and may start a capture)
     with record.TIMED("TransferToDeviceTime"):
         # jax.device_put on CPU may alias an aligned numpy array: the device value must not
         # change when the host tensor is later written in place (other platforms copy anyway).
         a = _to_numpy(t.cpu(), private=jdev.platform == "cpu")
         arr = jax.device_put(a, sharding.placement()) if topology.SPMD[0] else _put(a, jdev)
-    record.COUNTERS["TensorToData"] += 1
-    aval = (tuple(t.shape), t.dtype)
-    # Small integer data (targets, token ids) is held on the host too: a step's checks on it
-    # are decided there (plan/prechecks.py), and a stage on the host reads it without a download.
-    host = t.detach().cpu().clone() if config.CHECKS and small_integral(aval) and not topology.SPMD[0] else None
-    return Data(arr, aval, dev, host)
-
-
-def upload(t: torch.Tensor, dev: int):
-    """The device array of a value made on the host (``Data.array``'s first read)."""
-    if dry.ACTIVE[0]:
-        return dry.DryArray(t.shape, TORCH_TO_JAX[t.dtype], host=t)
-    with record.TIMED("TransferToDeviceTime"):
-        arr = _put(_to_numpy(t, private=True), jax_device(dev))
     record.COUNTERS["TensorToData"] += 1
     return arr
 
