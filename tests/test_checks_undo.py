@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import xlatorch.core.xla_model as xm
 import xlatorch.debug.metrics as met
-from tests.tolerances import AdaptiveSteps
+from tests.tolerances import AdaptiveSteps, recorded_step
 from xlatorch.runtime.ir.failed import FailedValueError
 
 I = torch.tensor  # noqa: E741
@@ -44,11 +44,7 @@ def test_a_step_with_a_bad_target_raises_and_keeps_the_model_as_cpu_does(optimiz
             opt.zero_grad()
             loss = F.cross_entropy(model(tokens), I(target, device=device))
             loss.backward()
-            if record:
-                record.before(model.parameters())
-            opt.step()
-            if record:
-                record.after(model.parameters())
+            recorded_step(opt, model.parameters(), record)
             xm.mark_step()
             losses.append(loss.item())
 
@@ -85,11 +81,7 @@ def _adam_steps_with_a_bad_target(device, record=None, computed=False):
         opt.zero_grad()
         t = I(target, device=device)
         F.cross_entropy(model(x), t * 1 if computed else t).backward()
-        if record:
-            record.before(model.parameters())
-        opt.step()
-        if record:
-            record.after(model.parameters())
+        recorded_step(opt, model.parameters(), record)
         xm.mark_step()
 
     for _ in range(3):

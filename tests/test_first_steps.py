@@ -8,7 +8,7 @@ import torch
 import xlatorch.core.xla_model as xm
 import xlatorch.debug.metrics as met
 from examples.models import programs
-from tests.tolerances import AdaptiveSteps
+from tests.tolerances import AdaptiveSteps, recorded_step
 from xlatorch.runtime.lower import cache, compiler
 from xlatorch.runtime.plan import births
 
@@ -42,11 +42,7 @@ def _train(p, device, make_opt, steps=4, hold=None, record=None):
         opt.zero_grad()
         loss = p.loss_fn(model(x), y)
         loss.backward()
-        if record:
-            record.before(model.parameters())
-        opt.step()
-        if record:
-            record.after(model.parameters())
+        recorded_step(opt, model.parameters(), record)
         if hold:
             acc += loss.detach()
             held = [acc]

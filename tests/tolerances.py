@@ -78,3 +78,14 @@ class AdaptiveSteps:
             allowed = self.atol + self.rtol * want.abs() + self.bound(i)
             worst = max(worst, float(((got - want).abs() / allowed).max()))
         return worst
+
+
+def recorded_step(opt, params, record=None) -> None:
+    """``opt.step()``, with ``record`` (an ``AdaptiveSteps``, or None) seeing ``params`` before
+    and after it."""
+    params = list(params)
+    if record:
+        record.before(params)
+    opt.step()
+    if record:
+        record.after(params)
