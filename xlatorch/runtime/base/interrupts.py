@@ -14,8 +14,11 @@ otherwise at the next line the innermost user frame executes (through that frame
 ``f_trace``): after the op, the backward pass or the sync in progress has finished. A
 program whose code never runs again (an endless loop inside a library) gets the
 exception at a Ctrl-C pressed more than two seconds after the first, raised where it
-lands. ``XLATORCH_DEFER_SIGINT=0`` keeps Python's handler. A handler the program installs
-itself is left alone.
+lands. A device backward pass runs in the calling thread (runtime/trace/modules.py), inside
+autograd's engine, where an exception aborts the process (torch's Python device guard) even
+from the user's own hook: a Ctrl-C there, first or later, waits for the pass to return
+(``ENGINE_ENTRIES``: the Python frame that entered the engine). ``XLATORCH_DEFER_SIGINT=0``
+keeps Python's handler. A handler the program installs itself is left alone.
 """
 
 from __future__ import annotations
@@ -27,8 +30,13 @@ import time
 
 from xlatorch.runtime.base import config
 from xlatorch.runtime.base.source import is_user_code
+from xlatorch.runtime.base.threads import _in_backward
 
-__all__ = ["install", "handler"]
+__all__ = ["install", "handler", "ENGINE_ENTRIES"]
+
+# Code objects of the functions that call into autograd's engine for a device backward pass
+# (runtime/trace/modules.py adds its wrapper): a Ctrl-C in the pass waits for that frame.
+ENGINE_ENTRIES: set = set()
 
 _pending = False
 _since = 0.0
@@ -52,14 +60,27 @@ def _no_calls(frame, event, arg):
     return None  # enables per-frame tracing without tracing new calls
 
 
+def _engine_entry(frame):
+    """The frame that entered autograd's engine, when this thread runs a backward pass."""
+    if _in_backward() == -1:
+        return None
+    f = frame
+    while f is not None and f.f_code not in ENGINE_ENTRIES:
+        f = f.f_back
+    return f
+
+
 def handler(sig, frame):
     global _pending, _since, _saved
-    f = frame
+    entry = _engine_entry(frame)
+    f = frame if entry is None else entry.f_back  # in a backward pass: a frame outside the engine
     while f is not None and not is_user_code(f.f_code.co_filename):
         f = f.f_back
-    if _pending and time.monotonic() - _since < _PATIENCE:
-        return  # already on its way to the user's next line
-    if f is None or f is frame or _pending:
+    if f is None and entry is not None:
+        f = entry.f_back  # torch.autograd's own frame: raises as it returns
+    if _pending and (entry is not None or time.monotonic() - _since < _PATIENCE):
+        return  # already on its way to the user's next line (or out of the engine)
+    if entry is None and (f is None or f is frame or _pending):
         # In the user's code, or no user frame is on the stack, or the first Ctrl-C has
         # waited in vain (code that never returns to the user's): raise here, as Python would.
         _pending = False

@@ -1,9 +1,11 @@
 """Which user thread the device's work is for, one thread at a time, and the clock of writes.
 
-Autograd runs a backward pass's device ops on a thread of its own: what they make belongs to
-the thread that called ``backward`` (``owner``), and errors found for another thread wait
-for it (``DEFERRED``). ``LOCK`` lets one thread at a time record ops or sync; ``TICKS`` orders
-every storage write and checked op (a failed check undoes what was traced after it).
+A backward pass started from a device tensor runs in the thread that called ``backward``
+(runtime/trace/modules.py); one started elsewhere runs its device ops on autograd's own
+device thread: what they make belongs to the thread that called ``backward`` (``owner``),
+and errors found for another thread wait for it (``DEFERRED``). ``LOCK`` lets one thread at
+a time record ops or sync; ``TICKS`` orders every storage write and checked op (a failed
+check undoes what was traced after it).
 """
 
 from __future__ import annotations

@@ -162,9 +162,9 @@ class XlaTensor(torch.Tensor):
         except Exception as e:
             if _in_backward() == -1:
                 raise
-            # In a backward pass (autograd's device thread) an exception would abort the
-            # process (torch's Python device guard terminates while unwinding): defer it to
-            # the next sync.
+            # In a backward pass (inside autograd's engine, in whichever thread) an exception
+            # would abort the process (torch's Python device guard terminates while
+            # unwinding): defer it to the next sync.
             try:
                 return defer_error(func, args, kwargs or {}, e)
             except Exception:
