@@ -126,8 +126,10 @@ def test_a_backward_before_import_xlatorch_gets_an_error_that_says_what_to_do():
         "torch.ones(2, requires_grad=True).sum().backward()  # a backward on CPU first\n"
         "import xlatorch\n"
         "x = torch.ones(2, device='xla', requires_grad=True)\n"
+        "(x * 2).sum().backward()  # from a device tensor: the calling thread runs it\n"
+        "print('GRAD', x.grad.cpu().tolist())\n"
         "try:\n"
-        "    (x * 2).sum().backward()\n"
+        "    (x * 2).cpu().sum().backward()  # from a CPU tensor: autograd's device queue\n"
         "except RuntimeError as e:\n"
         "    print('ERROR', e)\n"
     )
@@ -135,5 +137,6 @@ def test_a_backward_before_import_xlatorch_gets_an_error_that_says_what_to_do():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, PYTHONPATH=root))  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "GRAD [2.0, 2.0]" in r.stdout, r.stdout
     assert "ERROR xlatorch: the autograd engine started before `import xlatorch`" in r.stdout
     assert "INTERNAL ASSERT" not in r.stdout

@@ -13,11 +13,14 @@ import sys
 import sysconfig
 import threading
 
+import torch
+
 __all__ = ["user_frame", "user_line", "fmt_src", "is_user_code"]
 
 _USER: dict[str, bool] = {}  # co_filename -> is it user code?
 _skip: tuple[str, ...] | None = None
 _MAIN = threading.main_thread().ident
+_in_backward = torch._C._current_graph_task_id  # -1 unless this thread runs a backward pass
 
 
 def _skip_prefixes() -> tuple[str, ...]:
@@ -60,14 +63,18 @@ def _walk(f) -> tuple[str, int] | None:
 
 def user_frame() -> tuple | None:
     """``(filename, line)`` of the innermost caller outside torch, xlatorch and the Python
-    libraries. On another thread with no user code (autograd's device thread running a
-    backward pass) it is ``(filename, line, "backward")``: the main thread's line, where the
-    user waits in ``backward()``. None when there is none."""
+    libraries; ``(filename, line, "backward")`` in a backward pass: the line that called
+    ``backward()`` (or the user's hook that runs in it). On another thread with no user code
+    (autograd's device thread running a backward pass), the main thread's line, where the user
+    waits in ``backward()``. None when there is none."""
     src = _walk(sys._getframe(1))
-    if src is None and threading.get_ident() != _MAIN:
-        main = _walk(sys._current_frames().get(_MAIN))
-        if main is not None:
-            src = (*main, "backward")
+    if src is None:
+        if threading.get_ident() != _MAIN:
+            main = _walk(sys._current_frames().get(_MAIN))
+            if main is not None:
+                src = (*main, "backward")
+    elif _in_backward() != -1:
+        src = (*src, "backward")
     return src
 
 
