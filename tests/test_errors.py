@@ -164,3 +164,55 @@ def test_ctrl_c_in_a_hook_of_a_device_backward_pass_waits_for_the_pass(tmp_path)
     r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert "INTERRUPTED True" in r.stdout, r.stdout
+
+
+_USER_CODE_RAISES_IN_BACKWARD = textwrap.dedent(
+    """
+    import torch, xlatorch
+    import xlatorch.core.xla_model as xm
+
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    md = torch.nn.Linear(4, 4).to("xla")
+    md.load_state_dict(m.state_dict())
+    y = md(x.to("xla")).sum()
+    y.register_hook(lambda g: 1 / 0)
+    try:
+        y.backward()
+    except ZeroDivisionError as e:
+        print("HOOK", e)
+
+    class Bad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b):
+            return a * b
+
+        @staticmethod
+        def backward(ctx, g):
+            raise ValueError("bad backward")
+
+    w = torch.ones(3, device="xla", requires_grad=True)
+    try:
+        Bad.apply(w, torch.ones(3, device="xla")).sum().backward()
+    except ValueError as e:
+        print("FUNCTION", e)
+    md.zero_grad()
+    md(x.to("xla")).sum().backward()
+    m(x).sum().backward()
+    print("LATER", torch.equal(md.weight.grad.cpu(), m.weight.grad))
+    """
+)
+
+
+def test_an_exception_in_the_users_code_in_a_backward_pass_is_raised_by_backward(tmp_path):
+    """A tensor's hook or a custom Function's backward that raises: ``backward()`` raises it,
+    as on CPU, instead of the process aborting (an exception cannot cross autograd's engine
+    over device tensors, torch's Python device guard), and later passes work."""
+    script = tmp_path / "user_code.py"
+    script.write_text(_USER_CODE_RAISES_IN_BACKWARD)
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert "HOOK division by zero" in r.stdout and "FUNCTION bad backward" in r.stdout, r.stdout
+    assert "LATER True" in r.stdout, r.stdout

@@ -18,13 +18,14 @@ parameters keep their identity anyway (CPU-only, same-device dtype changes) see 
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
 import torch.nn as nn
 
 from xlatorch.runtime.base import interrupts
-from xlatorch.runtime.base.threads import CALLERS, DEFERRED, _get_ident, _in_backward
+from xlatorch.runtime.base.threads import CALLERS, DEFERRED, _get_ident, _in_backward, defer_to_owners, owner
 from xlatorch.runtime.base.topology import thread_replicas
 from xlatorch.runtime.ir import values as ir
 from xlatorch.runtime.trace.tensor import XlaTensor
@@ -132,13 +133,50 @@ def _checked_backward(run):
     return engine_run_backward
 
 
+def _deferring(fn, result=lambda *args: None):
+    """``fn``, user code autograd's engine calls in a backward pass (a tensor's hook, a custom
+    Function's backward), with an exception it raises in a device backward pass left for the
+    thread that called ``backward()``, which raises it when the pass returns: unwinding through
+    the engine aborts the process (torch's Python device guard). The pass goes on with
+    ``result(*args)`` in its place (a hook: the gradient unchanged)."""
+
+    @functools.wraps(fn)
+    def call(*args):
+        try:
+            return fn(*args)
+        except Exception as e:
+            if _in_backward() == -1 or not CALLERS:  # not in a device pass: as PyTorch would
+                raise
+            defer_to_owners(e, (owner(),))
+            return result(*args)
+
+    return call
+
+
+def _hooks_deferred(register):
+    def register_hook(self, hook):
+        return register(self, _deferring(hook))
+
+    register_hook.__doc__ = register.__doc__
+    return register_hook
+
+
+def _no_grads(ctx, *grads):
+    return (None,) * len(ctx.needs_input_grad)
+
+
 def install() -> None:
-    """Wrap ``nn.Module._apply`` and autograd's engine entry (once)."""
+    """Wrap ``nn.Module._apply``, autograd's engine entry and the user's code it calls (once)."""
     global _original
     if _original is None:
         _original = nn.Module._apply
         nn.Module._apply = _apply
         import torch.autograd as autograd
+        from torch.autograd.function import BackwardCFunction
+
+        for name in ("register_hook", "register_post_accumulate_grad_hook"):
+            setattr(XlaTensor, name, _hooks_deferred(getattr(torch.Tensor, name)))
+        BackwardCFunction.apply = _deferring(BackwardCFunction.apply, _no_grads)
 
         # torch.autograd.backward and .grad call the name bound in torch.autograd.
         autograd._engine_run_backward = _checked_backward(autograd._engine_run_backward)
