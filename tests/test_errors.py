@@ -197,6 +197,16 @@ _USER_CODE_RAISES_IN_BACKWARD = textwrap.dedent(
         Bad.apply(w, torch.ones(3, device="xla")).sum().backward()
     except ValueError as e:
         print("FUNCTION", e)
+
+    def module_hook(module, grad_input, grad_output):
+        raise KeyError("module hook")
+
+    handle = md.register_full_backward_hook(module_hook)
+    try:
+        md(x.to("xla").requires_grad_()).sum().backward()
+    except KeyError as e:
+        print("MODULE", e)
+    handle.remove()
     md.zero_grad()
     md(x.to("xla")).sum().backward()
     m(x).sum().backward()
@@ -206,13 +216,15 @@ _USER_CODE_RAISES_IN_BACKWARD = textwrap.dedent(
 
 
 def test_an_exception_in_the_users_code_in_a_backward_pass_is_raised_by_backward(tmp_path):
-    """A tensor's hook or a custom Function's backward that raises: ``backward()`` raises it,
-    as on CPU, instead of the process aborting (an exception cannot cross autograd's engine
-    over device tensors, torch's Python device guard), and later passes work."""
+    """A tensor's hook, a module's full backward hook or a custom Function's backward that
+    raises: ``backward()`` raises it, as on CPU, instead of the process aborting (an exception
+    cannot cross autograd's engine over device tensors, torch's Python device guard), and
+    later passes work."""
     script = tmp_path / "user_code.py"
     script.write_text(_USER_CODE_RAISES_IN_BACKWARD)
     env = dict(os.environ, PYTHONPATH=ROOT)
     r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert "HOOK division by zero" in r.stdout and "FUNCTION bad backward" in r.stdout, r.stdout
+    assert "MODULE 'module hook'" in r.stdout, r.stdout
     assert "LATER True" in r.stdout, r.stdout

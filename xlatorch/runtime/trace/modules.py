@@ -177,6 +177,9 @@ def install() -> None:
         for name in ("register_hook", "register_post_accumulate_grad_hook"):
             setattr(XlaTensor, name, _hooks_deferred(getattr(torch.Tensor, name)))
         BackwardCFunction.apply = _deferring(BackwardCFunction.apply, _no_grads)
+        # A custom Function's node: its hooks (a module's full backward hooks are registered there).
+        for name in ("register_hook", "register_prehook"):
+            setattr(BackwardCFunction, name, _hooks_deferred(getattr(BackwardCFunction, name)))
 
         # torch.autograd.backward and .grad call the name bound in torch.autograd.
         autograd._engine_run_backward = _checked_backward(autograd._engine_run_backward)
