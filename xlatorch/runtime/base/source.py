@@ -13,14 +13,13 @@ import sys
 import sysconfig
 import threading
 
-import torch
+from xlatorch.runtime.base.threads import _in_backward
 
 __all__ = ["user_frame", "user_line", "fmt_src", "is_user_code"]
 
 _USER: dict[str, bool] = {}  # co_filename -> is it user code?
 _skip: tuple[str, ...] | None = None
 _MAIN = threading.main_thread().ident
-_in_backward = torch._C._current_graph_task_id  # -1 unless this thread runs a backward pass
 
 
 def _skip_prefixes() -> tuple[str, ...]:
