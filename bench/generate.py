@@ -91,7 +91,8 @@ def main() -> None:
         for device in ("cpu", "xla") + (("compile",) if cache == "static" else ()):
             # The child imports this module rather than running it as ``__main__`` (``-m``): so
             # run, CPU eager's token took 5.9-6.4 ms against 4.2-4.5 (and the compiled path's
-            # 7.1-7.6 against 6.8-6.9), the same Python work by cProfile; not pinned down further.
+            # 7.1-7.6 against 6.8-6.9): PyTorch's OpenMP threads cost more so, with or without
+            # xlatorch imported (docs/text-generation.md).
             child = (f"import json; from bench.generate import _child; print(json.dumps(_child("
                      f"{cache!r}, {device!r}, {a.tokens}, {a.prompt}, {a.later})))")  # fmt: skip
             cmd = [sys.executable, "-c", child]
