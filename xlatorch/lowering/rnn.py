@@ -81,6 +81,9 @@ def _gru_cell_backward_meta(grad_hy, workspace, has_bias):
 
 
 _LIB = torch.library.Library("aten", "IMPL")
-_LIB.impl("_thnn_fused_lstm_cell", _lstm_cell_meta, "Meta")
-_LIB.impl("_thnn_fused_gru_cell", _gru_cell_meta, "Meta")
-_LIB.impl("_thnn_fused_gru_cell_backward", _gru_cell_backward_meta, "Meta")
+for _name, _meta in (("_thnn_fused_lstm_cell", _lstm_cell_meta), ("_thnn_fused_gru_cell", _gru_cell_meta),
+                     ("_thnn_fused_gru_cell_backward", _gru_cell_backward_meta)):  # fmt: skip
+    try:
+        _LIB.impl(_name, _meta, "Meta")
+    except RuntimeError:  # another torch (2.11) registers its own Python meta kernel for it
+        pass
