@@ -21,7 +21,7 @@ step() {  # step NAME SECONDS COMMAND...: run one part with a limit, its log kep
     echo "=== $name: exit ${PIPESTATUS[0]}"
 }
 step env 20 bash -c "nvidia-smi -L; nproc; $py -c 'import sys, torch, jax, jaxlib; print(sys.version.split()[0], \"torch\", torch.__version__, \"jax\", jax.__version__, jaxlib.__version__, jax.devices())'"
-step agree 90 "$py" -m bench.agree --steps 5
-step bench 200 "$py" -m bench.bench --steps 40 --eager-device "${EAGER_DEVICE:-cuda}" --out "$out/bench.jsonl"
-step overlap 60 "$py" -m bench.overlap --size 4096 --ops 300 --steps 30
+step bench 220 "$py" -m bench.bench --steps 40 --eager-device "${EAGER_DEVICE:-cuda}" --out "$out/bench.jsonl"
+step overlap 100 "$py" -m bench.overlap --size 2048 --ops 300 --steps 20
+step agree 150 "$py" -m bench.agree --steps 5
 step sync_cost 30 "$py" -m bench.sync_cost 10 100 1000

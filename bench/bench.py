@@ -55,8 +55,16 @@ def _step(p, model, opt, batch):
     return loss
 
 
-def run_eager(p, steps, device="cpu"):
-    """PyTorch eager on ``device`` (``--eager-device cuda`` where a CUDA build of torch is installed)."""
+def run_eager(p, steps, device="cpu", small=False):
+    """PyTorch eager on ``device`` (``--eager-device cuda`` where a CUDA build of torch is installed:
+    in a process of its own, ``bench/eager_child.py`` says why)."""
+    if device != "cpu":
+        import subprocess
+
+        argv = [sys.executable, "-m", "bench.eager_child", p.name, str(steps), device] + ["--small"] * small
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        out = subprocess.run(argv, cwd=root, check=True, capture_output=True, text=True).stdout.split()
+        return float(out[-2]), float(out[-1])
     model, opt, batches = _setup(p, device)
     done = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     times = []
@@ -205,7 +213,7 @@ def main() -> None:
           f"{'loss xla/jax':>13} fallbacks")  # fmt: skip
     for name in a.programs.split(","):
         p = progs[name]
-        eager, _ = run_eager(p, a.steps, a.eager_device)
+        eager, _ = run_eager(p, a.steps, a.eager_device, a.small)
         j = run_jax(name, p, a.steps)
         x = run_xla(p, a.steps)
         c = run_xla(p, a.steps, compiled=True)

@@ -78,7 +78,10 @@ def main() -> None:
     depth = 4
     for _ in range(2):  # the host's time grows a little with depth: aim twice
         probe = measure(a.size, depth, a.ops, 10)
-        depth = max(1, min(256, round(depth * probe["host"] / max(probe["device"], 1e-7))))
+        print(f"  probe: {depth} products, host {probe['host'] * 1e3:.2f} ms, device {probe['device'] * 1e3:.2f} ms",
+              flush=True)  # fmt: skip
+        scale = min(4.0, max(0.25, probe["host"] / max(probe["device"], 1e-7)))
+        depth = max(1, min(256, round(depth * scale)))
     print(f"device: {xm.xla_device_hw(xm.xla_device())}; size {a.size}, {a.ops} small ops, "
           f"{depth} products a step (device time near the host's)")  # fmt: skip
     print(f"{'round':>5} {'host ms':>8} {'device ms':>9} {'serial ms':>9} {'pipe ms':>8} {'hidden':>7}")
