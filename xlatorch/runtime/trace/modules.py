@@ -38,6 +38,16 @@ _IMPORT_ORDER = (
     "pass on the device in this process. Import xlatorch at the top of the program, before "
     "any backward pass (or in the process's first lines: `import torch, xlatorch`)."
 )
+# torch 2.11 on an H100 (seen, bench/accelerator/): with a PrivateUse1 device registered,
+# PyTorch takes it for the process's accelerator and its engine finds no stream for a CUDA
+# node (pytorch/pytorch#161129): every backward pass over CUDA tensors fails this assert.
+_CUDA_STREAMS = (
+    "xlatorch: a backward pass over CUDA tensors cannot run in a process that imported xlatorch: "
+    "PyTorch takes the registered xla device (its PrivateUse1 backend) for the process's "
+    "accelerator, and its autograd engine then finds no CUDA stream for the pass (a PyTorch "
+    "limitation, pytorch/pytorch#161129). Run the CUDA work in a process that does not import "
+    "xlatorch, or run it on the xla device (PJRT_DEVICE=GPU puts the xla device on the GPU)."
+)
 
 _tls = threading.local()
 _BACKWARD = threading.Lock()
@@ -118,6 +128,8 @@ def _checked_backward(run):
         except RuntimeError as e:
             if "device_ready_queues_" in str(e):
                 raise RuntimeError(_IMPORT_ORDER) from None
+            if "opt_ready_stream && opt_parent_stream" in str(e):
+                raise RuntimeError(_CUDA_STREAMS) from e
             raise
         finally:
             if mine:
