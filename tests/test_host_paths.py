@@ -58,6 +58,40 @@ def test_pack_layout_reuse_packs_the_new_values():
     assert [a.tolist() for a in p1] == [[1.5, 3.5], [2]] and [a.tolist() for a in p2] == [[-1.0, 0.25], [7]]
 
 
+def test_a_runs_scalars_go_to_the_device_only_when_their_group_changed(monkeypatch):
+    # A group of packed scalars whose bytes did not change since the executable's last run is
+    # not transferred again (its device copy is reused); a changed one is, and computes with
+    # the new values (as CPU does, value by value).
+    import jax
+
+    dev = xm.xla_device()
+    x = torch.randn(5)
+    xd = x.to(dev)
+    xm.mark_step()
+    puts = []
+    real = jax.device_put
+
+    def counting(v, *args, **kwargs):
+        puts.append(len(v) if isinstance(v, list) else 1)
+        return real(v, *args, **kwargs)
+
+    monkeypatch.setattr(jax, "device_put", counting)
+
+    def step(scale, shift):
+        y = xd * scale + shift  # a float64 group (scale, alpha) and an int64 one (shift)
+        xm.mark_step()
+        return y.cpu()
+
+    cases = [(1.5, 2), (1.5, 2), (1.5, 3), (-0.25, 3), (-0.25, 3), (1.5, 2)]
+    sent = []
+    for scale, shift in cases:
+        before = sum(puts)
+        got = step(scale, shift)
+        sent.append(sum(puts) - before)
+        torch.testing.assert_close(got, x * scale + shift, msg=str((scale, shift)))  # XLA may fuse into an FMA
+    assert sent[1] == sent[4] == 0 and sent[2] == sent[3] == 1 and sent[5] == 2, sent
+
+
 def test_a_cleared_cache_compiles_again():
     dev = xm.xla_device()
     a = torch.ones(3, device=dev)

@@ -329,6 +329,7 @@ def compile_one(body: Body, once: bool = False) -> Executable:
     donate, kept, share = body.donate, body.kept, body.share
     local = next(iter(body.placed.device_set)) if body.placed is not None else None
     general: list = []  # body.fn compiled, once a run's scalars do not fit ``share``
+    last: list = [None]  # the last run's packed scalars: (their bytes, their device arrays)
 
     def call(arrays, packed_vals):
         run = first
@@ -341,8 +342,23 @@ def compile_one(body: Body, once: bool = False) -> Executable:
                 with record.TIMED("CompileTime"):
                     general.append(build(body.fn, None)[0])
                 run = general[0]
-        if local is not None:
-            packed_vals = [jax.device_put(p, local) for p in packed_vals]
+        # The scalars go to the device at each run (one transfer per dtype); a training step's
+        # mostly stay the same from one step to the next (an optimizer's hyperparameters; not
+        # Adam's bias corrections): a group's last device copy is reused (never donated).
+        seen = [p.tobytes() for p in packed_vals]
+        before = last[0]  # one read and one write: replica threads may share this executable
+        if before is None:
+            packed_vals = jax.device_put(packed_vals, local)
+        else:
+            changed = [g for g, b in enumerate(seen) if b != before[0][g]]
+            if changed:
+                vals = list(before[1])
+                for g, a in zip(changed, jax.device_put([packed_vals[g] for g in changed], local)):
+                    vals[g] = a
+                packed_vals = vals
+            else:
+                packed_vals = before[1]
+        last[0] = (seen, packed_vals)
         return run([arrays[i] for i in donate], [arrays[i] for i in kept], packed_vals)
 
     return Executable(call, xla=compiled)
