@@ -5,7 +5,8 @@ of ``ops`` small elementwise ops (host time: each is traced in Python), its outp
 next step as a training loop feeds its parameters. Measured at steady state, medians of rounds:
 - ``host``: tracing the step plus ``mark_step``'s host time, with the device idle;
 - ``device``: the wait after ``mark_step``, with the host idle;
-- ``pipe``: steps back to back, then one wait, per step.
+- ``pipe``: steps back to back, then one wait, per step (and its medians: tracing, ``mark_step``:
+  where a step that waits for the last one waits).
 Run serially, a step costs ``host + device``; overlapped, ``max(host, device)``. ``hidden`` is the
 part of the shorter one that the overlap hid: ``(host + device - pipe) / min(host, device)``,
 1.0 fully overlapped, 0.0 not at all. ``depth`` is first chosen so the device's time is near the
@@ -57,15 +58,21 @@ def measure(size: int, depth: int, ops: int, steps: int) -> dict:
         t2 = time.perf_counter()
         host.append(t1 - t0)
         device.append(t2 - t1)
+    trace, sync = [], []  # where a pipelined step's time goes: tracing, mark_step
     t0 = time.perf_counter()
     for _ in range(steps):
+        t1 = time.perf_counter()
         x, small = _step(x, small, ws, ops)
+        t2 = time.perf_counter()
         xm.mark_step()
+        trace.append(t2 - t1)
+        sync.append(time.perf_counter() - t2)
     xm.wait_device_ops()
     pipe = (time.perf_counter() - t0) / steps
     h, d = statistics.median(host), statistics.median(device)
     finite = bool(torch.isfinite(x).all().item())
-    return dict(host=h, device=d, pipe=pipe, hidden=(h + d - pipe) / min(h, d), finite=finite)
+    return dict(host=h, device=d, pipe=pipe, hidden=(h + d - pipe) / min(h, d), finite=finite,
+                pipe_trace=statistics.median(trace), pipe_sync=statistics.median(sync))  # fmt: skip
 
 
 def main() -> None:
@@ -84,12 +91,14 @@ def main() -> None:
         depth = max(1, min(256, round(depth * scale)))
     print(f"device: {xm.xla_device_hw(xm.xla_device())}; size {a.size}, {a.ops} small ops, "
           f"{depth} products a step (device time near the host's)")  # fmt: skip
-    print(f"{'round':>5} {'host ms':>8} {'device ms':>9} {'serial ms':>9} {'pipe ms':>8} {'hidden':>7}")
+    print(f"{'round':>5} {'host ms':>8} {'device ms':>9} {'serial ms':>9} {'pipe ms':>8} {'hidden':>7} "
+          f"{'pipe: trace ms':>14} {'sync ms':>7}")  # fmt: skip
     rows = [measure(a.size, depth, a.ops, a.steps) for _ in range(a.rounds)]
     for i, r in enumerate(rows):
         bad = "" if r["finite"] else "  (non-finite result)"
         print(f"{i:5d} {r['host'] * 1e3:8.2f} {r['device'] * 1e3:9.2f} {(r['host'] + r['device']) * 1e3:9.2f} "
-              f"{r['pipe'] * 1e3:8.2f} {r['hidden']:7.2f}{bad}")  # fmt: skip
+              f"{r['pipe'] * 1e3:8.2f} {r['hidden']:7.2f} {r['pipe_trace'] * 1e3:14.2f} {r['pipe_sync'] * 1e3:7.2f}"
+              f"{bad}")  # fmt: skip
     print(f"median hidden: {statistics.median(r['hidden'] for r in rows):.2f} (1.0: tracing step N+1 fully overlaps "
           "executing step N; 0.0: they run one after the other)")  # fmt: skip
 

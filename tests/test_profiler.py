@@ -188,7 +188,7 @@ def test_memory_info():
     t = torch.full((1024, 1024), 3.0, device="xla")  # 4 MB once materialised
     xm.mark_step()
     grown = xm.get_memory_info()["bytes_used"]
-    assert grown - before >= 4 * 2**20
+    assert grown - before >= 4 * 2**20 - 1024  # the sync may free a few scalars of earlier graphs
     assert xm.get_memory_info()["peak_bytes_used"] >= grown
     del t
     keep = torch.zeros(2, device="xla")  # noqa: F841 (a next execution: it releases the last one's outputs)

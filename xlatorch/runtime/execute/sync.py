@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
+from itertools import chain
+from sys import getrefcount as _refs
 
 import jax
 
@@ -223,19 +226,41 @@ def _sync(reason, dev, timed) -> None:
         raise
     else:
         if everything:
-            _unlink(graph.nodes)
+            _unlink(graph)
 
 
-def _unlink(nodes) -> None:
-    """Break the cycle between each node and its outputs (``node.outs``, ``out.node``) once a
-    sync has given every pending tensor its data: no later graph can reach these nodes, and
-    reference counting frees them, with the device arrays they hold, as soon as the last
-    tensor lets go. Left to Python's cyclic collector, a step's nodes outlived several
-    collections and piled up until a full one, which walked every object of the process:
-    50-100 ms every 20 steps or so of 300 ops (``bench.overlap``), long enough to stall the
-    host while the device waited, and GPT's step spent 4 ms a step in the collector."""
-    for n in nodes:
-        n.outs = None
+def _unlink(graph) -> None:
+    """Break the cycle between each node of a synced graph and its outputs (``node.outs``,
+    ``out.node``), so that reference counting frees the graph, with the device arrays it
+    holds, as soon as the last tensor lets go. Left to Python's cyclic collector, a step's
+    nodes outlived several collections and piled up until a full one, which walked every
+    object of the process: 50-100 ms every 20 steps or so of 300 ops (``bench.overlap``), long
+    enough to stall the host while the device waited; GPT's step spent 4 ms a step in the
+    collector.
+
+    A node stays linked while something outside the graph still holds one of its outputs (a
+    view's cached value, ``tensor.value_of``: a later graph may read it), and so does every
+    node it reads from: those can appear in a later graph, whose planning reads ``outs``."""
+    nodes = graph.nodes
+    # References to each output from the graph's own nodes, from its encoding (node k reads
+    # output ``j * 4096 + idx`` of node j once per mention)
+    inner = Counter(chain.from_iterable([refs for _, refs in graph.enc]))
+    get = inner.get
+    keep: set = set()  # the nodes a kept node reads from
+    for k in range(len(nodes) - 1, -1, -1):  # consumers before what they read
+        n = nodes[k]
+        held = k in keep
+        if not held:
+            base = k * 4096
+            for o in n.outs:
+                # References: n.outs, this loop's name, getrefcount's argument, the graph's nodes
+                if o is not None and _refs(o) > 3 + get(base + o.idx, 0):
+                    held = True
+                    break
+        if held:
+            keep.update([r // 4096 for r in graph.enc[k][1] if r >= 0])
+        else:
+            n.outs = None
 
 
 def _run_in_two_parts(step: Step) -> None:
