@@ -92,6 +92,22 @@ def test_a_runs_scalars_go_to_the_device_only_when_their_group_changed(monkeypat
     assert sent[1] == sent[4] == 0 and sent[2] == sent[3] == 1 and sent[5] == 2, sent
 
 
+def test_equal_scalars_checked_at_each_run_and_skipped_when_unchanged():
+    # A graph compiled while two scalars were equal reads them once; a run whose scalars are
+    # no longer equal there compiles the general program (once), and a run whose packed bytes
+    # are those of the last run skips the check: every value as CPU computes it.
+    dev = xm.xla_device()
+    x = torch.randn(6)
+    xd = x.to(dev)
+    xm.mark_step()
+    unshared = _count("UnsharedScalarRecompile")
+    for a, b in [(2.0, 2.0), (2.0, 2.0), (2.0, 3.0), (2.0, 3.0), (-1.5, -1.5), (4.0, 0.5)]:
+        y = xd * a + xd * b
+        xm.mark_step()
+        torch.testing.assert_close(y.cpu(), x * a + x * b, msg=str((a, b)))
+    assert _count("UnsharedScalarRecompile") == unshared + 1
+
+
 def test_a_cleared_cache_compiles_again():
     dev = xm.xla_device()
     a = torch.ones(3, device=dev)

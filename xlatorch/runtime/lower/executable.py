@@ -332,21 +332,21 @@ def compile_one(body: Body, once: bool = False) -> Executable:
     last: list = [None]  # the last run's packed scalars: (their bytes, their device arrays)
 
     def call(arrays, packed_vals):
-        run = first
-        if share is not None:
-            if general:
-                run = general[0]
-            elif not share.fits(packed_vals):
-                COUNTERS["UnsharedScalarRecompile"] += 1
-                COUNTERS["UncachedCompile"] += 1
-                with record.TIMED("CompileTime"):
-                    general.append(build(body.fn, None)[0])
-                run = general[0]
         # The scalars go to the device at each run (one transfer per dtype); a training step's
         # mostly stay the same from one step to the next (an optimizer's hyperparameters; not
         # Adam's bias corrections): a group's last device copy is reused (never donated).
         seen = [p.tobytes() for p in packed_vals]
         before = last[0]  # one read and one write: replica threads may share this executable
+        run = first
+        if share is not None:
+            if general:
+                run = general[0]
+            elif (before is None or before[0] != seen) and not share.fits(packed_vals, seen):
+                COUNTERS["UnsharedScalarRecompile"] += 1
+                COUNTERS["UncachedCompile"] += 1
+                with record.TIMED("CompileTime"):
+                    general.append(build(body.fn, None)[0])
+                run = general[0]
         if before is None:
             packed_vals = jax.device_put(packed_vals, local)
         else:

@@ -125,18 +125,22 @@ class Shared:
 
     ``pairs``: per group with shared slots, ``(group, slots, their representatives)``."""
 
-    __slots__ = ("rep", "pairs")
+    __slots__ = ("rep", "pairs", "spans")
 
-    def __init__(self, rep: dict, pairs: list):
+    def __init__(self, rep: dict, pairs: list, sizes: dict):
         self.rep, self.pairs = rep, pairs
+        # Per group: the byte ranges of each shared slot and of its representative
+        self.spans = [(g, [(i * n, i * n + n, r * n, r * n + n) for i, r in zip(idx.tolist(), rep.tolist())])
+                      for g, idx, rep in pairs for n in (sizes[g],)]  # fmt: skip
 
-    def fits(self, packed) -> bool:
-        """Whether ``packed`` (a step's packed scalars) has equal values wherever the
-        compiled step had: a few numpy operations per group of shared slots."""
-        for g, idx, rep in self.pairs:
-            b = _bits(packed[g])
-            if not np.array_equal(b[idx], b[rep]):
-                return False
+    def fits(self, packed, seen=None) -> bool:
+        """Whether ``packed`` (a step's packed scalars; ``seen``: their bytes, if the caller has
+        them) has equal values wherever the compiled step had, bit for bit."""
+        for g, spans in self.spans:
+            b = seen[g] if seen is not None else np.ascontiguousarray(packed[g]).tobytes()
+            for s, e, rs, re_ in spans:
+                if b[s:e] != b[rs:re_]:
+                    return False
         return True
 
 
@@ -148,9 +152,10 @@ def _bits(p):
 def shared(packed) -> Shared | None:
     """The ``Shared`` of packed scalars (``plan.collect.pack``), or None when none are equal.
     Equal means the same bits: 0.0 and -0.0 stay apart, a NaN joins only the same NaN."""
-    rep, pairs = {}, []
+    rep, pairs, sizes = {}, [], {}
     for g, p in enumerate(packed):
         p = np.asarray(p)
+        sizes[g] = p.dtype.itemsize
         if p.ndim != 1 or p.shape[0] < 2:
             continue
         _, first, inv = np.unique(_bits(p), axis=0, return_index=True, return_inverse=True)
@@ -159,7 +164,7 @@ def shared(packed) -> Shared | None:
         if idx.shape[0]:
             pairs.append((g, idx, r[idx]))
             rep.update(((g, int(i)), int(j)) for i, j in zip(idx, r[idx]))
-    return Shared(rep, pairs) if pairs else None
+    return Shared(rep, pairs, sizes) if pairs else None
 
 
 class LoweringError(Exception):
