@@ -65,15 +65,9 @@ def run_eager(p, steps, device="cpu", small=False):
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         out = subprocess.run(argv, cwd=root, check=True, capture_output=True, text=True).stdout.split()
         return float(out[-2]), float(out[-1])
-    model, opt, batches = _setup(p, device)
-    done = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    times = []
-    for i in range(steps + 2):
-        t = time.perf_counter()
-        _step(p, model, opt, batches[i % 4])
-        done()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times[2:]), times[0]
+    from bench import eager_child
+
+    return eager_child.run(p, steps, device)
 
 
 def run_xla(p, steps, compiled=False):

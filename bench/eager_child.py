@@ -1,7 +1,8 @@
-"""PyTorch eager's step time for ``bench.bench --eager-device cuda``, in a process that never
-imports xlatorch: with the xla device (PyTorch's PrivateUse1 backend) registered, torch 2.11's
-autograd engine fails a CUDA backward pass ("opt_ready_stream && opt_parent_stream INTERNAL
-ASSERT FAILED", seen on an H100), so the CUDA baseline runs apart.
+"""PyTorch eager's step time, ``bench.bench``'s baseline: in its process on the CPU, and for
+``--eager-device cuda`` in a process that never imports xlatorch: with the xla device (PyTorch's
+PrivateUse1 backend) registered, torch 2.11's autograd engine fails a CUDA backward pass
+("opt_ready_stream && opt_parent_stream INTERNAL ASSERT FAILED", seen on an H100), so the CUDA
+baseline runs apart.
 
 Usage (bench.bench starts it): python -m bench.eager_child PROGRAM STEPS DEVICE [--small]
 """
