@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
-from itertools import chain
 from sys import getrefcount as _refs
 
 import jax
@@ -240,27 +238,20 @@ def _unlink(graph) -> None:
 
     A node stays linked while something outside the graph still holds one of its outputs (a
     view's cached value, ``tensor.value_of``: a later graph may read it), and so does every
-    node it reads from: those can appear in a later graph, whose planning reads ``outs``."""
+    node it reads from: those can appear in a later graph, whose planning reads ``outs``. An
+    unlinked node lets go of its arguments too, so that by the time the walk (consumers
+    first) reaches a node, its outputs' reference counts say alone whether anything still
+    reads them: a linked consumer, or something outside the graph."""
     nodes = graph.nodes
-    # References to each output from the graph's own nodes, from its encoding (node k reads
-    # output ``j * 4096 + idx`` of node j once per mention)
-    inner = Counter(chain.from_iterable([refs for _, refs in graph.enc]))
-    get = inner.get
-    keep: set = set()  # the nodes a kept node reads from
-    for k in range(len(nodes) - 1, -1, -1):  # consumers before what they read
+    for k in range(len(nodes) - 1, -1, -1):
         n = nodes[k]
-        held = k in keep
-        if not held:
-            base = k * 4096
-            for o in n.outs:
-                # References: n.outs, this loop's name, getrefcount's argument, the graph's nodes
-                if o is not None and _refs(o) > 3 + get(base + o.idx, 0):
-                    held = True
-                    break
-        if held:
-            keep.update([r // 4096 for r in graph.enc[k][1] if r >= 0])
+        for o in n.outs:
+            # References: n.outs, this loop's name and getrefcount's argument; any more is a
+            # reader that stays
+            if o is not None and _refs(o) > 3:
+                break
         else:
-            n.outs = None
+            n.outs = n.args = None
 
 
 def _run_in_two_parts(step: Step) -> None:
