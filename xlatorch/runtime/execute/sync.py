@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import threading
 import time
-from sys import getrefcount as _refs
 
 import jax
 
@@ -34,7 +33,7 @@ from xlatorch.runtime.lower.function import LoweringError
 from xlatorch.runtime.multi import sharding
 from xlatorch.runtime.multi.replication import ReplicaMismatch, collective_roots, run_replicated
 from xlatorch.runtime.plan import births, keep, prechecks, stages
-from xlatorch.runtime.plan.collect import collect, pack
+from xlatorch.runtime.plan.collect import collect, pack, release
 from xlatorch.runtime.trace.bodies import BodyError
 from xlatorch.runtime.trace.tensor import PENDING, pending_storages, reroot_lone_views
 
@@ -224,34 +223,7 @@ def _sync(reason, dev, timed) -> None:
         raise
     else:
         if everything:
-            _unlink(graph)
-
-
-def _unlink(graph) -> None:
-    """Break the cycle between each node of a synced graph and its outputs (``node.outs``,
-    ``out.node``), so that reference counting frees the graph, with the device arrays it
-    holds, as soon as the last tensor lets go. Left to Python's cyclic collector, a step's
-    nodes outlived several collections and piled up until a full one, which walked every
-    object of the process: 50-100 ms every 20 steps or so of 300 ops (``bench.overlap``), long
-    enough to stall the host while the device waited; GPT's step spent 4 ms a step in the
-    collector.
-
-    A node stays linked while something outside the graph still holds one of its outputs (a
-    view's cached value, ``tensor.value_of``: a later graph may read it), and so does every
-    node it reads from: those can appear in a later graph, whose planning reads ``outs``. An
-    unlinked node lets go of its arguments too, so that by the time the walk (consumers
-    first) reaches a node, its outputs' reference counts say alone whether anything still
-    reads them: a linked consumer, or something outside the graph."""
-    nodes = graph.nodes
-    for k in range(len(nodes) - 1, -1, -1):
-        n = nodes[k]
-        for o in n.outs:
-            # References: n.outs, this loop's name and getrefcount's argument; any more is a
-            # reader that stays
-            if o is not None and _refs(o) > 3:
-                break
-        else:
-            n.outs = n.args = None
+            release(graph)
 
 
 def _run_in_two_parts(step: Step) -> None:
