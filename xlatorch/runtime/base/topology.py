@@ -32,7 +32,7 @@ from xlatorch.runtime.base import config, record
 __all__ = [
     "initialize", "shutdown", "is_initialized", "coordinator_address", "world_size", "global_ordinal",
     "local_ordinal", "local_world_size",
-    "rendezvous", "RendezvousTimeout", "jax_device", "local_device_count", "current_device",
+    "rendezvous", "RendezvousTimeout", "jax_device", "put", "local_device_count", "current_device",
     "set_current_device", "device_index", "enable_multi_device", "SPMD",
 ]  # fmt: skip
 
@@ -346,6 +346,51 @@ def jax_device(dev: int = 0):
         for hook in record.DEVICE_HOOKS:  # xlatorch.debug.profiler: a capture scheduled before now may start
             hook()
     return _devices[dev]
+
+
+def put(a, jdev):
+    """Host array ``a`` (numpy) on JAX device ``jdev`` (None: the default one): what
+    ``jax.device_put(a, jdev)`` does without its Python wrapping (pytree flattening, dtype and
+    sharding checks: ~45 us of ~50 for a small array on this project's CPU machine), through
+    the call it ends in; ``jax.device_put`` itself where that internal call is missing or
+    refuses. On CPU the device array may alias ``a``: it must not be written afterwards."""
+    if _PUT[0] is None:
+        _PUT[0] = _fast_put()
+    fast, single, exact = _PUT[0]
+    if fast is not None and jdev is not None and a.dtype in exact:
+        one = single.get(jdev)
+        if one is None:
+            from jax.sharding import SingleDeviceSharding
+
+            one = single[jdev] = (SingleDeviceSharding(jdev), [jdev])
+        try:
+            return fast(a.shape, a.dtype, one[0], [a], one[1])
+        except Exception:
+            pass
+    import jax
+
+    return jax.device_put(a, jdev)
+
+
+_PUT: list = [None]  # (fast call or None, jax device -> (its SingleDeviceSharding, [it]), dtypes stored as they are)
+
+
+def _fast_put():
+    import numpy as np
+
+    from xlatorch.runtime.base.dtypes import TORCH_TO_JAX
+
+    try:
+        from jax._src.core import ShapedArray
+        from jax._src.interpreters.pxla import batched_device_put
+    except ImportError:  # another jax: the public call
+        return None, {}, frozenset()
+
+    def fast(shape, dtype, sharding, xs, devices):
+        return batched_device_put(ShapedArray(shape, dtype), sharding, xs, devices)
+
+    # Dtypes the device stores as they are (device_put would canonicalise others).
+    return fast, {}, frozenset(np.dtype(d) for d in TORCH_TO_JAX.values())
 
 
 def enable_multi_device() -> None:

@@ -10,7 +10,7 @@ import torch
 
 from xlatorch.runtime.base import config, record, topology
 from xlatorch.runtime.base.dtypes import EXACT, TORCH_TO_JAX, to_jax
-from xlatorch.runtime.base.topology import current_device, jax_device
+from xlatorch.runtime.base.topology import current_device, jax_device, put
 from xlatorch.runtime.execute import dry, settle
 from xlatorch.runtime.ir.values import UPLOAD, Data
 from xlatorch.runtime.multi import sharding
@@ -33,35 +33,6 @@ def _to_numpy(t: torch.Tensor, private: bool = False) -> np.ndarray:
     if a.dtype != want:
         return a.astype(want)
     return a.copy() if private else a
-
-
-_SINGLE: dict = {}  # jax device -> (its SingleDeviceSharding, [device])
-
-
-def _put(a: np.ndarray, jdev):
-    """``jax.device_put(a, jdev)`` without its Python wrapping (pytree flattening, dtype and
-    sharding checks: ~25 us of ~30 for a small array on CPU), through the call it ends in;
-    ``jax.device_put`` itself where that internal call is missing or refuses."""
-    one = _SINGLE.get(jdev)
-    if one is None:
-        from jax.sharding import SingleDeviceSharding
-
-        one = _SINGLE[jdev] = (SingleDeviceSharding(jdev), [jdev])
-    if _FAST is not None and a.dtype in _FAST_DTYPES:
-        try:
-            return _FAST(_ShapedArray(a.shape, a.dtype), one[0], [a], one[1])
-        except Exception:
-            pass
-    return jax.device_put(a, jdev)
-
-
-try:
-    from jax._src.core import ShapedArray as _ShapedArray
-    from jax._src.interpreters.pxla import batched_device_put as _FAST
-except ImportError:  # another jax: the public call
-    _FAST = _ShapedArray = None
-# Dtypes the device stores as they are (device_put would canonicalise others).
-_FAST_DTYPES = frozenset(np.dtype(d) for d in TORCH_TO_JAX.values())
 
 
 def to_device(t: torch.Tensor, dev: int | None = None) -> Data:
@@ -88,7 +59,7 @@ def upload(t: torch.Tensor, dev: int):
         # jax.device_put on CPU may alias an aligned numpy array: the device value must not
         # change when the host tensor is later written in place (other platforms copy anyway).
         a = _to_numpy(t.cpu(), private=jdev.platform == "cpu")
-        arr = jax.device_put(a, sharding.placement()) if topology.SPMD[0] else _put(a, jdev)
+        arr = jax.device_put(a, sharding.placement()) if topology.SPMD[0] else put(a, jdev)
     record.COUNTERS["TensorToData"] += 1
     return arr
 

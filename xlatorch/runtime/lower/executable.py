@@ -19,7 +19,7 @@ from xlatorch.runtime.base import config, memory, record, regions
 from xlatorch.runtime.base.dtypes import to_jax
 from xlatorch.runtime.base.record import COUNTERS
 from xlatorch.runtime.base.source import fmt_src, user_frame
-from xlatorch.runtime.base.topology import jax_device
+from xlatorch.runtime.base.topology import jax_device, put
 from xlatorch.runtime.ir.emit import hlo_scopes
 from xlatorch.runtime.lower import compiler, program_cache
 from xlatorch.runtime.lower.function import lower_fn, plan, shared
@@ -327,7 +327,7 @@ def compile_one(body: Body, once: bool = False) -> Executable:
     if body.share is None:  # never built again: the executable does not keep the key's text
         body.program = None
     donate, kept, share = body.donate, body.kept, body.share
-    local = next(iter(body.placed.device_set)) if body.placed is not None else None
+    local = next(iter(body.placed.device_set)) if body.placed is not None else jax_device(0)  # where the scalars go
     general: list = []  # body.fn compiled, once a run's scalars do not fit ``share``
     last: list = [None]  # the last run's packed scalars: (their bytes, their device arrays)
 
@@ -348,13 +348,13 @@ def compile_one(body: Body, once: bool = False) -> Executable:
                     general.append(build(body.fn, None)[0])
                 run = general[0]
         if before is None:
-            packed_vals = jax.device_put(packed_vals, local)
+            packed_vals = [put(p, local) for p in packed_vals]
         else:
             changed = [g for g, b in enumerate(seen) if b != before[0][g]]
             if changed:
                 vals = list(before[1])
-                for g, a in zip(changed, jax.device_put([packed_vals[g] for g in changed], local)):
-                    vals[g] = a
+                for g in changed:
+                    vals[g] = put(packed_vals[g], local)
                 packed_vals = vals
             else:
                 packed_vals = before[1]
