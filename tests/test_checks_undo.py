@@ -127,6 +127,57 @@ def test_checks_on_targets_the_host_holds_are_decided_before_the_step(undo):
     steps.assert_close(xla_params, cpu_params)
 
 
+def _lm_steps_with_a_bad_target(device, record=None):
+    """A language model's step as users write it: token ids and positions (a buffer, sliced)
+    through embeddings, the targets reshaped for the loss (``y.view(-1)``), Adam; a step with
+    an out-of-range target in the middle. The parameters at the end."""
+    torch.manual_seed(0)
+    vocab, seq = 7, 4
+
+    class LM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok, self.pos = torch.nn.Embedding(vocab, 6), torch.nn.Embedding(seq, 6)
+            self.head = torch.nn.Linear(6, vocab)
+            self.register_buffer("positions", torch.arange(seq))
+
+        def forward(self, idx):
+            return self.head(self.tok(idx) + self.pos(self.positions[: idx.shape[1]]))
+
+    model = LM().to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, capturable=device != "cpu")
+    x = I([[1, 2, 3], [4, 5, 6]], device=device)
+
+    def step(target):
+        opt.zero_grad()
+        logits = model(x)
+        F.cross_entropy(logits.view(-1, vocab), I(target, device=device).view(-1)).backward()
+        recorded_step(opt, model.parameters(), record)
+        xm.mark_step()
+
+    for _ in range(3):
+        step([[0, 1, 2], [3, 4, 5]])
+    with pytest.raises(IndexError, match="Target 9 is out of bounds"):
+        step([[0, 1, 2], [3, 9, 5]])
+        model.head.weight.cpu()  # the step's rows are read here at the latest
+    step([[5, 4, 3], [2, 1, 0]])
+    return [p.detach().cpu() for p in model.parameters()]
+
+
+def test_checks_on_views_of_data_the_host_holds_are_decided_before_the_step(undo):
+    """A check reading a view of data the host holds (targets reshaped for the loss, positions
+    sliced from a buffer) is decided on the host too: a language model's good steps run
+    unchecked and donate, the bad one raises CPU's error and leaves the model as CPU does."""
+    steps = AdaptiveSteps(rtol=1e-5, atol=1e-6)
+    cpu_params = _lm_steps_with_a_bad_target("cpu", steps)
+    met.clear_all()
+    xla_params = _lm_steps_with_a_bad_target("xla")
+    assert met.counter_value("ChecksOnHost") >= 4  # the good steps
+    assert met.counter_value("CheckRowsRead") == 1  # the bad one's
+    assert _donated() >= 15  # 5 parameters, their 10 moments
+    steps.assert_close(xla_params, cpu_params)
+
+
 def test_on_cpu_checked_steps_undo_in_the_graph_once_keeping_the_state_would_not_fit(monkeypatch):
     """CPU keeps the data a failed step gives back until the state it would keep takes a
     quarter of the host's available memory; from then on the process undoes in the graph."""

@@ -8,7 +8,8 @@ came from the host: a loss's targets, an embedding's token ids (uploaded from a 
 ``Data.host``). Those checks can be computed before the step runs.
 
 ``decided(nodes)`` is True when every checked node's checks read only such data (values the
-host holds, and the shapes of everything else) and none fires: the step then compiles and runs
+host holds, views and same-dtype copies of them, taken on the host: ``_held``; and the shapes
+of everything else) and none fires: the step then compiles and runs
 without checks (its key says so), donating as an unchecked step does, and reads no rows. When
 one reads a value the host does not hold (an index computed on the device), or one fires, the
 step runs checked as before, and a check that fires raises there with CPU's error and undoes
@@ -28,6 +29,7 @@ import torch
 from xlatorch.runtime.base.dtypes import to_jax
 from xlatorch.runtime.base.record import COUNTERS
 from xlatorch.runtime.ir.values import Data, Out, Scalar
+from xlatorch.runtime.trace.nodes import run_node_on_cpu
 
 __all__ = ["decided"]
 
@@ -60,26 +62,73 @@ def _struct(aval):
     return None if aval is None else _Shape(aval)
 
 
-def _args(args, host: list) -> tuple:
+def _args(args, host: list, views: dict) -> tuple:
     """The node's arguments for its check, each ``("h", i)``: a value the host holds,
     ``host[i]`` (appended here); ``("s", shape)``: a tensor the host does not hold, its shape
-    only; ``("t", parts)``: a list of tensors; ``("v", a)``: a static argument."""
+    only; ``("t", parts)``: a list of tensors; ``("v", a)``: a static argument. ``views``:
+    the host values of views found so far (``_held``)."""
     out = []
     for a in args:
         t = type(a)
-        if t is Data and a.host is not None:
+        h = a.host if t is Data else _held(a, views) if t is Out else None
+        if h is not None:
             out.append(("h", len(host)))
-            host.append(a.host)
+            host.append(h)
         elif t is Data or t is Out:
             out.append(("s", _struct(a.aval)))
         elif t is Scalar:  # a parameter too: its value changes from step to step
             out.append(("h", len(host)))
             host.append(torch.tensor(a.value, dtype=a.aval[1]))
         elif t is tuple and any(type(x) in (Data, Out, Scalar) for x in a):
-            out.append(("t", _args(a, host)))
+            out.append(("t", _args(a, host, views)))
         else:
             out.append(("v", a))
     return tuple(out)
+
+
+# Ops whose result holds exactly the elements of their first operand when the dtype stays (a
+# tensor made on the device from a Python list is a copy of the host's upload), beside views.
+_COPIES = frozenset({"_to_copy.default", "clone.default", "_unsafe_view.default", "alias.default",
+                     "lift_fresh_copy.default"})  # fmt: skip
+
+
+def _held(v, views: dict, depth: int = 0):
+    """The host's value of pending value ``v`` when it is a view (``spec.view``: a slice, a
+    ``view``, a transpose) or a same-dtype copy (``_COPIES``) of data the host holds, or of such
+    a value: the same elements, taken by PyTorch on the host (a language model's targets are
+    ``y.view(-1)``, its positions ``positions[:t]``). None otherwise. Found values are kept in
+    ``views`` (by ``id``) for the graph's other checks."""
+    found = views.get(id(v), views)
+    if found is not views:
+        return found
+    n = v.node
+    res = None
+    spec = n.spec
+    same = spec.view or (spec.name in _COPIES and type(n.args[0]) in (Data, Out) and n.args[0].aval[1] == v.aval[1])
+    if same and n.outs is not None and depth < 8 and isinstance(spec.overload, torch._ops.OpOverload):
+
+        def conv(a):
+            t = type(a)
+            if t is Data:
+                x = a.host
+            elif t is Out:
+                x = _held(a, views, depth + 1)
+            elif t is tuple:
+                return [conv(x) for x in a]
+            else:
+                return a.value if t is Scalar else a
+            if x is None:
+                raise LookupError
+            return x
+
+        try:
+            res = run_node_on_cpu(n, conv)[v.idx]
+        except Exception:  # an operand the host does not hold, or an op PyTorch refuses here
+            res = None
+        if res is not None and (tuple(res.shape), res.dtype) != v.aval:
+            res = None
+    views[id(v)] = res
+    return res
 
 
 def _pattern(layout) -> tuple:
@@ -126,6 +175,7 @@ def _bads(n, layout, vals) -> list:
 def decided(nodes) -> bool:
     """Whether the checks of ``nodes`` (a graph's) are all decided on the host, none firing."""
     any_checked = False
+    views: dict = {}
     for n in nodes:
         if not n.info.checked:
             continue
@@ -133,7 +183,7 @@ def decided(nodes) -> bool:
         if not isinstance(n.spec.overload, torch._ops.OpOverload):
             return False  # a body's or a compiled graph's checks (loops, torch.compile): on the device
         host: list = []
-        layout = _args(n.args, host)
+        layout = _args(n.args, host, views)
         if not any(k == "h" for k, _ in _flat(layout)):
             return False  # nothing the host holds: the check reads the device's values
         key = (n.key, _pattern(layout))
