@@ -59,7 +59,17 @@ class _Shape:
 
 
 def _struct(aval):
-    return None if aval is None else _Shape(aval)
+    if aval is None:
+        return None
+    s = _STRUCTS.get(aval)
+    if s is None:  # one per aval: checks only read them
+        if len(_STRUCTS) >= _LIMIT:
+            _STRUCTS.clear()
+        s = _STRUCTS[aval] = _Shape(aval)
+    return s
+
+
+_STRUCTS: dict = {}
 
 
 def _args(args, host: list, views: dict) -> tuple:
