@@ -29,6 +29,7 @@ import torch
 from xlatorch.runtime.base.dtypes import to_jax
 from xlatorch.runtime.base.record import COUNTERS
 from xlatorch.runtime.ir.values import Data, Out, Scalar
+from xlatorch.runtime.plan.stages import small_integral
 from xlatorch.runtime.trace.nodes import run_node_on_cpu
 
 __all__ = ["decided"]
@@ -115,7 +116,14 @@ def _held(v, views: dict, depth: int = 0):
     res = None
     spec = n.spec
     same = spec.view or (spec.name in _COPIES and type(n.args[0]) in (Data, Out) and n.args[0].aval[1] == v.aval[1])
-    if same and n.outs is not None and depth < 8 and isinstance(spec.overload, torch._ops.OpOverload):
+    # What the host holds is small integer data; a view as large as a float tensor (an expand) is not taken
+    if (
+        same
+        and small_integral(v.aval)
+        and n.outs is not None
+        and depth < 8
+        and isinstance(spec.overload, torch._ops.OpOverload)
+    ):
 
         def conv(a):
             t = type(a)
