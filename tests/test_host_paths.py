@@ -158,3 +158,28 @@ def test_fused_view_shim_aliases_its_base():
     torch.testing.assert_close(xx.cpu(), x)
     torch.testing.assert_close(v.cpu(), x.t())
     torch.testing.assert_close(vv.cpu(), x)
+
+
+def test_put_gives_what_jax_device_put_gives_for_every_stored_dtype():
+    # topology.put is jax.device_put's own last call without its Python wrapping (uploads and
+    # a run's changed scalar groups go through it); any dtype the device stores comes back
+    # bit for bit, and a dtype outside them falls back to jax.device_put.
+    import jax
+    import numpy as np
+
+    from xlatorch.runtime.base.dtypes import TORCH_TO_JAX
+    from xlatorch.runtime.base.topology import jax_device, put
+
+    dev = jax_device(0)
+    rng = np.random.default_rng(0)
+    for dt in sorted({np.dtype(d) for d in TORCH_TO_JAX.values()}, key=str):
+        a = (rng.standard_normal((3, 5)) * 100).astype(dt)
+        got, want = put(a, dev), jax.device_put(a, dev)
+        assert got.dtype == want.dtype and got.shape == want.shape, dt
+        assert got.devices() == {dev}, dt
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8), err_msg=str(dt))
+    from xlatorch.runtime.base import topology
+
+    assert topology._PUT[0][0] is not None  # the pinned jax has the internal call (else every put is the slow one)
+    odd = np.arange(4, dtype=np.uint64)  # not a dtype the device stores: jax.device_put decides
+    np.testing.assert_array_equal(np.asarray(put(odd, dev)), np.asarray(jax.device_put(odd, dev)))
