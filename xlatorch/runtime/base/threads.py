@@ -52,7 +52,11 @@ def owner() -> int | None:
 
 def defer_to_owners(error: BaseException, owners) -> None:
     """Leave ``error`` for the user threads in ``owners`` (None: the one in a backward pass,
-    if any) to raise at their next op, sync or the end of their backward pass."""
+    if any) to raise at their next op, sync or the end of their backward pass. The error
+    keeps the tick it was deferred at (``_xlatorch_tick``): a backward pass that runs on after
+    it undoes what it made since (runtime/trace/modules.py)."""
+    if not hasattr(error, "_xlatorch_tick"):
+        error._xlatorch_tick = next(TICKS)
     for o in owners:
         for t in CALLERS if o is None else (o,):
             DEFERRED.setdefault(t, error)

@@ -130,7 +130,13 @@ def _checked_backward(run):
                 raise RuntimeError(_IMPORT_ORDER) from None
             if "opt_ready_stream && opt_parent_stream" in str(e):
                 raise RuntimeError(_CUDA_STREAMS) from e
-            raise
+            error = DEFERRED.pop(me, None) if mine else None
+            if error is None:
+                raise
+            # The user's code raised first (a saved tensor's unpack hook, deferred): what failed
+            # after it, on the stand-in it left, is its consequence
+            _undo_failed_pass(t_outputs, error)
+            raise error from e
         finally:
             if mine:
                 del CALLERS[me]
@@ -138,6 +144,7 @@ def _checked_backward(run):
         if mine and DEFERRED:  # an error autograd's device thread could not raise (tensor.defer_to_owners)
             error = DEFERRED.pop(me, None)
             if error is not None:
+                _undo_failed_pass(t_outputs, error)
                 raise error
         return result
 
@@ -165,6 +172,30 @@ def _deferring(fn, result=lambda *args: None):
     return call
 
 
+def _undo_failed_pass(t_outputs, error) -> None:
+    """After the user's code raised in a device backward pass: the pass ran to its end (an
+    exception cannot unwind through autograd's engine) writing nothing from then on
+    (``XlaTensor.__torch_dispatch__``), so a gradient that existed keeps its value; a leaf
+    whose gradient the rest of the pass made anew has none again. As CPU, whose pass stops at
+    the error: what it accumulated before stays, nothing after."""
+    tick = getattr(error, "_xlatorch_tick", None)
+    if tick is None:
+        return
+    seen = set()
+    todo = [t.grad_fn for t in t_outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        leaf = getattr(fn, "variable", None)  # an AccumulateGrad node's
+        if leaf is not None:
+            g = leaf.grad
+            if type(g) is XlaTensor and g._st.sid > tick:
+                leaf.grad = None
+        todo.extend(f for f, _ in fn.next_functions)
+
+
 def _hooks_deferred(register):
     def register_hook(self, hook):
         return register(self, _deferring(hook))
@@ -175,6 +206,12 @@ def _hooks_deferred(register):
 
 def _no_grads(ctx, *grads):
     return (None,) * len(ctx.needs_input_grad)
+
+
+def _stand_in(packed):
+    """What a saved tensor's unpack hook that raised in a device pass gives the pass instead:
+    the packed tensor itself, or a 0-d one (the pass writes nothing more either way)."""
+    return packed if isinstance(packed, torch.Tensor) else torch.zeros(())
 
 
 def install() -> None:
@@ -193,5 +230,14 @@ def install() -> None:
         for name in ("register_hook", "register_prehook"):
             setattr(BackwardCFunction, name, _hooks_deferred(getattr(BackwardCFunction, name)))
 
+        # A saved tensor's unpack hook runs in the pass (torch.utils.checkpoint's, save_on_cpu's)
+        hooks = torch.autograd.graph.saved_tensors_hooks
+        init = hooks.__init__
+
+        @functools.wraps(init)
+        def saved_tensors_hooks_init(self, pack_hook, unpack_hook):
+            init(self, pack_hook, _deferring(unpack_hook, _stand_in))
+
+        hooks.__init__ = saved_tensors_hooks_init
         # torch.autograd.backward and .grad call the name bound in torch.autograd.
         autograd._engine_run_backward = _checked_backward(autograd._engine_run_backward)

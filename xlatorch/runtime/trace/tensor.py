@@ -149,10 +149,16 @@ class XlaTensor(torch.Tensor):
         if lock is not None:
             lock.acquire()
         try:
-            if DEFERRED and _in_backward() == -1:
-                error = DEFERRED.pop(_get_ident(), None)
-                if error is not None:
-                    raise error
+            if DEFERRED:
+                if _in_backward() == -1:
+                    error = DEFERRED.pop(_get_ident(), None)
+                    if error is not None:
+                        raise error
+                elif func._schema.is_mutable and owner() in DEFERRED:
+                    # The user's code raised earlier in this backward pass (runtime/trace/modules.py):
+                    # the pass runs to its end, as an exception cannot unwind through the engine,
+                    # but writes nothing more (no gradient accumulates), as CPU's pass stops there.
+                    return args[0]
             d = DISPATCH
             if d is LAZY:
                 shim = SHIMS.get(func)
