@@ -242,7 +242,7 @@ _GRADIENTS_AFTER_A_FAILED_PASS = textwrap.dedent(
         x = torch.randn(5, 3).to(device)
         states = []
 
-        def fail(g):
+        def fail(*grads):
             raise ValueError("hook failed")
 
         def grads(what):
@@ -265,6 +265,14 @@ _GRADIENTS_AFTER_A_FAILED_PASS = textwrap.dedent(
         y.register_hook(fail)  # an intermediate's hook, gradients accumulating
         expect(ValueError, lambda: (y @ w2).sum().backward())
         grads("intermediate hook")
+        y = x @ w1
+        y.grad_fn.register_prehook(fail)  # a built-in op's node: its hooks aborted the process
+        expect(ValueError, lambda: (y @ w2).sum().backward())
+        grads("node prehook")
+        y = (x @ w1).relu()
+        y.grad_fn.register_hook(fail)
+        expect(ValueError, lambda: (y @ w2).sum().backward())
+        grads("node hook")
 
         def unpack(t):
             raise RuntimeError("unpack failed")
@@ -289,12 +297,13 @@ def test_a_backward_pass_whose_user_code_raises_leaves_the_gradients_as_cpu_does
     """The pass cannot stop at the error on the device (it runs on, then ``backward()`` raises),
     but it writes nothing more and a gradient it made after the error is dropped: every
     gradient is what CPU's pass, stopped at the error, leaves (a hook raising used to leave
-    the rest of the pass accumulated; a saved tensor's unpack hook raising aborted the process)."""
+    the rest of the pass accumulated; a built-in op node's hook or a saved tensor's unpack hook
+    raising aborted the process)."""
     script = tmp_path / "failed_pass.py"
     script.write_text(_GRADIENTS_AFTER_A_FAILED_PASS)
     env = dict(os.environ, PYTHONPATH=ROOT)
     r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     lines = r.stdout.strip().splitlines()
-    assert lines == [f"{w} SAME" for w in ("leaf hook", "good pass", "intermediate hook", "unpack hook",
-                                           "training goes on")], r.stdout  # fmt: skip
+    assert lines == [f"{w} SAME" for w in ("leaf hook", "good pass", "intermediate hook", "node prehook", "node hook",
+                                           "unpack hook", "training goes on")], r.stdout  # fmt: skip

@@ -221,14 +221,19 @@ def install() -> None:
         _original = nn.Module._apply
         nn.Module._apply = _apply
         import torch.autograd as autograd
-        from torch.autograd.function import BackwardCFunction
+        from torch.autograd.function import BackwardCFunction, _HookMixin
 
         for name in ("register_hook", "register_post_accumulate_grad_hook"):
             setattr(XlaTensor, name, _hooks_deferred(getattr(torch.Tensor, name)))
         BackwardCFunction.apply = _deferring(BackwardCFunction.apply, _no_grads)
-        # A custom Function's node: its hooks (a module's full backward hooks are registered there).
-        for name in ("register_hook", "register_prehook"):
-            setattr(BackwardCFunction, name, _hooks_deferred(getattr(BackwardCFunction, name)))
+        # Every node's hooks (``grad_fn.register_hook`` / ``register_prehook``: a built-in op's
+        # node, a custom Function's, a module's full backward hooks) are kept by this one call.
+        register = _HookMixin._register_hook
+
+        def _register_hook(backward_hooks, hook):
+            return register(backward_hooks, _deferring(hook))
+
+        _HookMixin._register_hook = staticmethod(_register_hook)
 
         # A saved tensor's unpack hook runs in the pass (torch.utils.checkpoint's, save_on_cpu's)
         hooks = torch.autograd.graph.saved_tensors_hooks
