@@ -11,8 +11,9 @@ import jax
 import jax.numpy as jnp
 
 from xlatorch.runtime.base import record
-from xlatorch.runtime.base.dtypes import to_jax
+from xlatorch.runtime.base.dtypes import PY_SCALAR_DTYPE, PY_SCALAR_JAX, to_jax, weak
 from xlatorch.runtime.base.source import fmt_src
+from xlatorch.runtime.ir.ops import SCALAR
 
 __all__ = ["emit_node", "hlo_scopes"]
 
@@ -36,6 +37,9 @@ def hlo_scopes(nodes) -> list[str] | None:
     return out
 
 
+_SCALARS: dict = {}  # OpSpec -> positions of its Scalar arguments
+
+
 def _aval_struct(aval):
     return None if aval is None else jax.ShapeDtypeStruct(aval[0], to_jax(aval[1]))
 
@@ -53,6 +57,16 @@ def emit_node(spec, args, info, scope=None, checks=None):
 
 
 def _emit(spec, args, info, checks=None):
+    pos = _SCALARS.get(spec)
+    if pos is None:
+        pos = _SCALARS[spec] = tuple(i for i, k in enumerate(spec.kinds) if k is SCALAR)
+    for i in pos:
+        a = args[i]
+        if type(a) is int or type(a) is float:
+            # A Scalar argument at the schema's default (trace/dispatch.py, ``_defaults``): a
+            # weakly typed constant of the graph, as a traced scalar would be a parameter
+            args = list(args)
+            args[i] = weak(jnp.asarray(a, PY_SCALAR_JAX[PY_SCALAR_DTYPE[type(a)]]))
     if info.cdtype is not None:
         cd = to_jax(info.cdtype)
         args = list(args)

@@ -117,12 +117,39 @@ def _prepare(spec, args):
     once; it does exactly what the loop of ``_convert`` does, without the loop."""
     conv = spec.prepare
     if conv is None:
-        kinds = tuple(spec.kinds)
-        conv = spec.prepare = _CONVERTERS.get(kinds) or _converter(kinds)
+        key = (tuple(spec.kinds), _defaults(spec))
+        conv = spec.prepare = _CONVERTERS.get(key) or _converter(*key)
         _fuse(spec)
     if len(args) == len(spec.kinds):
         return conv(spec, args)
     return _convert(spec, args)
+
+
+_DEFAULTS: dict = {}  # OpSpec -> _defaults(spec)
+
+
+def _defaults(spec) -> tuple:
+    """Per argument: the schema's default of a Scalar argument that has a number for one
+    (``alpha=1``, ``beta=1``, ``negative_slope=0.01``), else None. An argument that equals it
+    enters the graph as a constant, not as a parameter: such defaults never change from step
+    to step, and XLA drops a multiplication by a constant 1 (addmm's ``beta * self + alpha *
+    m1 @ m2``). Any other value is a parameter, as every scalar is: at most one more graph."""
+    d = _DEFAULTS.get(spec)
+    if d is None:
+        d = []
+        for kind, arg in zip(spec.kinds, _schema_args(spec)):
+            v = getattr(arg, "default_value", None) if kind is SCALAR else None
+            d.append(v if type(v) is int or type(v) is float else None)
+        d = _DEFAULTS[spec] = tuple(d)
+    return d
+
+
+def _schema_args(spec) -> list:
+    """The schema's arguments in ``spec.arg_names``' order (None where one is not found)."""
+    overload = spec.overload
+    schema = getattr(overload, "_schema", None)
+    by_name = {a.name: a for a in schema.arguments} if schema is not None else {}
+    return [by_name.get(n) for n in spec.arg_names]
 
 
 def _convert(spec, args):
@@ -141,8 +168,14 @@ def _convert(spec, args):
             if type(a) is float or type(a) is bool:
                 s = _static_sig(a)
         elif kind is SCALAR:
-            v = a if a is None else scalar(a)
-            s = None if v is None else v.sig
+            d = _defaults(spec)[len(vals)]
+            if a is None:
+                v = s = None
+            elif d is not None and type(a) is type(d) and a == d:  # the schema's default: a constant
+                v, s = a, _sig(a)
+            else:
+                v = scalar(a)
+                s = v.sig
         else:
             if kind is TENSOR_LIST:
                 v = tuple(_tensor_value(spec, x) for x in a)
@@ -183,30 +216,53 @@ _LINES = {
         "    s{i} = v{i}.sig",
     ),
     TENSOR_LIST: ("v{i} = tuple(_tensor_value(spec, x) for x in a{i})", "s{i} = _sig(v{i})"),
+    # A Scalar argument with a number default (``_defaults``): D{i}, of type T{i}
+    "default": (
+        "if a{i} is None:",
+        "    v{i} = s{i} = None",
+        "elif type(a{i}) is T{i} and a{i} == D{i}:",
+        "    v{i} = a{i}",
+        "    s{i} = _static_sig(a{i}) if T{i} is float else a{i}",
+        "else:",
+        "    v{i} = Scalar(a{i}, PY_SCALAR_DTYPE[type(a{i})])",
+        "    s{i} = v{i}.sig",
+    ),
     SCALAR_LIST: ("v{i} = tuple(scalar(x) for x in a{i})", "s{i} = _sig(v{i})"),
     GENERATOR: ("v{i} = next_key()", "s{i} = _sig(v{i})"),
     HOST_SCALARS: ("v{i} = _host_scalars(spec, a{i})", "s{i} = _sig(v{i})"),
 }
 _LINES[OPT_TENSOR] = _LINES[TENSOR]
-_CONVERTERS: dict = {}  # kinds -> converter
+_CONVERTERS: dict = {}  # (kinds, Scalar defaults) -> converter
 
 
-def _converter(kinds: tuple):
-    """A function ``(spec, args) -> (vals, sig)`` for arguments of ``kinds``, as ``_convert``."""
+def _converter(kinds: tuple, defaults: tuple):
+    """A function ``(spec, args) -> (vals, sig)`` for arguments of ``kinds`` (with the Scalar
+    defaults ``defaults``, ``_defaults``), as ``_convert``."""
     n = len(kinds)
     names = ", ".join(f"a{i}" for i in range(n))
     lines = ["def convert(spec, args):"] + ([f"    {names}{',' if n == 1 else ''} = args"] if n else [])
-    for i, k in enumerate(kinds):
-        lines += ["    " + line.format(i=i) for line in _LINES[k]]
-    vs = "".join(f"v{i}, " for i in range(n))
-    ss = "".join(f"s{i}, " for i in range(n))
-    lines.append(f"    return ({vs}), ({ss})")
     scope = {"XlaTensor": XlaTensor, "_tensor_value": _tensor_value, "_static_sig": _static_sig, "scalar": scalar,
              "_sig": _sig, "next_key": next_key, "Scalar": Scalar, "PY_SCALAR_DTYPE": PY_SCALAR_DTYPE,
              "_host_scalars": _host_scalars}  # fmt: skip
+    lines += _arg_lines(kinds, defaults, scope)
+    vs = "".join(f"v{i}, " for i in range(n))
+    ss = "".join(f"s{i}, " for i in range(n))
+    lines.append(f"    return ({vs}), ({ss})")
     exec("\n".join(lines), scope)  # noqa: S102 - source built above from the fixed _LINES
-    conv = _CONVERTERS[kinds] = scope["convert"]
+    conv = _CONVERTERS[(kinds, defaults)] = scope["convert"]
     return conv
+
+
+def _arg_lines(kinds, defaults, scope) -> list:
+    """The lines converting each argument ``a{i}`` (``_LINES``); a default's value and type go
+    into ``scope`` as ``D{i}`` and ``T{i}``."""
+    lines = []
+    for i, (k, d) in enumerate(zip(kinds, defaults)):
+        if d is not None:
+            scope[f"D{i}"], scope[f"T{i}"] = d, type(d)
+            k = "default"
+        lines += ["    " + line.format(i=i) for line in _LINES[k]]
+    return lines
 
 
 # The names a fused shim's code uses besides its parameters (``_fuse``).
@@ -232,7 +288,7 @@ def _fuse(spec: OpSpec) -> None:
     plain = code.co_varnames == params == tuple(spec.arg_names) and code.co_names[:1] == ("call",)
     if not plain or len(code.co_names) != 2 or shim.__globals__.get(code.co_names[1]) is not spec:
         return
-    if _FUSED_NAMES.intersection(params) or any(p[:1] in "avst" and p[1:].isdigit() for p in params):
+    if _FUSED_NAMES.intersection(params) or any(p[:1] in "avstDT" and p[1:].isdigit() for p in params):
         return  # a parameter would shadow a name of the fused code
     n = len(params)
     pos = ", ".join(params[: code.co_argcount])
@@ -240,8 +296,8 @@ def _fuse(spec: OpSpec) -> None:
     head = pos + (", *, " + kw if kw else "")
     lines = [f"def fused({head}):"]
     lines += [f"    a{i} = {p}" for i, p in enumerate(params)]
-    for i, k in enumerate(spec.kinds):
-        lines += ["    " + line.format(i=i) for line in _LINES[k]]
+    scope = {}
+    lines += _arg_lines(spec.kinds, _defaults(spec), scope)
     vs = "".join(f"v{i}, " for i in range(n))
     ss = "".join(f"s{i}, " for i in range(n))
     lines += [
@@ -273,7 +329,7 @@ def _fuse(spec: OpSpec) -> None:
             "        n.born = _weakref(st)",
             "    return t",
         ]
-    scope = {"XlaTensor": XlaTensor, "_tensor_value": _tensor_value, "_static_sig": _static_sig, "scalar": scalar,
+    scope |= {"XlaTensor": XlaTensor, "_tensor_value": _tensor_value, "_static_sig": _static_sig, "scalar": scalar,
              "_sig": _sig, "next_key": next_key, "Scalar": Scalar, "PY_SCALAR_DTYPE": PY_SCALAR_DTYPE, "spec": spec,
              "cache": spec.cache, "counter": spec.counter, "_node": _node, "Node": Node, "COUNTERS": COUNTERS,
              "_in_backward": _in_backward, "_weakref": _weakref, "_new": torch.Tensor._make_wrapper_subclass,
