@@ -183,3 +183,39 @@ def test_put_gives_what_jax_device_put_gives_for_every_stored_dtype():
     assert topology._PUT[0][0] is not None  # the pinned jax has the internal call (else every put is the slow one)
     odd = np.arange(4, dtype=np.uint64)  # not a dtype the device stores: jax.device_put decides
     np.testing.assert_array_equal(np.asarray(put(odd, dev)), np.asarray(jax.device_put(odd, dev)))
+
+
+def test_a_scalar_at_its_schema_default_is_a_constant_and_any_other_value_a_parameter():
+    # add's alpha=1 and addmm's beta=1 / alpha=1 never change from step to step: they enter the
+    # graph as constants (no leaf to collect, pack and send; XLA drops the multiplications by
+    # 1). A value given is a parameter as every scalar is: new values compile nothing, and a
+    # loop that also uses the default compiles one more graph, not one per value.
+    from xlatorch.runtime.ir.values import Scalar
+    from xlatorch.runtime.plan.collect import collect
+
+    dev = xm.xla_device()
+    a, b, w, bias = torch.randn(4, 3), torch.randn(4, 3), torch.randn(3, 5), torch.randn(5)
+    i, j = torch.randint(-50, 50, (4, 3), dtype=torch.int32), torch.randint(-50, 50, (4, 3), dtype=torch.int32)
+    ad, bd, wd, biasd, id_, jd = (t.to(dev) for t in (a, b, w, bias, i, j))
+    xm.mark_step()
+
+    def program(a, b, w, bias, i, j, alpha=None, beta=None):
+        kw = {} if alpha is None else {"alpha": alpha}
+        mm = {} if alpha is None else {"alpha": alpha, "beta": beta}
+        return [torch.add(a, b, **kw), torch.sub(a, b, **kw), torch.addmm(bias, a, w, **mm), torch.add(i, j, **kw)]
+
+    def scalars(outs) -> int:
+        return sum(type(v) is Scalar for v in collect([o._st.value for o in outs]).leaves)
+
+    outs = program(ad, bd, wd, biasd, id_, jd)
+    assert scalars(outs) == 0
+    for got, want in zip(outs, program(a, b, w, bias, i, j)):
+        torch.testing.assert_close(got.cpu(), want)
+    before = _count("UncachedCompile")
+    for alpha, beta in [(2, 0.5), (3, 0.25), (None, None), (-1, 2.0), (None, None)]:
+        outs = program(ad, bd, wd, biasd, id_, jd, alpha, beta)
+        assert scalars(outs) == (0 if alpha is None else 5), (alpha, beta)
+        xm.mark_step()
+        for got, want in zip(outs, program(a, b, w, bias, i, j, alpha, beta)):
+            torch.testing.assert_close(got.cpu(), want, msg=str((alpha, beta)))
+    assert _count("UncachedCompile") - before == 1  # the graph with parameters, once
