@@ -94,3 +94,9 @@ def weak(v):
     from jax._src.lax.lax import _convert_element_type
 
     return _convert_element_type(v, weak_type=True)
+
+
+def weak_number(value):
+    """Python number ``value`` as a weakly typed constant of a graph, of the dtype a traced
+    Python number of its type would have (``PY_SCALAR_DTYPE``)."""
+    return weak(jnp.asarray(value, PY_SCALAR_JAX[PY_SCALAR_DTYPE[type(value)]]))

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from xlatorch.runtime.base import record
-from xlatorch.runtime.base.dtypes import PY_SCALAR_DTYPE, PY_SCALAR_JAX, to_jax, weak
+from xlatorch.runtime.base.dtypes import to_jax, weak_number
 from xlatorch.runtime.base.source import fmt_src
 from xlatorch.runtime.ir.ops import SCALAR
 
@@ -66,7 +66,7 @@ def _emit(spec, args, info, checks=None):
             # A Scalar argument at the schema's default (trace/dispatch.py, ``_defaults``): a
             # weakly typed constant of the graph, as a traced scalar would be a parameter
             args = list(args)
-            args[i] = weak(jnp.asarray(a, PY_SCALAR_JAX[PY_SCALAR_DTYPE[type(a)]]))
+            args[i] = weak_number(a)
     if info.cdtype is not None:
         cd = to_jax(info.cdtype)
         args = list(args)

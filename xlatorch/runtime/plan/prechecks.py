@@ -99,8 +99,7 @@ def _args(args, host: list, views: dict) -> tuple:
 
 # Ops whose result holds exactly the elements of their first operand when the dtype stays (a
 # tensor made on the device from a Python list is a copy of the host's upload), beside views.
-_COPIES = frozenset({"_to_copy.default", "clone.default", "_unsafe_view.default", "alias.default",
-                     "lift_fresh_copy.default"})  # fmt: skip
+_COPIES = frozenset({"_to_copy.default", "clone.default", "_unsafe_view.default", "lift_fresh_copy.default"})
 
 
 def _held(v, views: dict, depth: int = 0):

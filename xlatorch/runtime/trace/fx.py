@@ -26,7 +26,7 @@ import torch
 from torch.fx.node import map_arg
 
 from xlatorch.runtime.base import config
-from xlatorch.runtime.base.dtypes import EXACT, PY_SCALAR_DTYPE, PY_SCALAR_JAX, TORCH_TO_JAX, to_jax, weak
+from xlatorch.runtime.base.dtypes import EXACT, PY_SCALAR_DTYPE, TORCH_TO_JAX, to_jax, weak_number
 from xlatorch.runtime.base.record import COUNTERS
 from xlatorch.runtime.base.source import user_frame
 from xlatorch.runtime.base.threads import TICKS, owner
@@ -72,7 +72,7 @@ class _Num:
         self.value = value
 
     def jax(self):
-        return weak(jnp.asarray(self.value, PY_SCALAR_JAX[PY_SCALAR_DTYPE[type(self.value)]]))
+        return weak_number(self.value)
 
 
 def _number(a):
