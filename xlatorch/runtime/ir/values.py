@@ -146,7 +146,7 @@ class Node:
         if one is not None:  # the common case, without a genexpr
             self.outs = (Out(self, 0, one),)
         else:
-            self.outs = tuple(None if aval is None else Out(self, i, aval) for i, aval in enumerate(info.avals))
+            self.outs = tuple([None if aval is None else Out(self, i, aval) for i, aval in enumerate(info.avals)])
         if DEBUG_SOURCE or info.big:
             self.src = user_frame()
 

@@ -215,7 +215,11 @@ _LINES = {
         "    v{i} = Scalar(a{i}, PY_SCALAR_DTYPE[type(a{i})])",  # nodes.scalar, inline
         "    s{i} = v{i}.sig",
     ),
-    TENSOR_LIST: ("v{i} = tuple(_tensor_value(spec, x) for x in a{i})", "s{i} = _sig(v{i})"),
+    TENSOR_LIST: (  # a foreach op's lists: each tensor as TENSOR's fast case, else _tensor_value
+        "v{i} = tuple([x._st.value if type(x) is XlaTensor and x._vw is None else _tensor_value(spec, x)"
+        " for x in a{i}])",
+        "s{i} = tuple([None if x is None else x.sig for x in v{i}])",  # _sig of each: values or None
+    ),
     # A Scalar argument with a number default (``_defaults``): D{i}, of type T{i}
     "default": (
         "if a{i} is None:",
@@ -381,7 +385,12 @@ def call_inplace(spec: OpSpec, args: tuple):
     if spec.kinds[0] is TENSOR_LIST:  # _foreach_*_: one result per tensor of the list
         n = _node(spec, *_prepare(spec, args))
         for t, v in zip(self, n.outs):
-            write(t, v if v.aval[1] == t.dtype else convert_value(v, t.dtype))
+            if v.aval[1] != t.dtype:
+                v = convert_value(v, t.dtype)
+            if type(t) is XlaTensor and t._vw is None:  # write(), its common case
+                t._st.set(v)
+            else:
+                write(t, v)
         return None
     if type(self) is not XlaTensor:
         raise _not_xla(spec, self)
