@@ -60,22 +60,37 @@ def train_mlp(mesh_key, opt_name="adam"):
     xs.mark_sharding(model[0].weight, mesh, spec["w0"])
     xs.mark_sharding(model[2].weight, mesh, spec["w2"])
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    losses, compiles = [], []
-    for x, y in batches():
-        xd = x.to(d)
-        xs.mark_sharding(xd, mesh, spec["x"])
-        opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(xd), y.to(d))
-        loss.backward()
-        opt.step()
-        xm.mark_step()
-        losses.append(loss.item())
-        compiles.append(met.counter_value("UncachedCompile") or 0)
+    losses, compiles, sent = [], [], []
+    from xlatorch.runtime.base import topology
+
+    real, puts = topology.put, []  # each packed scalar group sent to the devices
+
+    def counting(a, target):
+        puts.append(target)
+        return real(a, target)
+
+    topology.put = counting
+    try:
+        for x, y in batches():
+            xd = x.to(d)
+            xs.mark_sharding(xd, mesh, spec["x"])
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(xd), y.to(d))
+            loss.backward()
+            opt.step()
+            before = len(puts)
+            xm.mark_step()
+            sent.append(len(puts) - before)
+            losses.append(loss.item())
+            compiles.append(met.counter_value("UncachedCompile") or 0)
+    finally:
+        topology.put = real
     w0 = model[0].weight
     state = opt.state[w0]
     return {
         "losses": losses,
         "compiles": compiles,
+        "sent": sent,
         "params": [p.cpu() for p in model.parameters()],
         "w0_spec": xs.get_sharding_spec(w0),
         "exp_avg_spec": xs.get_sharding_spec(state["exp_avg"]),
@@ -250,7 +265,33 @@ def main(out):
     res["fsdp"] = fsdp_transformer()
     res["misc"] = shards_and_dumps(out)
     res["uneven"] = uneven()
+    res["put"] = replicated_put()
     torch.save(res, os.path.join(out, "spmd.pt"))
+
+
+def replicated_put():
+    """``topology.put`` onto a replicated sharding over the 8 devices against ``jax.device_put``:
+    per dtype, (same sharding, every device's copy bit for bit equal, fast call used)."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from xlatorch.runtime.base import topology
+    from xlatorch.runtime.base.dtypes import TORCH_TO_JAX
+
+    rep = NamedSharding(Mesh(np.array(jax.devices()), ("d",)), PartitionSpec())
+    rng = np.random.default_rng(0)
+    res = {}
+    for dt in sorted({np.dtype(x) for x in TORCH_TO_JAX.values()}, key=str):
+        a = (rng.standard_normal((3, 5)) * 100).astype(dt)
+        got, want = topology.put(a, rep), jax.device_put(a, rep)
+        same = all(
+            np.array_equal(np.asarray(g.data).view(np.uint8), np.asarray(w.data).view(np.uint8))
+            and g.device == w.device
+            for g, w in zip(got.addressable_shards, want.addressable_shards)
+        )
+        res[str(dt)] = (got.sharding == want.sharding, same and len(got.addressable_shards) == 8)
+    res["fast"] = bool(topology._PUT[0][1].get(rep))  # put used the internal call for it
+    return res
 
 
 def multiprocess_worker(index, out):

@@ -62,20 +62,20 @@ def test_a_runs_scalars_go_to_the_device_only_when_their_group_changed(monkeypat
     # A group of packed scalars whose bytes did not change since the executable's last run is
     # not transferred again (its device copy is reused); a changed one is, and computes with
     # the new values (as CPU does, value by value).
-    from xlatorch.runtime.lower import executable
+    from xlatorch.runtime.base import topology
 
     dev = xm.xla_device()
     x = torch.randn(5)
     xd = x.to(dev)
     xm.mark_step()
     puts = []
-    real = executable.put  # the upload of one host array (runtime/base/topology.py)
+    real = topology.put  # the upload of one host array
 
     def counting(v, *args, **kwargs):
         puts.append(1)
         return real(v, *args, **kwargs)
 
-    monkeypatch.setattr(executable, "put", counting)
+    monkeypatch.setattr(topology, "put", counting)
 
     def step(scale, shift):
         y = xd * scale + shift  # a float64 group (scale, alpha) and an int64 one (shift)

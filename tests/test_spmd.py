@@ -41,6 +41,14 @@ def _reference_mlp():
     return losses, [p.detach() for p in model.parameters()]
 
 
+def test_put_onto_a_replicated_sharding_gives_what_jax_device_put_gives(spmd):
+    # An SPMD program's packed scalars go to every device through topology.put's fast call
+    # (jax.device_put without its Python wrapping): same sharding, every copy bit for bit.
+    got = dict(spmd["put"])
+    assert got.pop("fast") is True
+    assert got and all(v == (True, True) for v in got.values()), got
+
+
 def test_one_virtual_device_spans_every_device(spmd):
     assert spmd["devices"] == 8
     assert spmd["xla_devices"] == ["xla:0"]
@@ -56,6 +64,10 @@ def test_sharded_training_equals_unsharded(spmd, mesh):
         torch.testing.assert_close(p, want, rtol=1e-4, atol=1e-5)
     c = got["compiles"]
     assert c[-1] == c[1], f"compiles after warm-up: {c}"  # step 1 creates Adam's state; then flat
+    # The packed scalar groups go to the devices at an executable's first run; after it only
+    # the groups that changed (Adam's bias corrections), not every group at every step.
+    sent = got["sent"]
+    assert sent[1] > 0 and all(0 < k < sent[1] for k in sent[2:]), sent
     assert got["w0_spec"] not in ("", "{replicated}")
     # Adam's state, created from the gradients of a sharded weight, is sharded as the weight.
     assert got["exp_avg_spec"] == got["w0_spec"] == got["exp_avg_sq_spec"]

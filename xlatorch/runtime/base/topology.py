@@ -32,7 +32,7 @@ from xlatorch.runtime.base import config, record
 __all__ = [
     "initialize", "shutdown", "is_initialized", "coordinator_address", "world_size", "global_ordinal",
     "local_ordinal", "local_world_size",
-    "rendezvous", "RendezvousTimeout", "jax_device", "put", "local_device_count", "current_device",
+    "rendezvous", "RendezvousTimeout", "jax_device", "put", "Groups", "local_device_count", "current_device",
     "set_current_device", "device_index", "enable_multi_device", "SPMD",
 ]  # fmt: skip
 
@@ -348,31 +348,79 @@ def jax_device(dev: int = 0):
     return _devices[dev]
 
 
-def put(a, jdev):
-    """Host array ``a`` (numpy) on JAX device ``jdev`` (None: the default one): what
-    ``jax.device_put(a, jdev)`` does without its Python wrapping (pytree flattening, dtype and
-    sharding checks: ~45 us of ~50 for a small array on this project's CPU machine), through
-    the call it ends in; ``jax.device_put`` itself where that internal call is missing or
-    refuses. On CPU the device array may alias ``a``: it must not be written afterwards."""
+def put(a, target):
+    """Host array ``a`` (numpy) on ``target``, a JAX device (None: the default one) or a fully
+    replicated sharding (an SPMD program's scalars): what ``jax.device_put(a, target)`` does
+    without its Python wrapping (pytree flattening, dtype and sharding checks: ~45 us of ~50
+    for a small array on this project's CPU machine), through the call it ends in;
+    ``jax.device_put`` itself where that internal call is missing or refuses. On CPU the device
+    array may alias ``a``: it must not be written afterwards."""
     if _PUT[0] is None:
         _PUT[0] = _fast_put()
-    fast, single, exact = _PUT[0]
-    if fast is not None and jdev is not None and a.dtype in exact:
-        one = single.get(jdev)
-        if one is None:
-            from jax.sharding import SingleDeviceSharding
-
-            one = single[jdev] = (SingleDeviceSharding(jdev), [jdev])
-        try:
-            return fast(a.shape, a.dtype, one[0], [a], one[1])
-        except Exception:
-            pass
+    fast, placed, exact = _PUT[0]
+    if fast is not None and target is not None and a.dtype in exact:
+        where = placed.get(target)
+        if where is None:
+            where = placed[target] = _placement(target)
+        if where:
+            try:
+                return fast(a.shape, a.dtype, where[0], [a] * len(where[1]), where[1])
+            except Exception:
+                pass
     import jax
 
-    return jax.device_put(a, jdev)
+    return jax.device_put(a, target)
 
 
-_PUT: list = [None]  # (fast call or None, jax device -> (its SingleDeviceSharding, [it]), dtypes stored as they are)
+def _placement(target) -> tuple:
+    """``(sharding, its devices)`` that ``put`` hands the internal call, one copy of the array
+    per device; () where it must not (a sharding that splits the array)."""
+    from jax.sharding import Sharding, SingleDeviceSharding
+
+    if not isinstance(target, Sharding):
+        return SingleDeviceSharding(target), [target]
+    try:
+        if target.is_fully_replicated:
+            return target, list(target._addressable_device_assignment)
+    except AttributeError:  # another jax
+        pass
+    return ()
+
+
+class Groups:
+    """An executable's packed scalar groups on ``target`` (``put``'s), run after run: a group
+    whose bytes equal the last run's is not sent again (its device copy is reused; packed
+    scalars are never donated), a changed one is. A training step's groups mostly stay the same
+    (an optimizer's hyperparameters; not Adam's bias corrections)."""
+
+    __slots__ = ("target", "last")
+
+    def __init__(self, target):
+        self.target = target
+        self.last = None  # (the last run's bytes per group, their device arrays)
+
+    def same(self, seen: list) -> bool:
+        """Whether ``seen`` (each group's ``tobytes()``) is what the last run sent."""
+        last = self.last
+        return last is not None and last[0] == seen
+
+    def send(self, packed: list, seen: list) -> list:
+        """The device arrays of this run's groups ``packed`` (bytes ``seen``)."""
+        last = self.last  # one read and one write: replica threads may share an executable
+        if last is None:
+            vals = [put(p, self.target) for p in packed]
+        else:
+            vals = last[1]
+            changed = [g for g, b in enumerate(seen) if b != last[0][g]]
+            if changed:
+                vals = list(vals)
+                for g in changed:
+                    vals[g] = put(packed[g], self.target)
+        self.last = (seen, vals)
+        return vals
+
+
+_PUT: list = [None]  # (fast call or None, target -> _placement(target), dtypes stored as they are)
 
 
 def _fast_put():

@@ -19,7 +19,7 @@ from xlatorch.runtime.base import config, memory, record, regions
 from xlatorch.runtime.base.dtypes import to_jax
 from xlatorch.runtime.base.record import COUNTERS
 from xlatorch.runtime.base.source import fmt_src, user_frame
-from xlatorch.runtime.base.topology import jax_device, put
+from xlatorch.runtime.base.topology import Groups, jax_device
 from xlatorch.runtime.ir.emit import hlo_scopes
 from xlatorch.runtime.lower import compiler, program_cache
 from xlatorch.runtime.lower.function import lower_fn, plan, shared
@@ -329,36 +329,21 @@ def compile_one(body: Body, once: bool = False) -> Executable:
     donate, kept, share = body.donate, body.kept, body.share
     local = next(iter(body.placed.device_set)) if body.placed is not None else jax_device(0)  # where the scalars go
     general: list = []  # body.fn compiled, once a run's scalars do not fit ``share``
-    last: list = [None]  # the last run's packed scalars: (their bytes, their device arrays)
+    groups = Groups(local)  # the scalars go to the device at each run, a group only when it changed
 
     def call(arrays, packed_vals):
-        # The scalars go to the device at each run (one transfer per dtype); a training step's
-        # mostly stay the same from one step to the next (an optimizer's hyperparameters; not
-        # Adam's bias corrections): a group's last device copy is reused (never donated).
         seen = [p.tobytes() for p in packed_vals]
-        before = last[0]  # one read and one write: replica threads may share this executable
         run = first
         if share is not None:
             if general:
                 run = general[0]
-            elif (before is None or before[0] != seen) and not share.fits(packed_vals, seen):
+            elif not groups.same(seen) and not share.fits(packed_vals, seen):
                 COUNTERS["UnsharedScalarRecompile"] += 1
                 COUNTERS["UncachedCompile"] += 1
                 with record.TIMED("CompileTime"):
                     general.append(build(body.fn, None)[0])
                 run = general[0]
-        if before is None:
-            packed_vals = [put(p, local) for p in packed_vals]
-        else:
-            changed = [g for g, b in enumerate(seen) if b != before[0][g]]
-            if changed:
-                vals = list(before[1])
-                for g in changed:
-                    vals[g] = put(packed_vals[g], local)
-                packed_vals = vals
-            else:
-                packed_vals = before[1]
-        last[0] = (seen, packed_vals)
+        packed_vals = groups.send(packed_vals, seen)
         return run([arrays[i] for i in donate], [arrays[i] for i in kept], packed_vals)
 
     return Executable(call, xla=compiled)

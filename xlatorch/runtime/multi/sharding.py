@@ -335,8 +335,10 @@ def compile_sharded(body, data_avals, packed_avals, args_order, outs, mesh):
 
     compiled = compiler.compile(jax.jit(sbody, donate_argnums=(0,)).lower(*args))
 
+    groups = topology.Groups(rep)  # the scalars, replicated: a group only when it changed
+
     def call(arrays, packed_vals):
-        packed_vals = [jax.device_put(p, rep) for p in packed_vals]
+        packed_vals = groups.send(packed_vals, [p.tobytes() for p in packed_vals])
         return compiled([arrays[i] for i in donate], [arrays[i] for i in kept], packed_vals)
 
     return Executable(call, xla=compiled)
