@@ -10,7 +10,10 @@ the compiles of each call; then the slowest of the later calls, with what they c
 compiled again to run fast counts): a call that stalls where the others do not. Not a
 test: figures from one run. Needs ``transformers`` (``pip install -e '.[bench]'``).
 
-Usage: python -m bench.generate [--tokens 32] [--prompt 12] [--caches static,dynamic] [--later 12]
+With ``--cuda`` (a GPU machine) PyTorch eager on CUDA runs too, as one more device row: the
+xla rows then run on the GPU (``PJRT_DEVICE=GPU``) and are compared with it as with CPU.
+
+Usage: python -m bench.generate [--tokens 32] [--prompt 12] [--caches static,dynamic] [--later 12] [--cuda]
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ def _child(cache: str, device: str, tokens: int, prompt: int, later: int) -> dic
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)  # fmt: skip
-    dev = torch.device("cpu") if device == "cpu" else xm.xla_device()
+    dev = torch.device(device) if device in ("cpu", "cuda") else xm.xla_device()
     model = LlamaForCausalLM(cfg).eval().to(dev)
     if device == "compile":  # Hugging Face's fast path: the forward under torch.compile
         model.forward = torch.compile(model.forward, backend="openxla")
@@ -63,7 +66,7 @@ def _child(cache: str, device: str, tokens: int, prompt: int, later: int) -> dic
     times = sorted(s for s, _, _ in runs) or [res["third_s"]]
     res["later_token_ms"] = times[len(times) // 2] / tokens * 1e3  # steady state: the median later call
     res["later_compiles"] = sum(c for _, c, _ in runs) + (met.counter_value("OptimizedRecompile") or 0) - before
-    if device != "cpu":
+    if device not in ("cpu", "cuda"):
         res["staged_syncs"] = met.counter_value("StagedSync") or 0
         res["stages_on_host"] = met.counter_value("StageOnHost") or 0
     return res
@@ -76,6 +79,7 @@ def main() -> None:
     ap.add_argument("--caches", default="static,dynamic")
     ap.add_argument("--later", type=int, default=12, help="calls after the third: the slowest is printed")
     ap.add_argument("--child", nargs=2, metavar=("CACHE", "DEVICE"))
+    ap.add_argument("--cuda", action="store_true", help="also PyTorch eager on CUDA (a GPU machine; no backward)")
     a = ap.parse_args()
     if a.child:
         print(json.dumps(_child(a.child[0], a.child[1], a.tokens, a.prompt, a.later)))
@@ -88,7 +92,7 @@ def main() -> None:
     env = dict(os.environ, XLATORCH_CACHE_DIR="")
     rows = []
     for cache in a.caches.split(","):
-        for device in ("cpu", "xla") + (("compile",) if cache == "static" else ()):
+        for device in ("cpu", "xla") + (("compile",) if cache == "static" else ()) + (("cuda",) if a.cuda else ()):
             # The child imports this module rather than running it as ``__main__`` (``-m``): so
             # run, CPU eager's token took 5.9-6.4 ms against 4.2-4.5 (and the compiled path's
             # 7.1-7.6 against 6.8-6.9): PyTorch's OpenMP threads cost more so, with or without
@@ -115,15 +119,15 @@ def main() -> None:
             f"{r['later_compiles']:5}  {same}"
         )
     for (cache, device), x in by.items():
-        if device == "cpu":
+        if device in ("cpu", "cuda"):
             continue
-        for base in sorted({k for k in by if k[1] == "cpu"}):
+        for base in sorted({k for k in by if k[1] in ("cpu", "cuda")}):
             c = by[base]
             second, token = x["second_s"] / c["second_s"], x["per_token_ms"] / c["per_token_ms"]
             later = x["later_token_ms"] / c["later_token_ms"]
             print(
-                f"{cache}/{device} vs {base[0]}/cpu: second call {second:.2f}x, per token {token:.2f}x (third call), "
-                f"{later:.2f}x (median later call)"
+                f"{cache}/{device} vs {base[0]}/{base[1]}: second call {second:.2f}x, per token {token:.2f}x "
+                f"(third call), {later:.2f}x (median later call)"
             )
     with open(os.path.join(HERE, "results.jsonl"), "a") as f:
         for r in rows:
