@@ -281,6 +281,16 @@ _GRADIENTS_AFTER_A_FAILED_PASS = textwrap.dedent(
             z = ((x @ w1).tanh() @ w2).sum()
         expect(RuntimeError, z.backward)  # a saved tensor's unpack hook
         grads("unpack hook")
+        y = x @ w1
+        y.register_hook(fail)  # a loss on the host from device values: the pass starts on the CPU
+        expect(ValueError, lambda: ((y @ w2).cpu() ** 2).sum().backward())  # it aborted the process
+        grads("host loss, device hook")
+        z = ((x @ w1) @ w2).cpu() * 2
+        z.grad_fn.register_hook(fail)  # a host node's hook in that pass: it stops there, as CPU's
+        expect(ValueError, lambda: (z ** 2).sum().backward())
+        grads("host loss, host node hook")
+        ((x @ w1) @ w2).cpu().pow(2).sum().backward()
+        grads("host loss")
         ((x @ w1).tanh() @ w2).sum().backward()
         grads("training goes on")
         return states
@@ -298,7 +308,8 @@ def test_a_backward_pass_whose_user_code_raises_leaves_the_gradients_as_cpu_does
     but it writes nothing more and a gradient it made after the error is dropped: every
     gradient is what CPU's pass, stopped at the error, leaves (a hook raising used to leave
     the rest of the pass accumulated; a built-in op node's hook or a saved tensor's unpack hook
-    raising aborted the process)."""
+    raising aborted the process, and so did a device tensor's hook in a pass started from a loss
+    computed on the host)."""
     script = tmp_path / "failed_pass.py"
     script.write_text(_GRADIENTS_AFTER_A_FAILED_PASS)
     env = dict(os.environ, PYTHONPATH=ROOT)
@@ -306,4 +317,5 @@ def test_a_backward_pass_whose_user_code_raises_leaves_the_gradients_as_cpu_does
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     lines = r.stdout.strip().splitlines()
     assert lines == [f"{w} SAME" for w in ("leaf hook", "good pass", "intermediate hook", "node prehook", "node hook",
-                                           "unpack hook", "training goes on")], r.stdout  # fmt: skip
+                                           "unpack hook", "host loss, device hook", "host loss, host node hook",
+                                           "host loss", "training goes on")], r.stdout  # fmt: skip

@@ -93,7 +93,11 @@ def _checked_backward(run):
     (a backward ran before xlatorch was imported) into an error that says what to do."""
 
     def engine_run_backward(t_outputs, *args, **kwargs):
-        mine = _in_backward() == -1 and not ir._multi and any(type(t) is XlaTensor for t in t_outputs)
+        mine = (
+            _in_backward() == -1
+            and not ir._multi
+            and (any(type(t) is XlaTensor for t in t_outputs) or _reaches_device(t_outputs))
+        )
         if mine:
             # One user thread's device backward pass at a time, so that autograd's device
             # thread knows whom its ops work for (tensor.owner). Its ops are serialised by
@@ -152,7 +156,38 @@ def _checked_backward(run):
     return engine_run_backward
 
 
-def _deferring(fn, result=lambda *args: None):
+_WALK_LIMIT = 4096  # autograd nodes looked at for a device one, from a pass's CPU outputs
+
+
+def _reaches_device(t_outputs) -> bool:
+    """Whether a backward pass started from CPU tensors runs device ops (a loss computed on the
+    host from device values, ``(y.cpu() ** 2).sum()``): then it is a device pass too, run in
+    the calling thread, and an error of the user's code in its device part is deferred as in
+    one started on the device (else autograd's device thread runs that part, and the error
+    aborts the process)."""
+    todo = [t.grad_fn for t in t_outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen: set = set()
+    while todo and len(seen) < _WALK_LIMIT:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if any(m.device.type == "xla" for m in fn._input_metadata):
+            return True
+        todo.extend(f for f, _ in fn.next_functions)
+    return False
+
+
+def _on_device(args) -> bool:
+    """Whether the arguments autograd hands the user's code hold a device tensor (one level of
+    tuples and lists: a node hook's gradients, a Function's ``ctx`` and gradients)."""
+    for a in args:
+        if type(a) is XlaTensor or (type(a) in (tuple, list) and any(type(x) is XlaTensor for x in a)):
+            return True
+    return False
+
+
+def _deferring(fn, result=lambda *args: None, by_args=True):
     """``fn``, user code autograd's engine calls in a backward pass (a tensor's hook, a custom
     Function's backward), with an exception it raises in a device backward pass left for the
     thread that called ``backward()``, which raises it when the pass returns: unwinding through
@@ -165,6 +200,8 @@ def _deferring(fn, result=lambda *args: None):
             return fn(*args)
         except Exception as e:
             if _in_backward() == -1 or not CALLERS:  # not in a device pass: as PyTorch would
+                raise
+            if by_args and not _on_device(args):  # a CPU node's: the pass stops there, as CPU's does
                 raise
             defer_to_owners(e, (owner(),))
             return result(*args)
@@ -241,7 +278,7 @@ def install() -> None:
 
         @functools.wraps(init)
         def saved_tensors_hooks_init(self, pack_hook, unpack_hook):
-            init(self, pack_hook, _deferring(unpack_hook, _stand_in))
+            init(self, pack_hook, _deferring(unpack_hook, _stand_in, by_args=False))  # its device is not in its args
 
         hooks.__init__ = saved_tensors_hooks_init
         # torch.autograd.backward and .grad call the name bound in torch.autograd.
