@@ -13,7 +13,7 @@ from codegen.schema import Schema
 
 KEYS = {
     "lower", "helper", "decompose", "fallback", "promote", "promote_args", "static", "random", "scatter",
-    "variants", "dispatch", "test", "note", "check", "check_if", "index_dtype", "host_scalars",
+    "variants", "dispatch", "test", "note", "check", "check_if", "index_dtype", "host_scalars", "copies",
 }  # fmt: skip
 # How an entry is executed: exactly one of these fields, except for dispatch runtime/metadata.
 RULES = ("lower", "helper", "decompose", "fallback")
@@ -61,6 +61,10 @@ class Entry:
     # The dtypes CPU PyTorch accepts for an index argument, and the error it raises otherwise,
     # checked when the op is traced (once per signature): a list of {arg, dtypes, error}.
     index_dtype: list = field(default_factory=list)
+    # Its result holds exactly its first argument's elements when the dtype stays (a copy or a
+    # reshape, not a view): the host, holding that argument, holds the result too
+    # (runtime/plan/prechecks.py decides a step's checks from it).
+    copies: bool = False
 
     @property
     def status(self) -> str:
@@ -205,6 +209,9 @@ def load(path: str, schemas: dict) -> list[Entry]:
             raise RegistryError(f"ops.yaml entry '{name}': check_if needs a check and is one of {sorted(CHECK_IF)}")
         if e.index_dtype:
             _check_index_dtype(name, e)
+        if not isinstance(e.copies, bool) or (e.copies and (s.view or not s.args or s.args[0].kind != "TENSOR")):
+            raise RegistryError(f"ops.yaml entry '{name}': copies is true or false, and only for a non-view op "
+                                f"whose first argument is a tensor")  # fmt: skip
         if e.scatter is not None:
             if not s.view:
                 raise RegistryError(f"ops.yaml entry '{name}': 'scatter' is only for view ops")

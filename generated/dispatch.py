@@ -142,10 +142,12 @@ S_zero_ = OpSpec(
 S_clone = OpSpec(
     "clone.default", aten.clone.default, E.clone, ('self', 'memory_format'), (TENSOR, STATIC,), (False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    copies=True,
 )
 S__to_copy = OpSpec(
     "_to_copy.default", aten._to_copy.default, E._to_copy, ('self', 'dtype', 'layout', 'device', 'pin_memory', 'non_blocking', 'memory_format'), (TENSOR, STATIC, STATIC, STATIC, STATIC, STATIC, STATIC,), (False, True, True, True, True, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    copies=True,
 )
 S_copy = OpSpec(
     "copy.default", aten.copy.default, E.copy, ('self', 'src', 'non_blocking'), (TENSOR, TENSOR, STATIC,), (False, False, False), ONE,
@@ -274,6 +276,7 @@ S_view = OpSpec(
 S__unsafe_view = OpSpec(
     "_unsafe_view.default", aten._unsafe_view.default, E._unsafe_view, ('self', 'size'), (TENSOR, STATIC,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    copies=True,
 )
 S_unsqueeze__scatter = OpSpec(
     "unsqueeze.default.scatter", None, E.unsqueeze__scatter, ('self', 'src', 'dim', 'idx'), (TENSOR, TENSOR, STATIC, STATIC,), (False, False, False, False), ONE,
@@ -510,6 +513,7 @@ S_detach_copy = OpSpec(
 S_lift_fresh_copy = OpSpec(
     "lift_fresh_copy.default", aten.lift_fresh_copy.default, E.lift_fresh_copy, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    copies=True,
 )
 S__neg_view_copy = OpSpec(
     "_neg_view_copy.default", aten._neg_view_copy.default, E._neg_view_copy, ('self',), (TENSOR,), (False,), ONE,

@@ -25,6 +25,8 @@ def _load(tmp_path, text):
         ("add.Tensor:\n  lower: self\n  promote: sideways\n", "promote must be one of"),
         ("add.Tensor:\n  lower: self\n  static: [beta]\n", "static names unknown argument 'beta'"),
         ("mul.Tensor:\n  lower: self\n  scatter: src\n", "'scatter' is only for view ops"),
+        ("clone:\n  lower: self\n  copies: yes please\n", "copies is true or false"),
+        ("t:\n  lower: self.T\n  copies: true\n", "copies is true or false, and only for a non-view op"),
     ],
 )
 def test_bad_entries_are_rejected_by_name(tmp_path, text, msg):

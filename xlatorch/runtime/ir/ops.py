@@ -68,12 +68,12 @@ class OpSpec:
     __slots__ = (
         "name", "overload", "emit", "arg_names", "kinds", "kwarg_only", "returns",
         "promote", "promote_idx", "view", "scatter", "cache", "meta_overload", "check", "check_integral",
-        "counter", "mutates", "born", "index_dtype", "prepare",
+        "counter", "mutates", "born", "index_dtype", "prepare", "copies",
     )  # fmt: skip
 
     def __init__(self, name, overload, emit, arg_names, kinds, kwarg_only, returns,
                  promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-                 check=None, check_integral=False, mutates=(), index_dtype=None):  # fmt: skip
+                 check=None, check_integral=False, mutates=(), index_dtype=None, copies=False):  # fmt: skip
         self.name = name
         self.overload = overload
         self.emit = emit
@@ -85,6 +85,8 @@ class OpSpec:
         names = promote_args or [n for n, k in zip(arg_names, kinds) if k in (TENSOR, OPT_TENSOR, SCALAR)]
         self.promote_idx = tuple(arg_names.index(n) for n in names)
         self.view = view
+        # ops.yaml ``copies``: its result holds its first argument's elements when the dtype stays
+        self.copies = copies
         self.scatter = scatter
         self.cache: dict = {}
         # The overload whose meta kernel gives this spec's avals (an in-place variant

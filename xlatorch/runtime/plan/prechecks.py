@@ -97,14 +97,10 @@ def _args(args, host: list, views: dict) -> tuple:
     return tuple(out)
 
 
-# Ops whose result holds exactly the elements of their first operand when the dtype stays (a
-# tensor made on the device from a Python list is a copy of the host's upload), beside views.
-_COPIES = frozenset({"_to_copy.default", "clone.default", "_unsafe_view.default", "lift_fresh_copy.default"})
-
-
 def _held(v, views: dict, depth: int = 0):
     """The host's value of pending value ``v`` when it is a view (``spec.view``: a slice, a
-    ``view``, a transpose) or a same-dtype copy (``_COPIES``) of data the host holds, or of such
+    ``view``, a transpose) or a same-dtype copy (ops.yaml ``copies``: a tensor made on the device
+    from a Python list is a copy of the host's upload) of data the host holds, or of such
     a value: the same elements, taken by PyTorch on the host (a language model's targets are
     ``y.view(-1)``, its positions ``positions[:t]``). None otherwise. Found values are kept in
     ``views`` (by ``id``) for the graph's other checks."""
@@ -114,7 +110,7 @@ def _held(v, views: dict, depth: int = 0):
     n = v.node
     res = None
     spec = n.spec
-    same = spec.view or (spec.name in _COPIES and type(n.args[0]) in (Data, Out) and n.args[0].aval[1] == v.aval[1])
+    same = spec.view or (spec.copies and type(n.args[0]) in (Data, Out) and n.args[0].aval[1] == v.aval[1])
     # What the host holds is small integer data; a view as large as a float tensor (an expand) is not taken
     if (
         same
