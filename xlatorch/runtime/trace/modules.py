@@ -181,13 +181,15 @@ def _reaches_device(t_outputs) -> bool:
     return False
 
 
-def _on_device(args) -> bool:
-    """Whether the arguments autograd hands the user's code hold a device tensor (one level of
-    tuples and lists: a node hook's gradients, a Function's ``ctx`` and gradients)."""
+def _on_host(args) -> bool:
+    """Whether the arguments autograd hands the user's code show a CPU node's: tensors, none of
+    them a device tensor (one level of tuples and lists: a node hook's gradients, a Function's
+    ``ctx`` and gradients). No tensor at all (every gradient None): not known, so not."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
     for a in args:
-        if type(a) is XlaTensor or (type(a) in (tuple, list) and any(type(x) is XlaTensor for x in a)):
-            return True
-    return False
+        if type(a) in (tuple, list):
+            tensors += [x for x in a if isinstance(x, torch.Tensor)]
+    return bool(tensors) and not any(type(t) is XlaTensor for t in tensors)
 
 
 def _deferring(fn, result=lambda *args: None, by_args=True):
@@ -204,7 +206,7 @@ def _deferring(fn, result=lambda *args: None, by_args=True):
         except Exception as e:
             if _in_backward() == -1 or not CALLERS:  # not in a device pass: as PyTorch would
                 raise
-            if by_args and not _on_device(args):  # a CPU node's: the pass stops there, as CPU's does
+            if by_args and _on_host(args):  # a CPU node's: the pass stops there, as CPU's does
                 raise
             defer_to_owners(e, (owner(),))
             return result(*args)
