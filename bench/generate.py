@@ -26,6 +26,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+EAGER = ("cpu", "cuda")  # PyTorch eager's rows: the baselines
 
 
 def _child(cache: str, device: str, tokens: int, prompt: int, later: int) -> dict:
@@ -38,7 +39,7 @@ def _child(cache: str, device: str, tokens: int, prompt: int, later: int) -> dic
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)  # fmt: skip
-    dev = torch.device(device) if device in ("cpu", "cuda") else xm.xla_device()
+    dev = torch.device(device) if device in EAGER else xm.xla_device()
     model = LlamaForCausalLM(cfg).eval().to(dev)
     if device == "compile":  # Hugging Face's fast path: the forward under torch.compile
         model.forward = torch.compile(model.forward, backend="openxla")
@@ -66,7 +67,7 @@ def _child(cache: str, device: str, tokens: int, prompt: int, later: int) -> dic
     times = sorted(s for s, _, _ in runs) or [res["third_s"]]
     res["later_token_ms"] = times[len(times) // 2] / tokens * 1e3  # steady state: the median later call
     res["later_compiles"] = sum(c for _, c, _ in runs) + (met.counter_value("OptimizedRecompile") or 0) - before
-    if device not in ("cpu", "cuda"):
+    if device not in EAGER:
         res["staged_syncs"] = met.counter_value("StagedSync") or 0
         res["stages_on_host"] = met.counter_value("StageOnHost") or 0
     return res
@@ -119,9 +120,9 @@ def main() -> None:
             f"{r['later_compiles']:5}  {same}"
         )
     for (cache, device), x in by.items():
-        if device in ("cpu", "cuda"):
+        if device in EAGER:
             continue
-        for base in sorted({k for k in by if k[1] in ("cpu", "cuda")}):
+        for base in sorted({k for k in by if k[1] in EAGER}):
             c = by[base]
             second, token = x["second_s"] / c["second_s"], x["per_token_ms"] / c["per_token_ms"]
             later = x["later_token_ms"] / c["later_token_ms"]

@@ -385,12 +385,7 @@ def call_inplace(spec: OpSpec, args: tuple):
     if spec.kinds[0] is TENSOR_LIST:  # _foreach_*_: one result per tensor of the list
         n = _node(spec, *_prepare(spec, args))
         for t, v in zip(self, n.outs):
-            if v.aval[1] != t.dtype:
-                v = convert_value(v, t.dtype)
-            if type(t) is XlaTensor and t._vw is None:  # write(), its common case
-                t._st.set(v)
-            else:
-                write(t, v)
+            write(t, v if v.aval[1] == t.dtype else convert_value(v, t.dtype))
         return None
     if type(self) is not XlaTensor:
         raise _not_xla(spec, self)
