@@ -116,10 +116,11 @@ def _fill(cache, pos, vals):
     return cache.index_copy_(2, pos, vals)
 
 
-def _decode(device, prompts, steps=3):
+def _decode(device, prompts, steps=3, fresh=False):
     """A static-cache decoder loop: the cache is made from a shape in the first call's
     prefill and filled by index_copy_; later calls reset it with zero_ and read its length
-    (as Hugging Face's StaticCache does). Per call: compiles and results."""
+    (as Hugging Face's StaticCache did before transformers 5), or with ``fresh`` make it anew
+    in each call's prefill (as its StaticCache does since). Per call: compiles and results."""
     torch.manual_seed(0)
     lin = torch.nn.Linear(8, 8).to(device)
     cache = None
@@ -127,6 +128,8 @@ def _decode(device, prompts, steps=3):
     for p in prompts:
         c0 = _compiles()
         x = p.to(device)
+        if fresh:
+            cache = None
         if cache is not None:  # a reset, then a host read of how much is filled
             cache.zero_()
             assert cache[0, 0].any(dim=-1).sum().item() == 0
@@ -158,6 +161,23 @@ def test_a_buffer_filled_in_part_is_born_before_the_step():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert _counter("BirthsHoisted") - h0 == 1
     assert compiles[1] == 0 and compiles[2] == 0, compiles
+
+
+def test_a_buffer_made_anew_in_each_call_is_born_apart_in_every_call():
+    """The cache made anew in each call's prefill (transformers 5's StaticCache): its births
+    are many syncs apart, not every step, so every call computes them apart and runs the
+    cached prefill: no compile after the first call (it compiled the whole prefill in the
+    third call before); values equal CPU's."""
+    gen = torch.Generator().manual_seed(2)
+    steps = births.RECENT + 1  # a call's syncs: more than RECENT between two calls' births
+    prompts = [torch.randn(1, 4, 8, generator=gen) for _ in range(4)]
+    want, _ = _decode("cpu", prompts, steps, fresh=True)
+    h0 = _counter("BirthsHoisted")
+    got, compiles = _decode(DEV, prompts, steps, fresh=True)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert compiles[0] > 0 and compiles[1:] == [0, 0, 0], compiles
+    assert _counter("BirthsHoisted") - h0 == len(prompts)
 
 
 def test_a_buffer_written_whole_is_not_a_birth():

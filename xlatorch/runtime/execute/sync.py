@@ -333,7 +333,7 @@ def _run(step: Step) -> None:
             settle.settle()  # the previous step's check rows, before anything here runs on the device
         if exe is None and step.spmd is None:
             if births.ENABLED:
-                order = births.hoist(step.storages, step.graph.nodes, step.key, hoisted)
+                order = births.hoist(step.storages, step.graph.nodes, step.key, hoisted, _syncs)
                 if order is not None:  # optimizer state computed first: this graph is the next step's
                     step.storages, step.graph, step.once = order, collect([st.value for st in order]), False
                     continue
@@ -404,7 +404,8 @@ def _run_dry(step: Step) -> None:
 
 
 def _traced(t0) -> None:
-    global _last_sync
+    global _last_sync, _syncs
+    _syncs += 1
     now = time.perf_counter_ns()
     if _last_sync:
         # Host time of the step outside the sync itself: op tracing plus the user's Python.
@@ -554,6 +555,7 @@ def _run_and_commit(exe, step: Step, packed) -> None:
 
 
 _last_sync = 0
+_syncs = 0  # syncs that ran a graph (births.hoist tells births every step by it)
 _last: list = []  # the newest execution's outputs, for wait()
 
 

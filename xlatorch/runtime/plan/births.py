@@ -20,9 +20,13 @@ optimizer's step count, ``zeros(())``, still differs between steps 0 and 1) - ex
 buffer filled in part (``torch.zeros(shape)`` then ``index_copy_``, ``index_put_``, a slice
 assignment: a static KV cache, a ring buffer): state a later step fills on. A tensor born
 from a ``_like`` constant in every step and kept across ``mark_step`` would need two
-executions a step: a graph is split at most twice (the second time its split graph is
-cached, so a second training run in one process compiles nothing) and compiled whole when
-it misses a third time: at most one extra compile per graph.
+executions a step: a graph split twice in a row (each time within ``RECENT`` syncs of the
+last) is compiled whole when it misses a third time (the second time its split graph is
+cached, so a second training run in one process compiles nothing): at most one extra
+compile per graph. A birth further apart is split every time: a generation loop whose
+static cache is made anew in each call's first forward (Hugging Face's ``StaticCache``
+since transformers 5) pays one tiny execution a call for it, not a compile of its prefill
+in the third call.
 Counter ``BirthsHoisted``: the constants computed apart.
 ``XLATORCH_HOIST_BIRTHS=0`` turns this off.
 """
@@ -36,7 +40,7 @@ from xlatorch.runtime.base.record import COUNTERS
 from xlatorch.runtime.ir.values import Data, Out, operands, replace_operands
 from xlatorch.runtime.trace.tensor import Storage
 
-__all__ = ["ENABLED", "NAMES", "mark", "hoist"]
+__all__ = ["ENABLED", "NAMES", "LIMIT", "RECENT", "mark", "hoist"]
 
 ENABLED = config.env("XLATORCH_HOIST_BIRTHS")
 
@@ -54,8 +58,11 @@ FILLS = frozenset(
     ("index_copy", "index_put", "index_fill", "scatter", "masked_scatter", "slice_scatter", "select_scatter")
 )
 
-_SPLIT: OrderedDict = OrderedDict()  # graph key -> times split (the newest 64 keys)
+_SPLIT: OrderedDict = OrderedDict()  # graph key -> (times split in a row, sync of the last split)
 LIMIT = 2
+# Splits of one graph at most this many syncs apart are in a row (a birth every step); further
+# apart (a birth every generation call), the count starts again.
+RECENT = 8
 
 
 def mark(specs: dict) -> None:
@@ -95,19 +102,23 @@ def _fills(w, out) -> bool:
     return name.endswith(".scatter") or name.split(".")[0].rstrip("_") in FILLS
 
 
-def hoist(storages, nodes, key, run_part):
+def hoist(storages, nodes, key, run_part, sync=0):
     """The step's roots, reordered as the next step will have them, after computing their
     births by ``run_part(temporary storages)``; None when there is nothing to split (or the
-    graph was split ``LIMIT`` times, or computing the births failed: it compiles whole)."""
+    graph was split ``LIMIT`` times in a row, or computing the births failed: it compiles
+    whole). ``sync``: the number of syncs so far (the runtime's count), which tells a birth
+    every step from one every generation call."""
     if not ENABLED:
         return None
     found = _births(storages, nodes)
     if not found:
         return None
-    n = _SPLIT.get(key, 0)
+    n, last = _SPLIT.get(key, (0, sync))
+    if not 0 <= sync - last <= RECENT:
+        n = 0  # the last split was long ago: not a birth every step
     if n >= LIMIT:
         return None
-    _SPLIT[key] = n + 1
+    _SPLIT[key] = (n + 1, sync)
     while len(_SPLIT) > 64:
         _SPLIT.pop(next(iter(_SPLIT)), None)
     temps = [Storage(n.outs[0]) for n, _ in found.values()]
