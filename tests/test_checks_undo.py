@@ -305,3 +305,28 @@ def test_a_compiled_graphs_checks_stay_on_the_device():
     assert not met.counter_value("ChecksOnHost")
     with pytest.raises(IndexError, match="index out of range"):
         f(w, I([1, 12], device="xla")).cpu()
+
+
+def test_beside_a_compiled_graphs_checks_no_check_is_computed_on_the_host(monkeypatch):
+    """A step holding a compiled graph's node runs checked whatever the host finds (above), so
+    the ops.yaml checks of its other nodes are not computed on the host first (a generation
+    step's mask indexing beside its compiled forward, once a token)."""
+    from xlatorch.runtime.plan import prechecks
+
+    w = torch.randn(10, 4).to("xla")
+    f = torch.compile(lambda w, i: F.embedding(i, w) * 2, backend="openxla")
+    ids = I([1, 9], device="xla")
+    xm.mark_step()
+    computed = []
+    real = prechecks._bads
+    monkeypatch.setattr(prechecks, "_bads", lambda *a: computed.append(a[0].spec.name) or real(*a))
+    alone = F.embedding(ids, w)  # checked over ids the host holds: decided on the host by itself
+    xm.mark_step()
+    assert computed == ["embedding.default"]
+    computed.clear()
+    alone = F.embedding(ids, w)
+    got = f(w, ids)
+    xm.mark_step()
+    assert computed == []
+    torch.testing.assert_close(got.cpu(), F.embedding(I([1, 9]), w.cpu()) * 2)
+    torch.testing.assert_close(alone.cpu(), F.embedding(I([1, 9]), w.cpu()))

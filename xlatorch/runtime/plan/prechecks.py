@@ -187,14 +187,12 @@ def _bads(n, layout, vals) -> list:
 
 def decided(nodes) -> bool:
     """Whether the checks of ``nodes`` (a graph's) are all decided on the host, none firing."""
-    any_checked = False
-    views: dict = {}
-    for n in nodes:
-        if not n.info.checked:
-            continue
-        any_checked = True
+    checked = [n for n in nodes if n.info.checked]
+    for n in checked:  # first the answer that costs nothing: a generation step's compiled forward
         if not isinstance(n.spec.overload, torch._ops.OpOverload):
             return False  # a body's or a compiled graph's checks (loops, torch.compile): on the device
+    views: dict = {}
+    for n in checked:
         host: list = []
         layout = _args(n.args, host, views)
         if not any(k == "h" for k, _ in _flat(layout)):
@@ -215,6 +213,6 @@ def decided(nodes) -> bool:
             return False
         if any(bads):
             return False  # it fires: the step runs checked, and raises as it always has
-    if any_checked:
+    if checked:
         COUNTERS["ChecksOnHost"] += 1
-    return any_checked
+    return bool(checked)
