@@ -177,12 +177,20 @@ def run_node_on_cpu(n, conv) -> list:
     results are its first argument's new values; one writing several arguments runs as its
     functional variant (``meta_overload``), whose results are their new values."""
     spec = n.spec
+    plan = _PLANS.get(spec, _PLANS)
+    if plan is _PLANS:
+        plan = _PLANS[spec] = _plan(spec)
+    if plan is not None:  # the common case: each argument converted, in order
+        npos, kw, dev = plan
+        vals = [conv(a) for a in n.args]
+        if 0 <= dev < len(vals) and vals[dev] is not None:
+            vals[dev] = "cpu"
+        res = spec.overload(*vals[:npos], **dict(zip(kw, vals[npos:]))) if kw else spec.overload(*vals)
+        if isinstance(res, torch.Tensor) or res is None:
+            return [res]
+        return [x for r in res for x in (r if isinstance(r, (list, tuple)) else (r,))]
     op = spec.meta_overload if spec.mutates else spec.overload
-    writes = _WRITES.get(op)
-    if writes is None:
-        writes = _WRITES[op] = frozenset(
-            i for i, a in enumerate(op._schema.arguments) if a.alias_info is not None and a.alias_info.is_write
-        )
+    writes = _writes(op)
     inplace = bool(writes)
     args, kwargs = [], {}
     for i, (name, a, ko, kind) in enumerate(zip(spec.arg_names, n.args, spec.kwarg_only, spec.kinds)):
@@ -205,6 +213,30 @@ def run_node_on_cpu(n, conv) -> list:
 
 
 _WRITES: dict = {}  # ATen overload -> positions of the arguments it writes in place
+_PLANS: dict = {}  # OpSpec -> how run_node_on_cpu passes its arguments (_plan), or None
+
+
+def _writes(op) -> frozenset:
+    writes = _WRITES.get(op)
+    if writes is None:
+        writes = _WRITES[op] = frozenset(
+            i for i, a in enumerate(op._schema.arguments) if a.alias_info is not None and a.alias_info.is_write
+        )
+    return writes
+
+
+def _plan(spec):
+    """For a functional op writing nothing, with no generator or host-scalars argument, how
+    ``run_node_on_cpu`` calls it with every argument converted in schema order: ``(positional
+    count, keyword-only names, position of a ``device`` argument or -1)``; None otherwise.
+    ATen's keyword-only arguments come after its positional ones."""
+    if spec.mutates or any(k is GENERATOR or k is HOST_SCALARS for k in spec.kinds) or _writes(spec.overload):
+        return None
+    names, ko = list(spec.arg_names), list(spec.kwarg_only)
+    npos = ko.index(True) if True in ko else len(names)
+    if not all(ko[npos:]):
+        return None
+    return npos, tuple(names[npos:]), names.index("device") if "device" in names else -1
 
 
 def _copied(a):
