@@ -56,6 +56,10 @@ def on_host(nodes, cut, roots, gdev, whole=False) -> list | None:
                     host[id(o)] = r
     except Exception:
         return None
+    finally:
+        # ``value`` refers to itself (a tuple's parts): without this the cycle, with the stage's
+        # host values and device data, waits for the cyclic collector (two a generated token)
+        value = None  # noqa: F841
     if not whole:
         record.COUNTERS["StageOnHost"] += 1
     return [Data(None, o.aval, gdev, host[id(o)]) for o in roots]  # uploaded when a graph reads it

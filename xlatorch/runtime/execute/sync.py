@@ -35,7 +35,7 @@ from xlatorch.runtime.multi.replication import ReplicaMismatch, collective_roots
 from xlatorch.runtime.plan import births, keep, prechecks, stages
 from xlatorch.runtime.plan.collect import collect, pack, release
 from xlatorch.runtime.trace.bodies import BodyError
-from xlatorch.runtime.trace.tensor import PENDING, pending_storages, reroot_lone_views
+from xlatorch.runtime.trace.tensor import PENDING, drop_view_caches, pending_storages, reroot_lone_views
 
 __all__ = ["sync", "wait", "Step", "EAGER"]
 
@@ -172,6 +172,7 @@ def _sync(reason, dev, timed) -> None:
         if everything:
             PENDING.clear()
             CHECKED_SINCE_SYNC.clear()
+        drop_view_caches()
         settle.settle()  # a sync reads the previous step's checks even when it has nothing to run
         return
     region = regions.current() if regions.ACTIVE else None
@@ -222,6 +223,7 @@ def _sync(reason, dev, timed) -> None:
             _isolate(step, oom)
         raise
     else:
+        drop_view_caches()  # first: a view's cached value would keep the graph linked
         if everything:
             release(graph)
 

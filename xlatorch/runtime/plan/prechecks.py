@@ -138,6 +138,8 @@ def _held(v, views: dict, depth: int = 0):
             res = run_node_on_cpu(n, conv)[v.idx]
         except Exception:  # an operand the host does not hold, or an op PyTorch refuses here
             res = None
+        finally:
+            conv = None  # noqa: F841 - it refers to itself: a cycle the collector would free
         if res is not None and (tuple(res.shape), res.dtype) != v.aval:
             res = None
     views[id(v)] = res

@@ -272,7 +272,8 @@ def _arg_lines(kinds, defaults, scope) -> list:
 # The names a fused shim's code uses besides its parameters (``_fuse``).
 _FUSED_NAMES = frozenset(
     "XlaTensor _tensor_value _static_sig scalar _sig next_key Scalar PY_SCALAR_DTYPE spec cache counter _node Node "
-    "COUNTERS _in_backward _weakref _new DEVICE Storage _reads _host_scalars info n out vals sig st t r".split()
+    "COUNTERS _in_backward _weakref _new DEVICE Storage _reads _host_scalars info n out vals sig st t r "
+    "CACHED_VIEWS".split()
 )
 
 
@@ -321,9 +322,11 @@ def _fuse(spec: OpSpec) -> None:
         lines += [
             "    t._st = st = a0._st",
             "    t._vw, t._vc = (a0._vw or ()) + ((spec, n.args[1:], 0),), (st.gen, out)",
+            "    r = _weakref(t)",
+            "    CACHED_VIEWS.append(r)",
             "    if len(st.refs) >= 16:",
             "        st.refs = [r for r in st.refs if _reads(r(), st)]",
-            "    st.refs.append(_weakref(t))",
+            "    st.refs.append(r)",
             "    return t",
         ]
     else:  # wrap(out), inline
@@ -338,7 +341,7 @@ def _fuse(spec: OpSpec) -> None:
              "cache": spec.cache, "counter": spec.counter, "_node": _node, "Node": Node, "COUNTERS": COUNTERS,
              "_in_backward": _in_backward, "_weakref": _weakref, "_new": torch.Tensor._make_wrapper_subclass,
              "DEVICE": _tensor_module.DEVICE, "Storage": Storage, "_reads": _tensor_module._reads,
-             "_host_scalars": _host_scalars}  # fmt: skip
+             "_host_scalars": _host_scalars, "CACHED_VIEWS": _tensor_module.CACHED_VIEWS}  # fmt: skip
     exec("\n".join(lines), scope)  # noqa: S102 - source built above from the fixed _LINES and the shim's parameters
     fused = scope["fused"]
     fused.__defaults__, fused.__kwdefaults__ = shim.__defaults__, shim.__kwdefaults__

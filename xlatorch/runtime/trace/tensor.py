@@ -13,10 +13,12 @@ import sys
 import threading
 import traceback
 import weakref
+from sys import getrefcount as _refs
 
 import torch
 import torch._guards
 
+from xlatorch.runtime.base import topology
 from xlatorch.runtime.base.record import COUNTERS
 from xlatorch.runtime.base.record import cause as _cause
 from xlatorch.runtime.base.threads import (
@@ -31,7 +33,7 @@ from xlatorch.runtime.base.threads import (
 )
 from xlatorch.runtime.ir import values as ir
 from xlatorch.runtime.ir.failed import FailedValueError, cause, failed_value
-from xlatorch.runtime.ir.values import Data
+from xlatorch.runtime.ir.values import Data, Out, operands
 from xlatorch.runtime.trace.nodes import apply_scatter, apply_view, convert_value
 
 __all__ = [
@@ -44,6 +46,8 @@ __all__ = [
     "pending_storages",
     "reroot_lone_views",
     "fail_storages",
+    "CACHED_VIEWS",
+    "drop_view_caches",
 ]
 
 DEVICE = torch.device("xla", 0)
@@ -53,6 +57,10 @@ DEVICE = torch.device("xla", 0)
 # fraction of a WeakValueDictionary on the per-op path.
 PENDING: dict[int, weakref.ref] = {}
 _weakref = weakref.ref
+# Weak references to the view tensors that cached a value (``_vc``) since the last sync
+# (``drop_view_caches``).
+CACHED_VIEWS: list = []
+_STALE = (-1, None)  # a view's cached value that no generation matches: recomputed at its next read
 # Filled by the modules above that own them (they import this one): the ATen call's
 # dispatch (trace/dispatch.py), a tensor's download (execute/materialize.py), its pickling
 # (execute/serialization.py).
@@ -125,10 +133,44 @@ class Storage:
             PENDING[self.sid] = _weakref(self)
 
     def __del__(self):
-        if type(self.value) is Data:
-            self.value.holders -= 1
+        v = self.value
+        if type(v) is Data:
+            v.holders -= 1
         elif PENDING is not None:  # None: the interpreter is tearing this module down
             PENDING.pop(self.sid, None)
+            if type(v) is Out:
+                n = v.node
+                del v
+                self.value = None
+                _free_dead(n)
+
+
+def _free_dead(n) -> None:
+    """After the last tensor of a pending value let go of it: when nothing reads node ``n``'s
+    outputs any more (no consumer's arguments, no tensor, no view's cached value: their
+    reference counts say so), no sync will compute it, so break its cycle with its outputs now,
+    as ``plan/collect.release`` does after a sync, and then its operands' nodes that this leaves
+    unread. Left linked, a value the program dropped unused (a generation loop's clones) went
+    to the cyclic collector, and kept linked the graph it read from."""
+    try:
+        work = [n]
+        while work:
+            n = work.pop()
+            outs = n.outs
+            if outs is None:
+                continue
+            for o in outs:
+                # References: n.outs, this loop's name and getrefcount's argument; any more is a reader
+                if o is not None and _refs(o) > 3:
+                    break
+            else:
+                args = n.args
+                n.outs = n.args = None
+                if args:
+                    work.extend([a.node for a in operands(args) if type(a) is Out])
+                    del args  # its operands are counted again next: no reference left here
+    except Exception:  # at interpreter exit the module's globals may be gone
+        pass
 
 
 class XlaTensor(torch.Tensor):
@@ -260,6 +302,8 @@ class XlaTensor(torch.Tensor):
         torch._C.TensorBase.data.__set__(self, new)
         self._st, self._vw, self._vc = new._st, new._vw, new._vc
         new._st.refs.append(weakref.ref(self))
+        if self._vw is not None:
+            CACHED_VIEWS.append(weakref.ref(self))
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -294,16 +338,40 @@ def wrap(value, st: Storage | None = None, view=None) -> XlaTensor:
         t._st = Storage(value, _weakref(t))
         return t
     t._st = st
+    r = _weakref(t)
     if view is not None:
         t._vw, t._vc = view, (st.gen, value)
+        CACHED_VIEWS.append(r)
     if len(st.refs) >= 16:  # a long-lived storage (a weight read through .t() every step)
         st.refs = [r for r in st.refs if _reads(r(), st)]
-    st.refs.append(_weakref(t))
+    st.refs.append(r)
     return t
 
 
 def _reads(t, st) -> bool:
     return t is not None and t._st is st
+
+
+def drop_view_caches() -> None:
+    """At a sync: each view that cached a pending value since the last sync forgets it; its
+    next read takes the view of its base's value again, the same value. A cached value of a
+    view of device data stays valid across the sync (a stale one stays until the view is read
+    again), and either kept the graph that computed it linked (``release`` sees it held), to
+    go to the cyclic collector when the view died: a generation loop's views of its cache
+    position, ~750 nodes a call. Not under SPMD, where a view's cached value may carry a
+    sharding constraint (``multi/sharding.py``), kept until its base changes, nor with several
+    local devices (``dp.DataParallel``): a replica's sync would drop another replica's caches
+    at a moment of its own, and their programs must stay the same."""
+    if topology.SPMD[0] or ir._multi:
+        CACHED_VIEWS.clear()
+        return
+    for r in CACHED_VIEWS:
+        t = r()
+        if t is not None and t._vw is not None:
+            vc = t._vc
+            if vc is not None and type(vc[1]) is Out:
+                t._vc = _STALE
+    CACHED_VIEWS.clear()
 
 
 def reroot_lone_views(storages) -> None:
@@ -358,6 +426,7 @@ def value_of(t: XlaTensor):
         for step in vw:
             v = apply_view(step, v)
         t._vc = (st.gen, v)
+        CACHED_VIEWS.append(_weakref(t))
     return v
 
 
@@ -378,6 +447,7 @@ def write(t: XlaTensor, v) -> None:
         new = apply_scatter(step, base, new)
     st.set(new)
     t._vc = (st.gen, v)
+    CACHED_VIEWS.append(_weakref(t))
 
 
 _PLACEHOLDER = {True: float("nan")}  # what a failed .item() gives a backward pass that will raise
