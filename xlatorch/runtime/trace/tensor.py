@@ -138,7 +138,9 @@ class Storage:
             v.holders -= 1
         elif PENDING is not None:  # None: the interpreter is tearing this module down
             PENDING.pop(self.sid, None)
-            if type(v) is Out:
+            # References: n.outs, self.value, v and getrefcount's argument; any more is a reader
+            # (the common case: a consumer's arguments), and nothing is freed
+            if type(v) is Out and _refs(v) <= 4:
                 n = v.node
                 del v
                 self.value = None
