@@ -196,3 +196,71 @@ def test_writing_the_host_tensor_after_an_upload_leaves_the_device_copy(dtype):
     d = x.to("xla")
     x.mul_(2)
     assert torch.equal(d.cpu(), torch.ones(5, dtype=dtype))
+
+
+def _chain(x, n):
+    """``n`` rounds of ops on whole numbers in float64 (exact on every device; integers would
+    run on the host), each reading the last: a graph ``3 n`` nodes deep whose nodes read a leaf
+    before their pending operand."""
+    for i in range(n):
+        x = torch.remainder(torch.tensor(i % 7.0, dtype=x.dtype) + x * 3, 1000003)  # a 0-d CPU tensor: a leaf
+    return x
+
+
+def test_a_graph_deeper_than_the_walks_recursion_and_one_synced_from_a_deep_stack_share_an_executable(monkeypatch):
+    """``collect`` recurses ``DEEP`` levels, then goes on with an explicit stack; a caller whose
+    own stack leaves no room for it gets the same walk without recursion. All three orders must
+    be the same graph: equal values, and the deep-stack sync reuses the executable."""
+    from xlatorch.runtime.plan import collect as C
+
+    n = C.DEEP  # 3 DEEP levels
+    start = torch.arange(5, dtype=torch.float64)
+    want = _chain(start, n)
+    d = start.to("xla")
+    before = (met.metric_data("CompileTime") or (0,))[0]
+    assert torch.equal(_chain(d, n).cpu(), want)
+    compiles = met.metric_data("CompileTime")[0]
+    assert compiles == before + 1
+    flat = []
+    real = C._Walk.graph
+
+    def graph(self, roots, deep):
+        flat.append(deep)
+        return real(self, roots, deep)
+
+    monkeypatch.setattr(C._Walk, "graph", graph)
+
+    def deep_stack(k):  # the sync from near Python's recursion limit
+        return deep_stack(k - 1) if k else _chain(d, n).cpu()
+
+    import sys
+
+    got = deep_stack(sys.getrecursionlimit() - 150)
+    assert torch.equal(got, want)
+    assert flat == [C.DEEP, -1]  # recursion ran out, and the walk without it made the graph
+    assert met.metric_data("CompileTime")[0] == compiles  # the same key: no compile
+
+
+def test_the_walk_with_a_stack_gives_the_recursive_walks_graph():
+    """A training step's graph (ops with several outputs, tuple operands, shared leaves, many
+    roots) collected both ways: the same nodes, leaves and encoding, so one cache key."""
+    from xlatorch.runtime.plan import collect as C
+    from xlatorch.runtime.trace.tensor import pending_storages
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.LayerNorm(8), torch.nn.GELU(), torch.nn.Linear(8, 3))
+    model = model.to("xla")
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    x = torch.randn(4, 6).to("xla")
+    for _ in range(2):
+        opt.zero_grad()
+        out = model(x)
+        target = torch.tensor([0, 1, 2, 0] * 2).to("xla")
+        loss = torch.nn.functional.cross_entropy(torch.cat([out, out.flip(0)]), target)
+        loss.backward()
+        opt.step()
+        roots = [st.value for st in pending_storages()]
+        a, b = C.collect(roots), C._Walk().graph(roots, -1)
+        assert len(a.nodes) > 30 and any(type(arg) is tuple for n in a.nodes for arg in n.args)
+        assert a.nodes == b.nodes and a.leaves == b.leaves and a.enc == b.enc and a.root_refs == b.root_refs
+        xm.mark_step()

@@ -35,7 +35,15 @@ def graph_of(tensors, who: str = "xlatorch"):
         vals.append(value_of(t))
     pending = [v for v in vals if type(v) is Out]
     g = collect(pending)
-    nodes, leaves, refs = g.nodes, g.leaves, g.root_refs
+    nodes, refs = g.nodes, g.root_refs
+    # The leaves in the order the nodes read them first (as torch_xla numbers a graph's
+    # parameters), not the order the sync's walk met them in: what an export's arguments follow.
+    first = {}
+    for _, rs in g.enc:
+        for r in rs:
+            if r < 0:
+                first.setdefault(r, g.leaves[-1 - r])
+    leaves = list(first.values())
     by_id = {id(v): -1 - i for i, v in enumerate(leaves)}
     it = iter(refs)
     root_refs = []

