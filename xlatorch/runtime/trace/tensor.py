@@ -33,7 +33,7 @@ from xlatorch.runtime.base.threads import (
 )
 from xlatorch.runtime.ir import values as ir
 from xlatorch.runtime.ir.failed import FailedValueError, cause, failed_value
-from xlatorch.runtime.ir.values import Data, Out, operands
+from xlatorch.runtime.ir.values import Data, Out
 from xlatorch.runtime.trace.nodes import apply_scatter, apply_view, convert_value
 
 __all__ = [
@@ -168,9 +168,17 @@ def _free_dead(n) -> None:
             else:
                 args = n.args
                 n.outs = n.args = None
-                if args:
-                    work.extend([a.node for a in operands(args) if type(a) is Out])
-                    del args  # its operands are counted again next: no reference left here
+                if args:  # its operands' nodes are counted next: no reference to them left here
+                    for a in args:
+                        t = type(a)
+                        if t is Out:
+                            work.append(a.node)
+                        elif t is tuple:
+                            for x in a:
+                                if type(x) is Out:
+                                    work.append(x.node)
+                            x = None
+                    a = args = None
     except Exception:  # at interpreter exit the module's globals may be gone
         pass
 
