@@ -58,6 +58,38 @@ def test_training_equals_eager_with_whole_graphs_and_flat_compiles(backend):
     assert compiles[-1] == compiles[1], compiles  # nothing compiles after the first steps
 
 
+def test_compiled_autograd_captures_the_backward_of_xla_tensors():
+    """With ``compiled_autograd`` on, Dynamo's compiled autograd makes fake tensors of the
+    backward's inputs itself (outside Dynamo's tracing context): xla tensors, whose storage is
+    otherwise an error, give it the wrapper's. It used to fail ("Found tensor of type XlaTensor,
+    which is not supported by FakeTensorMode")."""
+    cpu, dev = _pair(_mlp)
+    opt_c = torch.optim.Adam(cpu.parameters(), lr=1e-2)
+    opt_d = torch.optim.Adam(dev.parameters(), lr=1e-2)
+
+    def train_step(model, opt, x, y):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    g = torch.Generator().manual_seed(1)
+    with torch._dynamo.config.patch(compiled_autograd=True):  # read when torch.compile wraps the function
+        step = torch.compile(train_step, backend="openxla")
+        for _ in range(3):
+            x, y = torch.randn(8, 6, generator=g), torch.randint(0, 4, (8,), generator=g)
+            loss_c = train_step(cpu, opt_c, x, y)
+            loss_d = step(dev, opt_d, x.to("xla"), y.to("xla"))
+            xm.mark_step()
+            torch.testing.assert_close(loss_d.item(), loss_c.item(), rtol=1e-5, atol=1e-6)
+    assert torch._dynamo.utils.counters["compiled_autograd"]["captures"] >= 1
+    for (k, v), w in zip(dev.state_dict().items(), cpu.state_dict().values()):
+        torch.testing.assert_close(v.cpu(), w, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+    with pytest.raises(RuntimeError, match="no storage"):  # outside a fake conversion, as before
+        dev[0].weight.untyped_storage()
+
+
 def test_inference_recompiles_for_a_new_shape_and_uses_the_emitters():
     cpu, dev = _pair(_mlp)
     dev.eval()

@@ -183,6 +183,13 @@ def _free_dead(n) -> None:
         pass
 
 
+def _faking(frame) -> bool:
+    """Whether ``frame`` is PyTorch's fake-tensor converter describing a tensor."""
+    from torch._subclasses.meta_utils import MetaTensorDescriber
+
+    return frame.f_code is MetaTensorDescriber.describe_tensor.__code__
+
+
 class XlaTensor(torch.Tensor):
     """A tensor on the ``xla`` device: lazy, with PyTorch's shape, dtype and autograd."""
 
@@ -288,8 +295,9 @@ class XlaTensor(torch.Tensor):
         return self
 
     def untyped_storage(self):  # type: ignore[override]
-        if torch._guards.TracingContext.try_get() is not None:
-            # torch.compile making a fake tensor of this one: the wrapper's empty storage.
+        if torch._guards.TracingContext.try_get() is not None or _faking(sys._getframe(1)):
+            # torch.compile (or its compiled autograd, outside Dynamo's tracing context) making
+            # a fake tensor of this one: the wrapper's empty storage.
             return torch.Tensor.untyped_storage(self)
         raise RuntimeError(
             "xla tensors have no storage: their data lives on the device. Move the tensor "
