@@ -38,7 +38,7 @@ def collect(roots) -> Graph:
     tight: the nodes in the post-order of a depth-first walk (operands in order), each visited
     once by a recursive call (Python's frames are cheaper than a stack of lists: 30-45% less
     time than the explicit stack on a chain and on a training step), the leaves numbered as the walk
-    meets them. Below ``DEEP`` levels, and where the caller's stack leaves no room, the same
+    meets them. Past ``DEEP`` levels, and where the caller's stack leaves no room, the same
     walk goes on with an explicit stack (``_Walk.walk``), which gives the same order. Nodes
     and leaves are dictionary keys themselves: their hash is their identity."""
     try:
