@@ -140,6 +140,8 @@ def _install() -> None:
     if not getattr(VariableBuilder.wrap_symfloat, "_xlatorch", False):
         VariableBuilder.wrap_symfloat = _float_arguments_are_inputs(VariableBuilder.wrap_symfloat)
     torch._dynamo.trace_rules.add("xlatorch")  # never trace xlatorch's own Python
+    # ... nor its generated shims (in a source checkout they live outside the package folder)
+    torch._dynamo.trace_rules.add("xlatorch._generated")
     # ... but record xm's collectives as calls: given a tracer's tensors they record their ops.
     for fn in (collectives.all_reduce, collectives.all_gather, collectives.reduce_scatter):
         torch._dynamo.allow_in_graph(fn)

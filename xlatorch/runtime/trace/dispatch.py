@@ -8,6 +8,7 @@ node (output avals and computation dtype from PyTorch's meta kernels, once per s
 
 from __future__ import annotations
 
+import os
 from weakref import ref as _weakref
 
 import torch
@@ -239,6 +240,13 @@ _LINES[OPT_TENSOR] = _LINES[TENSOR]
 _CONVERTERS: dict = {}  # (kinds, Scalar defaults) -> converter
 
 
+def _made_here(what: str) -> str:
+    """The file name of code made at run time here: inside xlatorch's folder, so that Dynamo
+    never traces it (a training step under ``torch.compile`` broke its graph in a fused shim,
+    file ``<string>``) and the user's line is never one of its lines."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), f"<{what}>")
+
+
 def _converter(kinds: tuple, defaults: tuple):
     """A function ``(spec, args) -> (vals, sig)`` for arguments of ``kinds`` (with the Scalar
     defaults ``defaults``, ``_defaults``), as ``_convert``."""
@@ -252,7 +260,7 @@ def _converter(kinds: tuple, defaults: tuple):
     vs = "".join(f"v{i}, " for i in range(n))
     ss = "".join(f"s{i}, " for i in range(n))
     lines.append(f"    return ({vs}), ({ss})")
-    exec("\n".join(lines), scope)  # noqa: S102 - source built above from the fixed _LINES
+    exec(compile("\n".join(lines), _made_here("converter"), "exec"), scope)  # noqa: S102 - from the fixed _LINES
     conv = _CONVERTERS[(kinds, defaults)] = scope["convert"]
     return conv
 
@@ -342,7 +350,8 @@ def _fuse(spec: OpSpec) -> None:
              "_in_backward": _in_backward, "_weakref": _weakref, "_new": torch.Tensor._make_wrapper_subclass,
              "DEVICE": _tensor_module.DEVICE, "Storage": Storage, "_reads": _tensor_module._reads,
              "_host_scalars": _host_scalars, "CACHED_VIEWS": _tensor_module.CACHED_VIEWS}  # fmt: skip
-    exec("\n".join(lines), scope)  # noqa: S102 - source built above from the fixed _LINES and the shim's parameters
+    # noqa below: source built above from the fixed _LINES and the shim's parameters
+    exec(compile("\n".join(lines), _made_here(f"fused {spec.name}"), "exec"), scope)  # noqa: S102
     fused = scope["fused"]
     fused.__defaults__, fused.__kwdefaults__ = shim.__defaults__, shim.__kwdefaults__
     fused.__name__ = fused.__qualname__ = shim.__name__
