@@ -11,7 +11,7 @@ import numpy as np
 
 from xlatorch.runtime.base.dtypes import PY_SCALAR_JAX, to_jax
 from xlatorch.runtime.ir import failed as failure
-from xlatorch.runtime.ir.values import Data, Out, Scalar
+from xlatorch.runtime.ir.values import Data, Out, Scalar, operands
 
 __all__ = ["Graph", "collect", "pack"]
 
@@ -134,22 +134,11 @@ class _Walk:
 
         return visit, close
 
-    @staticmethod
-    def operands(n) -> list:
-        ops = []
-        for a in n.args:
-            t = type(a)
-            if t is Out or t is Scalar or t is Data:
-                ops.append(a)
-            elif t is tuple:
-                ops.extend(x for x in a if type(x) is Out or type(x) is Scalar or type(x) is Data)
-        return ops
-
     def walk(self, root) -> int:
         """``visit``'s walk from ``root`` with an explicit stack of frames ``[node, operands,
         next operand, refs]``; ``root``'s position."""
         order, nodes, leaf_pos, leaves, enc = self.order, self.nodes, self.leaf_pos, self.leaves, self.enc
-        stack = [[root, self.operands(root), 0, []]]
+        stack = [[root, operands(root.args), 0, []]]
         while True:
             frame = stack[-1]
             n, ops, i, refs = frame
@@ -159,7 +148,7 @@ class _Walk:
                     k = order.get(v.node)
                     if k is None:  # its operand first; this frame goes on from here after it
                         frame[2] = i
-                        stack.append([v.node, self.operands(v.node), 0, []])
+                        stack.append([v.node, operands(v.node.args), 0, []])
                         break
                     refs.append(k * 4096 + v.idx)
                 else:
