@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_map
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import xlatorch.core.xla_model as xm  # noqa: E402
+from bench.bench import _setup, _step  # noqa: E402
 from examples.models import programs  # noqa: E402
 from xlatorch.runtime.base import record  # noqa: E402
 
@@ -146,22 +147,7 @@ def _floor_model(p):
 
 
 def _xla_model(p):
-    torch.manual_seed(0)
-    dev = xm.xla_device()
-    model = p.make_model().to(dev)
-    opt = p.make_opt(model.parameters())
-    gen = torch.Generator().manual_seed(1)
-    batches = [tuple(t.to(dev) for t in p.make_batch(gen)) for _ in range(4)]
-    xm.mark_step()
-    return model, opt, batches
-
-
-def _step(p, model, opt, batch):
-    opt.zero_grad()
-    loss = p.loss_fn(model(batch[0]), batch[1])
-    loss.backward()
-    opt.step()
-    return loss
+    return _setup(p, xm.xla_device())
 
 
 def measure(p, steps: int) -> dict:
