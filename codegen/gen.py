@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import keyword
 import os
 
@@ -75,6 +76,14 @@ def _index_dtype(e: registry.Entry, args) -> str:
     return _tuple(rules)
 
 
+def _reads(expr: str, params: list) -> str:
+    """``OpSpec.check_reads`` for a check expression: ``(expr, positions of the arguments it
+    reads, whether it reads the outputs)``: two ops whose checks are the same expression over the
+    same values decide the same (an op and its backward on one index tensor)."""
+    names = {n.id for n in ast.walk(ast.parse(expr, mode="eval")) if isinstance(n, ast.Name)}
+    return repr((expr, tuple(i for i, p in enumerate(params) if p in names), "out" in names))
+
+
 def _kinds(e: registry.Entry, args) -> list[str]:
     return ["STATIC" if a.py in e.static else "HOST_SCALARS" if a.py in e.host_scalars else a.kind for a in args]
 
@@ -110,10 +119,11 @@ def build(entries):
         pys = [a.py for a in fargs] + (["seed"] if e.random else [])
         body = e.lower if e.lower is not None else f"L.{e.helper}(out, {', '.join(pys)})"
         lowerings.append(dict(fn=fn, params=", ".join(["out"] + pys), body=body))
-        check = "None"
+        check = check_reads = "None"
         if e.check is not None:
             lowerings.append(dict(fn=fn + "__check", params=", ".join(["out"] + pys), body=e.check))
             check = f"E.{fn}__check"
+            check_reads = _reads(e.check, pys)
         call_args = ", ".join([a.py for a in fargs] + (["None"] if e.random else []))
         call_args = f"({call_args},)" if call_args else "()"
         common = dict(
@@ -125,6 +135,7 @@ def build(entries):
             promote_args=repr(e.promote_args or None),
             emit=f"E.{fn}",
             check=check,
+            check_reads=check_reads,
             check_integral=e.check_if == "integral",
             index_dtype=_index_dtype(e, fargs),
         )

@@ -558,31 +558,31 @@ S_triu_ = OpSpec(
 S_index_Tensor = OpSpec(
     "index.Tensor", aten.index.Tensor, E.index_Tensor, ('self', 'indices'), (TENSOR, TENSOR_LIST,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.index_Tensor__check, check_integral=False,
+    check=E.index_Tensor__check, check_integral=False, check_reads=('L.checks.advanced(self, indices)', (0, 1), False),
     index_dtype=(((1,), (torch.int64, torch.int32, torch.uint8, torch.bool), IndexError, 'tensors used as indices must be long, int, byte or bool tensors', False),),
 )
 S_index_select = OpSpec(
     "index_select.default", aten.index_select.default, E.index_select, ('self', 'dim', 'index'), (TENSOR, STATIC, TENSOR,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.index_select__check, check_integral=False,
+    check=E.index_select__check, check_integral=False, check_reads=('L.checks.select_range(self, dim, index)', (0, 1, 2), False),
     index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'index_select(): Expected dtype int32 or int64 for index', False),),
 )
 S_gather = OpSpec(
     "gather.default", aten.gather.default, E.gather, ('self', 'dim', 'index', 'sparse_grad'), (TENSOR, STATIC, TENSOR, STATIC,), (False, False, False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.gather__check, check_integral=False,
+    check=E.gather__check, check_integral=False, check_reads=('L.checks.along_dim(self, dim, index)', (0, 1, 2), False),
     index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'gather(): Expected dtype int32/int64 for index', True),),
 )
 S_embedding = OpSpec(
     "embedding.default", aten.embedding.default, E.embedding, ('weight', 'indices', 'padding_idx', 'scale_grad_by_freq', 'sparse'), (TENSOR, TENSOR, STATIC, STATIC, STATIC,), (False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.embedding__check, check_integral=False,
+    check=E.embedding__check, check_integral=False, check_reads=('L.checks.select_range(weight, 0, indices)', (0, 1), False),
     index_dtype=(((1,), (torch.int64, torch.int32), RuntimeError, "Expected tensor for argument #1 'indices' to have one of the following scalar types: Long, Int; but got {tensor_type} instead (while checking arguments for embedding)", False),),
 )
 S_embedding_dense_backward = OpSpec(
     "embedding_dense_backward.default", aten.embedding_dense_backward.default, E.embedding_dense_backward, ('grad_output', 'indices', 'num_weights', 'padding_idx', 'scale_grad_by_freq'), (TENSOR, TENSOR, STATIC, STATIC, STATIC,), (False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.embedding_dense_backward__check, check_integral=False,
+    check=E.embedding_dense_backward__check, check_integral=False, check_reads=('L.checks.index_out_of_range(indices, num_weights, out)', (1, 2), True),
     index_dtype=(((1,), (torch.int64, torch.int32), RuntimeError, "Expected tensor for argument #2 'indices' to have one of the following scalar types: Long, Int; but got {tensor_type} instead (while checking arguments for embedding_backward)", False),),
 )
 S_where_self = OpSpec(
@@ -608,151 +608,151 @@ S_masked_fill__Tensor = OpSpec(
 S_scatter_src = OpSpec(
     "scatter.src", aten.scatter.src, E.scatter_src, ('self', 'dim', 'index', 'src'), (TENSOR, STATIC, TENSOR, TENSOR,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.scatter_src__check, check_integral=False,
+    check=E.scatter_src__check, check_integral=False, check_reads=('L.checks.along_dim(self, dim, index)', (0, 1, 2), False),
     index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'scatter(): Expected dtype int32/int64 for index', True),),
 )
 S_scatter__src = OpSpec(
     "scatter_.src", aten.scatter_.src, E.scatter_src, ('self', 'dim', 'index', 'src'), (TENSOR, STATIC, TENSOR, TENSOR,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.scatter_src__check, check_integral=False,
+    check=E.scatter_src__check, check_integral=False, check_reads=('L.checks.along_dim(self, dim, index)', (0, 1, 2), False),
     index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'scatter(): Expected dtype int32/int64 for index', True),),
 )
 S_scatter_value = OpSpec(
     "scatter.value", aten.scatter.value, E.scatter_value, ('self', 'dim', 'index', 'value'), (TENSOR, STATIC, TENSOR, SCALAR,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.scatter_value__check, check_integral=False,
+    check=E.scatter_value__check, check_integral=False, check_reads=('L.checks.along_dim(self, dim, index)', (0, 1, 2), False),
     index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'scatter(): Expected dtype int32/int64 for index', True),),
 )
 S_scatter__value = OpSpec(
     "scatter_.value", aten.scatter_.value, E.scatter_value, ('self', 'dim', 'index', 'value'), (TENSOR, STATIC, TENSOR, SCALAR,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.scatter_value__check, check_integral=False,
+    check=E.scatter_value__check, check_integral=False, check_reads=('L.checks.along_dim(self, dim, index)', (0, 1, 2), False),
     index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'scatter(): Expected dtype int32/int64 for index', True),),
 )
 S_scatter_reduce = OpSpec(
     "scatter.reduce", aten.scatter.reduce, E.scatter_reduce, ('self', 'dim', 'index', 'src', 'reduce'), (TENSOR, STATIC, TENSOR, TENSOR, STATIC,), (False, False, False, False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.scatter_reduce__check, check_integral=False,
+    check=E.scatter_reduce__check, check_integral=False, check_reads=('L.checks.along_dim(self, dim, index)', (0, 1, 2), False),
     index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'scatter(): Expected dtype int32/int64 for index', True),),
 )
 S_scatter__reduce = OpSpec(
     "scatter_.reduce", aten.scatter_.reduce, E.scatter_reduce, ('self', 'dim', 'index', 'src', 'reduce'), (TENSOR, STATIC, TENSOR, TENSOR, STATIC,), (False, False, False, False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.scatter_reduce__check, check_integral=False,
+    check=E.scatter_reduce__check, check_integral=False, check_reads=('L.checks.along_dim(self, dim, index)', (0, 1, 2), False),
     index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'scatter(): Expected dtype int32/int64 for index', True),),
 )
 S_scatter_value_reduce = OpSpec(
     "scatter.value_reduce", aten.scatter.value_reduce, E.scatter_value_reduce, ('self', 'dim', 'index', 'value', 'reduce'), (TENSOR, STATIC, TENSOR, SCALAR, STATIC,), (False, False, False, False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.scatter_value_reduce__check, check_integral=False,
+    check=E.scatter_value_reduce__check, check_integral=False, check_reads=('L.checks.along_dim(self, dim, index)', (0, 1, 2), False),
     index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'scatter(): Expected dtype int32/int64 for index', True),),
 )
 S_scatter__value_reduce = OpSpec(
     "scatter_.value_reduce", aten.scatter_.value_reduce, E.scatter_value_reduce, ('self', 'dim', 'index', 'value', 'reduce'), (TENSOR, STATIC, TENSOR, SCALAR, STATIC,), (False, False, False, False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.scatter_value_reduce__check, check_integral=False,
+    check=E.scatter_value_reduce__check, check_integral=False, check_reads=('L.checks.along_dim(self, dim, index)', (0, 1, 2), False),
     index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'scatter(): Expected dtype int32/int64 for index', True),),
 )
 S_scatter_add = OpSpec(
     "scatter_add.default", aten.scatter_add.default, E.scatter_add, ('self', 'dim', 'index', 'src'), (TENSOR, STATIC, TENSOR, TENSOR,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.scatter_add__check, check_integral=False,
+    check=E.scatter_add__check, check_integral=False, check_reads=('L.checks.along_dim(self, dim, index)', (0, 1, 2), False),
     index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'scatter(): Expected dtype int32/int64 for index', True),),
 )
 S_scatter_add_ = OpSpec(
     "scatter_add_.default", aten.scatter_add_.default, E.scatter_add, ('self', 'dim', 'index', 'src'), (TENSOR, STATIC, TENSOR, TENSOR,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.scatter_add__check, check_integral=False,
+    check=E.scatter_add__check, check_integral=False, check_reads=('L.checks.along_dim(self, dim, index)', (0, 1, 2), False),
     index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'scatter(): Expected dtype int32/int64 for index', True),),
 )
 S_scatter_reduce_two = OpSpec(
     "scatter_reduce.two", aten.scatter_reduce.two, E.scatter_reduce_two, ('self', 'dim', 'index', 'src', 'reduce', 'include_self'), (TENSOR, STATIC, TENSOR, TENSOR, STATIC, STATIC,), (False, False, False, False, False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.scatter_reduce_two__check, check_integral=False,
+    check=E.scatter_reduce_two__check, check_integral=False, check_reads=('L.checks.along_dim(self, dim, index)', (0, 1, 2), False),
     index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'scatter(): Expected dtype int32/int64 for index', True),),
 )
 S_scatter_reduce__two = OpSpec(
     "scatter_reduce_.two", aten.scatter_reduce_.two, E.scatter_reduce_two, ('self', 'dim', 'index', 'src', 'reduce', 'include_self'), (TENSOR, STATIC, TENSOR, TENSOR, STATIC, STATIC,), (False, False, False, False, False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.scatter_reduce_two__check, check_integral=False,
+    check=E.scatter_reduce_two__check, check_integral=False, check_reads=('L.checks.along_dim(self, dim, index)', (0, 1, 2), False),
     index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'scatter(): Expected dtype int32/int64 for index', True),),
 )
 S_index_put = OpSpec(
     "index_put.default", aten.index_put.default, E.index_put, ('self', 'indices', 'values', 'accumulate'), (TENSOR, TENSOR_LIST, TENSOR, STATIC,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.index_put__check, check_integral=False,
+    check=E.index_put__check, check_integral=False, check_reads=('L.checks.advanced(self, indices)', (0, 1), False),
     index_dtype=(((1,), (torch.int64, torch.int32, torch.uint8, torch.bool), IndexError, 'tensors used as indices must be long, int, byte or bool tensors', False),),
 )
 S_index_put_ = OpSpec(
     "index_put_.default", aten.index_put_.default, E.index_put, ('self', 'indices', 'values', 'accumulate'), (TENSOR, TENSOR_LIST, TENSOR, STATIC,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.index_put__check, check_integral=False,
+    check=E.index_put__check, check_integral=False, check_reads=('L.checks.advanced(self, indices)', (0, 1), False),
     index_dtype=(((1,), (torch.int64, torch.int32, torch.uint8, torch.bool), IndexError, 'tensors used as indices must be long, int, byte or bool tensors', False),),
 )
 S__index_put_impl_ = OpSpec(
     "_index_put_impl_.default", aten._index_put_impl_.default, E._index_put_impl_, ('self', 'indices', 'values', 'accumulate', 'unsafe'), (TENSOR, TENSOR_LIST, TENSOR, STATIC, STATIC,), (False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E._index_put_impl___check, check_integral=False,
+    check=E._index_put_impl___check, check_integral=False, check_reads=('L.checks.advanced(self, indices)', (0, 1), False),
     index_dtype=(((1,), (torch.int64, torch.int32, torch.uint8, torch.bool), IndexError, 'tensors used as indices must be long, int, byte or bool tensors', False),),
 )
 S_index_add = OpSpec(
     "index_add.default", aten.index_add.default, E.index_add, ('self', 'dim', 'index', 'source', 'alpha'), (TENSOR, STATIC, TENSOR, TENSOR, SCALAR,), (False, False, False, False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.index_add__check, check_integral=False,
+    check=E.index_add__check, check_integral=False, check_reads=('L.checks.index_add_range(self, dim, index)', (0, 1, 2), False),
     index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'index_add_(): Expected dtype int32/int64 for index but got: {scalar_type}', False),),
 )
 S_index_add_ = OpSpec(
     "index_add_.default", aten.index_add_.default, E.index_add, ('self', 'dim', 'index', 'source', 'alpha'), (TENSOR, STATIC, TENSOR, TENSOR, SCALAR,), (False, False, False, False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.index_add__check, check_integral=False,
+    check=E.index_add__check, check_integral=False, check_reads=('L.checks.index_add_range(self, dim, index)', (0, 1, 2), False),
     index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'index_add_(): Expected dtype int32/int64 for index but got: {scalar_type}', False),),
 )
 S_index_reduce = OpSpec(
     "index_reduce.default", aten.index_reduce.default, E.index_reduce, ('self', 'dim', 'index', 'source', 'reduce', 'include_self'), (TENSOR, STATIC, TENSOR, TENSOR, STATIC, STATIC,), (False, False, False, False, False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.index_reduce__check, check_integral=False,
+    check=E.index_reduce__check, check_integral=False, check_reads=('L.checks.index_range(self, dim, index)', (0, 1, 2), False),
     index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'index_reduce_(): Expected dtype int32/int64 for index but got: {scalar_type}', False),),
 )
 S_index_reduce_ = OpSpec(
     "index_reduce_.default", aten.index_reduce_.default, E.index_reduce, ('self', 'dim', 'index', 'source', 'reduce', 'include_self'), (TENSOR, STATIC, TENSOR, TENSOR, STATIC, STATIC,), (False, False, False, False, False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.index_reduce__check, check_integral=False,
+    check=E.index_reduce__check, check_integral=False, check_reads=('L.checks.index_range(self, dim, index)', (0, 1, 2), False),
     index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'index_reduce_(): Expected dtype int32/int64 for index but got: {scalar_type}', False),),
 )
 S_index_copy = OpSpec(
     "index_copy.default", aten.index_copy.default, E.index_copy, ('self', 'dim', 'index', 'source'), (TENSOR, STATIC, TENSOR, TENSOR,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.index_copy__check, check_integral=False,
+    check=E.index_copy__check, check_integral=False, check_reads=("L.checks.along_dim(self, dim, index, IndexError, prefix='index_copy_(): ', slices=True)", (0, 1, 2), False),
     index_dtype=(((2,), (torch.int64,), RuntimeError, 'index_copy_(): Expected a long tensor for index, but got {scalar_type}', False),),
 )
 S_index_copy_ = OpSpec(
     "index_copy_.default", aten.index_copy_.default, E.index_copy, ('self', 'dim', 'index', 'source'), (TENSOR, STATIC, TENSOR, TENSOR,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.index_copy__check, check_integral=False,
+    check=E.index_copy__check, check_integral=False, check_reads=("L.checks.along_dim(self, dim, index, IndexError, prefix='index_copy_(): ', slices=True)", (0, 1, 2), False),
     index_dtype=(((2,), (torch.int64,), RuntimeError, 'index_copy_(): Expected a long tensor for index, but got {scalar_type}', False),),
 )
 S_index_fill_int_Scalar = OpSpec(
     "index_fill.int_Scalar", aten.index_fill.int_Scalar, E.index_fill_int_Scalar, ('self', 'dim', 'index', 'value'), (TENSOR, STATIC, TENSOR, SCALAR,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.index_fill_int_Scalar__check, check_integral=False,
+    check=E.index_fill_int_Scalar__check, check_integral=False, check_reads=('L.checks.along_dim(self, dim, index, IndexError, negative=True, slices=True)', (0, 1, 2), False),
     index_dtype=(((2,), (torch.int64,), IndexError, 'index_fill_(): Expected dtype int64 for index.', False),),
 )
 S_index_fill__int_Scalar = OpSpec(
     "index_fill_.int_Scalar", aten.index_fill_.int_Scalar, E.index_fill_int_Scalar, ('self', 'dim', 'index', 'value'), (TENSOR, STATIC, TENSOR, SCALAR,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.index_fill_int_Scalar__check, check_integral=False,
+    check=E.index_fill_int_Scalar__check, check_integral=False, check_reads=('L.checks.along_dim(self, dim, index, IndexError, negative=True, slices=True)', (0, 1, 2), False),
     index_dtype=(((2,), (torch.int64,), IndexError, 'index_fill_(): Expected dtype int64 for index.', False),),
 )
 S_index_fill_int_Tensor = OpSpec(
     "index_fill.int_Tensor", aten.index_fill.int_Tensor, E.index_fill_int_Tensor, ('self', 'dim', 'index', 'value'), (TENSOR, STATIC, TENSOR, TENSOR,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.index_fill_int_Tensor__check, check_integral=False,
+    check=E.index_fill_int_Tensor__check, check_integral=False, check_reads=('L.checks.along_dim(self, dim, index, IndexError, negative=True, slices=True)', (0, 1, 2), False),
     index_dtype=(((2,), (torch.int64,), IndexError, 'index_fill_(): Expected dtype int64 for index.', False),),
 )
 S_index_fill__int_Tensor = OpSpec(
     "index_fill_.int_Tensor", aten.index_fill_.int_Tensor, E.index_fill_int_Tensor, ('self', 'dim', 'index', 'value'), (TENSOR, STATIC, TENSOR, TENSOR,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.index_fill_int_Tensor__check, check_integral=False,
+    check=E.index_fill_int_Tensor__check, check_integral=False, check_reads=('L.checks.along_dim(self, dim, index, IndexError, negative=True, slices=True)', (0, 1, 2), False),
     index_dtype=(((2,), (torch.int64,), IndexError, 'index_fill_(): Expected dtype int64 for index.', False),),
 )
 S_masked_scatter = OpSpec(
@@ -770,19 +770,19 @@ S_masked_scatter_backward = OpSpec(
 S_take = OpSpec(
     "take.default", aten.take.default, E.take, ('self', 'index'), (TENSOR, TENSOR,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.take__check, check_integral=False,
+    check=E.take__check, check_integral=False, check_reads=('L.checks.flat(self, index)', (0, 1), False),
     index_dtype=(((1,), (torch.int64,), RuntimeError, 'take(): Expected a long tensor for index, but got {scalar_type}', False),),
 )
 S_put = OpSpec(
     "put.default", aten.put.default, E.put, ('self', 'index', 'source', 'accumulate'), (TENSOR, TENSOR, TENSOR, STATIC,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.put__check, check_integral=False,
+    check=E.put__check, check_integral=False, check_reads=("L.checks.flat(self, index, empty='put_(): Tried to put elements into an empty tensor')", (0, 1), False),
     index_dtype=(((1,), (torch.int64,), RuntimeError, 'put_(): Expected a long tensor for index, but got {scalar_type}', False),),
 )
 S_put_ = OpSpec(
     "put_.default", aten.put_.default, E.put, ('self', 'index', 'source', 'accumulate'), (TENSOR, TENSOR, TENSOR, STATIC,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.put__check, check_integral=False,
+    check=E.put__check, check_integral=False, check_reads=("L.checks.flat(self, index, empty='put_(): Tried to put elements into an empty tensor')", (0, 1), False),
     index_dtype=(((1,), (torch.int64,), RuntimeError, 'put_(): Expected a long tensor for index, but got {scalar_type}', False),),
 )
 S_as_strided__scatter = OpSpec(
@@ -952,12 +952,12 @@ S_div__Scalar = OpSpec(
 S_div_Tensor_mode = OpSpec(
     "div.Tensor_mode", aten.div.Tensor_mode, E.div_Tensor_mode, ('self', 'other', 'rounding_mode'), (TENSOR, TENSOR, STATIC,), (False, False, True), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.div_Tensor_mode__check, check_integral=True,
+    check=E.div_Tensor_mode__check, check_integral=True, check_reads=('None if rounding_mode is None else L.checks.divisor(out, other)', (1, 2), True),
 )
 S_div__Tensor_mode = OpSpec(
     "div_.Tensor_mode", aten.div_.Tensor_mode, E.div_Tensor_mode, ('self', 'other', 'rounding_mode'), (TENSOR, TENSOR, STATIC,), (False, False, True), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.div_Tensor_mode__check, check_integral=True,
+    check=E.div_Tensor_mode__check, check_integral=True, check_reads=('None if rounding_mode is None else L.checks.divisor(out, other)', (1, 2), True),
 )
 S_neg = OpSpec(
     "neg.default", aten.neg.default, E.neg, ('self',), (TENSOR,), (False,), ONE,
@@ -1706,77 +1706,77 @@ S_bitwise_right_shift__Tensor_Scalar = OpSpec(
 S_fmod_Tensor = OpSpec(
     "fmod.Tensor", aten.fmod.Tensor, E.fmod_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.fmod_Tensor__check, check_integral=True,
+    check=E.fmod_Tensor__check, check_integral=True, check_reads=('L.checks.divisor(out, other)', (1,), True),
 )
 S_fmod__Tensor = OpSpec(
     "fmod_.Tensor", aten.fmod_.Tensor, E.fmod_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.fmod_Tensor__check, check_integral=True,
+    check=E.fmod_Tensor__check, check_integral=True, check_reads=('L.checks.divisor(out, other)', (1,), True),
 )
 S_fmod_Scalar = OpSpec(
     "fmod.Scalar", aten.fmod.Scalar, E.fmod_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.fmod_Scalar__check, check_integral=True,
+    check=E.fmod_Scalar__check, check_integral=True, check_reads=('L.checks.divisor(out, other)', (1,), True),
 )
 S_fmod__Scalar = OpSpec(
     "fmod_.Scalar", aten.fmod_.Scalar, E.fmod_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.fmod_Scalar__check, check_integral=True,
+    check=E.fmod_Scalar__check, check_integral=True, check_reads=('L.checks.divisor(out, other)', (1,), True),
 )
 S_remainder_Tensor = OpSpec(
     "remainder.Tensor", aten.remainder.Tensor, E.remainder_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.remainder_Tensor__check, check_integral=True,
+    check=E.remainder_Tensor__check, check_integral=True, check_reads=('L.checks.divisor(out, other)', (1,), True),
 )
 S_remainder__Tensor = OpSpec(
     "remainder_.Tensor", aten.remainder_.Tensor, E.remainder_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.remainder_Tensor__check, check_integral=True,
+    check=E.remainder_Tensor__check, check_integral=True, check_reads=('L.checks.divisor(out, other)', (1,), True),
 )
 S_remainder_Scalar = OpSpec(
     "remainder.Scalar", aten.remainder.Scalar, E.remainder_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.remainder_Scalar__check, check_integral=True,
+    check=E.remainder_Scalar__check, check_integral=True, check_reads=('L.checks.divisor(out, other)', (1,), True),
 )
 S_remainder__Scalar = OpSpec(
     "remainder_.Scalar", aten.remainder_.Scalar, E.remainder_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.remainder_Scalar__check, check_integral=True,
+    check=E.remainder_Scalar__check, check_integral=True, check_reads=('L.checks.divisor(out, other)', (1,), True),
 )
 S_remainder_Scalar_Tensor = OpSpec(
     "remainder.Scalar_Tensor", aten.remainder.Scalar_Tensor, E.remainder_Scalar_Tensor, ('self', 'other'), (SCALAR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.remainder_Scalar_Tensor__check, check_integral=True,
+    check=E.remainder_Scalar_Tensor__check, check_integral=True, check_reads=('L.checks.divisor(out, other)', (1,), True),
 )
 S_div_Scalar_mode = OpSpec(
     "div.Scalar_mode", aten.div.Scalar_mode, E.div_Scalar_mode, ('self', 'other', 'rounding_mode'), (TENSOR, SCALAR, STATIC,), (False, False, True), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.div_Scalar_mode__check, check_integral=True,
+    check=E.div_Scalar_mode__check, check_integral=True, check_reads=('None if rounding_mode is None else L.checks.divisor(out, other)', (1, 2), True),
 )
 S_div__Scalar_mode = OpSpec(
     "div_.Scalar_mode", aten.div_.Scalar_mode, E.div_Scalar_mode, ('self', 'other', 'rounding_mode'), (TENSOR, SCALAR, STATIC,), (False, False, True), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.div_Scalar_mode__check, check_integral=True,
+    check=E.div_Scalar_mode__check, check_integral=True, check_reads=('None if rounding_mode is None else L.checks.divisor(out, other)', (1, 2), True),
 )
 S_floor_divide = OpSpec(
     "floor_divide.default", aten.floor_divide.default, E.floor_divide, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.floor_divide__check, check_integral=True,
+    check=E.floor_divide__check, check_integral=True, check_reads=('L.checks.divisor(out, other)', (1,), True),
 )
 S_floor_divide__Tensor = OpSpec(
     "floor_divide_.Tensor", aten.floor_divide_.Tensor, E.floor_divide, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.floor_divide__check, check_integral=True,
+    check=E.floor_divide__check, check_integral=True, check_reads=('L.checks.divisor(out, other)', (1,), True),
 )
 S_floor_divide_Scalar = OpSpec(
     "floor_divide.Scalar", aten.floor_divide.Scalar, E.floor_divide_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.floor_divide_Scalar__check, check_integral=True,
+    check=E.floor_divide_Scalar__check, check_integral=True, check_reads=('L.checks.divisor(out, other)', (1,), True),
 )
 S_floor_divide__Scalar = OpSpec(
     "floor_divide_.Scalar", aten.floor_divide_.Scalar, E.floor_divide_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.floor_divide_Scalar__check, check_integral=True,
+    check=E.floor_divide_Scalar__check, check_integral=True, check_reads=('L.checks.divisor(out, other)', (1,), True),
 )
 S_hypot = OpSpec(
     "hypot.default", aten.hypot.default, E.hypot, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
@@ -2205,7 +2205,7 @@ S_logcumsumexp = OpSpec(
 S_segment_reduce = OpSpec(
     "segment_reduce.default", aten.segment_reduce.default, E.segment_reduce, ('data', 'reduce', 'lengths', 'indices', 'offsets', 'axis', 'unsafe', 'initial'), (TENSOR, STATIC, OPT_TENSOR, OPT_TENSOR, OPT_TENSOR, STATIC, STATIC, SCALAR,), (False, False, True, True, True, True, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.segment_reduce__check, check_integral=False,
+    check=E.segment_reduce__check, check_integral=False, check_reads=('L.checks.segments(data, lengths, offsets, unsafe)', (0, 2, 4, 6), False),
     index_dtype=(((2,), (torch.int64, torch.int32), NotImplementedError, '"_segment_reduce_lengths_cpu_kernel1" not implemented for \'{scalar_type}\'', False), ((4,), (torch.int64, torch.int32), NotImplementedError, '"_segment_reduce_offsets_cpu_kernel1" not implemented for \'{scalar_type}\'', False)),
 )
 S__segment_reduce_backward = OpSpec(
@@ -2347,7 +2347,7 @@ S_linalg_pinv_atol_rtol_tensor = OpSpec(
 S_lu_unpack = OpSpec(
     "lu_unpack.default", aten.lu_unpack.default, E.lu_unpack, ('LU_data', 'LU_pivots', 'unpack_data', 'unpack_pivots'), (TENSOR, TENSOR, STATIC, STATIC,), (False, False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.lu_unpack__check, check_integral=False,
+    check=E.lu_unpack__check, check_integral=False, check_reads=('L.checks.lu_pivots(LU_data, LU_pivots, unpack_pivots)', (0, 1, 3), False),
 )
 S__trilinear = OpSpec(
     "_trilinear.default", aten._trilinear.default, E._trilinear, ('i1', 'i2', 'i3', 'expand1', 'expand2', 'expand3', 'sumdim', 'unroll_dim'), (TENSOR, TENSOR, TENSOR, STATIC, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False, False, False, False), ONE,
@@ -2437,13 +2437,13 @@ S__softmax_backward_data = OpSpec(
 S_nll_loss_forward = OpSpec(
     "nll_loss_forward.default", aten.nll_loss_forward.default, E.nll_loss_forward, ('self', 'target', 'weight', 'reduction', 'ignore_index'), (TENSOR, TENSOR, OPT_TENSOR, STATIC, STATIC,), (False, False, False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.nll_loss_forward__check, check_integral=False,
+    check=E.nll_loss_forward__check, check_integral=False, check_reads=('L.checks.targets(self, target, ignore_index)', (0, 1, 4), False),
     index_dtype=(((1,), (torch.int64, torch.uint8), RuntimeError, 'expected target dtype to be Long or Byte, but got {scalar_type}', False),),
 )
 S_nll_loss_backward = OpSpec(
     "nll_loss_backward.default", aten.nll_loss_backward.default, E.nll_loss_backward, ('grad_output', 'self', 'target', 'weight', 'reduction', 'ignore_index', 'total_weight'), (TENSOR, TENSOR, TENSOR, OPT_TENSOR, STATIC, STATIC, TENSOR,), (False, False, False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.nll_loss_backward__check, check_integral=False,
+    check=E.nll_loss_backward__check, check_integral=False, check_reads=('L.checks.targets(self, target, ignore_index)', (1, 2, 5), False),
     index_dtype=(((2,), (torch.int64, torch.uint8), RuntimeError, 'expected scalar type Long but found {scalar_type}', False),),
 )
 S__thnn_fused_lstm_cell = OpSpec(
@@ -2608,13 +2608,13 @@ S_soft_margin_loss_backward = OpSpec(
 S_nll_loss2d_forward = OpSpec(
     "nll_loss2d_forward.default", aten.nll_loss2d_forward.default, E.nll_loss2d_forward, ('self', 'target', 'weight', 'reduction', 'ignore_index'), (TENSOR, TENSOR, OPT_TENSOR, STATIC, STATIC,), (False, False, False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.nll_loss2d_forward__check, check_integral=False,
+    check=E.nll_loss2d_forward__check, check_integral=False, check_reads=('L.checks.targets(self, target, ignore_index, 1)', (0, 1, 4), False),
     index_dtype=(((1,), (torch.int64, torch.uint8), RuntimeError, 'expected target dtype to be Long or Byte, but got {scalar_type}', False), ((1,), (torch.int64,), RuntimeError, 'expected scalar type Long but found {scalar_type}', False)),
 )
 S_nll_loss2d_backward = OpSpec(
     "nll_loss2d_backward.default", aten.nll_loss2d_backward.default, E.nll_loss2d_backward, ('grad_output', 'self', 'target', 'weight', 'reduction', 'ignore_index', 'total_weight'), (TENSOR, TENSOR, TENSOR, OPT_TENSOR, STATIC, STATIC, TENSOR,), (False, False, False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.nll_loss2d_backward__check, check_integral=False,
+    check=E.nll_loss2d_backward__check, check_integral=False, check_reads=('L.checks.targets(self, target, ignore_index, 1)', (1, 2, 5), False),
     index_dtype=(((2,), (torch.int64, torch.uint8), RuntimeError, 'expected target dtype to be Long or Byte, but got {scalar_type}', False), ((2,), (torch.int64,), RuntimeError, 'expected scalar type Long but found {scalar_type}', False)),
 )
 S_reflection_pad1d = OpSpec(
@@ -2812,13 +2812,13 @@ S_channel_shuffle = OpSpec(
 S__embedding_bag = OpSpec(
     "_embedding_bag.default", aten._embedding_bag.default, E._embedding_bag, ('weight', 'indices', 'offsets', 'scale_grad_by_freq', 'mode', 'sparse', 'per_sample_weights', 'include_last_offset', 'padding_idx'), (TENSOR, TENSOR, TENSOR, STATIC, STATIC, STATIC, OPT_TENSOR, STATIC, STATIC,), (False, False, False, False, False, False, False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E._embedding_bag__check, check_integral=False,
+    check=E._embedding_bag__check, check_integral=False, check_reads=('L.checks.bag(weight, indices)', (0, 1), False),
     index_dtype=(((1, 2), (torch.int64, torch.int32), RuntimeError, "Expected tensor for argument #1 'indices' to have one of the following scalar types: Long, Int; but got {tensor_type} instead (while checking arguments for embedding_bag)", False),),
 )
 S__embedding_bag_forward_only = OpSpec(
     "_embedding_bag_forward_only.default", aten._embedding_bag_forward_only.default, E._embedding_bag_forward_only, ('weight', 'indices', 'offsets', 'scale_grad_by_freq', 'mode', 'sparse', 'per_sample_weights', 'include_last_offset', 'padding_idx'), (TENSOR, TENSOR, TENSOR, STATIC, STATIC, STATIC, OPT_TENSOR, STATIC, STATIC,), (False, False, False, False, False, False, False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E._embedding_bag_forward_only__check, check_integral=False,
+    check=E._embedding_bag_forward_only__check, check_integral=False, check_reads=('L.checks.bag(weight, indices)', (0, 1), False),
     index_dtype=(((1, 2), (torch.int64, torch.int32), RuntimeError, "Expected tensor for argument #1 'indices' to have one of the following scalar types: Long, Int; but got {tensor_type} instead (while checking arguments for embedding_bag)", False),),
 )
 S_embedding_renorm = OpSpec(

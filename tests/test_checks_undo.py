@@ -330,3 +330,58 @@ def test_beside_a_compiled_graphs_checks_no_check_is_computed_on_the_host(monkey
     assert computed == []
     torch.testing.assert_close(got.cpu(), F.embedding(I([1, 9]), w.cpu()) * 2)
     torch.testing.assert_close(alone.cpu(), F.embedding(I([1, 9]), w.cpu()))
+
+
+def test_a_losss_backward_is_not_checked_again_on_the_targets_its_forward_checked(monkeypatch):
+    """``nll_loss_backward``'s check is its forward's expression over the same targets: decided
+    once on the host per step (``prechecks._same``). A backward given other targets than the
+    forward's is checked apart, and raises CPU's error for them."""
+    from xlatorch.runtime.plan import prechecks
+
+    computed = []
+    real = prechecks._bads
+    monkeypatch.setattr(prechecks, "_bads", lambda *a: computed.append(a[0].spec.name) or real(*a))
+    w = torch.randn(3, 5, requires_grad=True)
+    x, y = torch.randn(4, 3), I([0, 4, 2, 1])
+    wd = w.detach().to("xla").requires_grad_()
+    xd, yd = x.to("xla"), y.to("xla")
+    xm.mark_step()
+    met.clear_all()
+    F.cross_entropy(xd @ wd, yd).backward()
+    xm.mark_step()
+    assert computed == ["nll_loss_forward.default"]
+    assert met.counter_value("ChecksOnHost") == 1 and met.counter_value("CheckRowsRead") is None
+    F.cross_entropy(x @ w, y).backward()
+    torch.testing.assert_close(wd.grad.cpu(), w.grad, rtol=1e-5, atol=1e-6)
+
+    bad = I([0, 4, 7, 1], device="xla")  # 7: not one of the 5 classes
+    one = torch.ones(()).to("xla")
+    logp = F.log_softmax(xd @ wd.detach(), 1)
+    xm.mark_step()
+    computed.clear()
+    loss, total = torch.ops.aten.nll_loss_forward(logp, yd, None, 1, -100)  # the good targets
+    grad = torch.ops.aten.nll_loss_backward(one, logp, bad, None, 1, -100, total)  # in the same step
+    with pytest.raises(IndexError, match="Target 7 is out of bounds"):
+        grad.cpu()
+    assert computed == ["nll_loss_forward.default", "nll_loss_backward.default"]
+
+
+def test_a_host_check_over_values_in_range_takes_two_reductions_and_one_out_of_range_names_it():
+    """``in_range`` and ``targets`` on host arrays (checks decided before the step): values all in
+    range answer from their minimum and maximum; one out of range gives the full result, the
+    first offending value and its position, as on the device."""
+    import numpy as np
+
+    from xlatorch.lowering import checks as C
+
+    idx = np.array([[3, 0], [4, 1]])
+    assert C.in_range(idx, 0, 5, IndexError, "{0}")[0] is False
+    bad, value, pos, exc, _ = C.in_range(idx, 0, 4, IndexError, "{0}")
+    assert bool(bad) and int(value) == 4 and int(pos) == 2 and exc is IndexError
+    bad, value, pos, _, _ = C.in_range(np.array([2, -1, 9]), 0, 5, IndexError, "{0}")
+    assert bool(bad) and int(value) == -1 and int(pos) == 1
+    logits = np.zeros((3, 5), np.float32)
+    assert C.targets(logits, np.array([0, 4, 2]), -100)[0] is False
+    assert not bool(C.targets(logits, np.array([0, -100, 2]), -100)[0])  # ignore_index: the full condition
+    bad, value, pos, _, _ = C.targets(logits, np.array([0, -100, 5]), -100)
+    assert bool(bad) and int(value) == 5 and int(pos) == 2

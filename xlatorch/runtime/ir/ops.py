@@ -67,13 +67,14 @@ class OpSpec:
 
     __slots__ = (
         "name", "overload", "emit", "arg_names", "kinds", "kwarg_only", "returns",
-        "promote", "promote_idx", "view", "scatter", "cache", "meta_overload", "check", "check_integral",
+        "promote", "promote_idx", "view", "scatter", "cache", "meta_overload", "check", "check_integral", "check_reads",
         "counter", "mutates", "born", "index_dtype", "prepare", "copies",
     )  # fmt: skip
 
     def __init__(self, name, overload, emit, arg_names, kinds, kwarg_only, returns,
                  promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-                 check=None, check_integral=False, mutates=(), index_dtype=None, copies=False):  # fmt: skip
+                 check=None, check_integral=False, mutates=(), index_dtype=None, copies=False,
+                 check_reads=None):  # fmt: skip
         self.name = name
         self.overload = overload
         self.emit = emit
@@ -95,6 +96,9 @@ class OpSpec:
         # The on-device check (ops.yaml ``check``): called like ``emit``, gives L.checks results.
         self.check = check
         self.check_integral = check_integral  # check only when the computation dtype is integral
+        # ``(expression, positions of the arguments it reads, whether it reads the outputs)``:
+        # checks with equal keys over the same values give the same answer (plan/prechecks.py)
+        self.check_reads = check_reads
         # ops.yaml ``index_dtype``: ``((argument positions, dtypes CPU accepts, exception, message,
         # empty_ok), ...)``, checked when a signature is first seen (``trace/nodes.py``), so a bad
         # dtype raises at the call.

@@ -187,6 +187,25 @@ def _bads(n, layout, vals) -> list:
     return [r[0] for r in (found if isinstance(found, list) else [found]) if r is not None]
 
 
+def _same(n):
+    """What node ``n``'s check decides, as a key: its expression (ops.yaml ``check``) and the
+    values it reads (tensors by identity, static arguments by value, each with the dtype the check
+    casts it to), and the outputs' avals if it reads them. ``nll_loss_backward`` checks its
+    forward's targets again: equal keys, one answer. None when an argument is not hashable."""
+    spec, info = n.spec, n.info
+    reads = spec.check_reads
+    if reads is None:
+        return None
+    expr, at, out = reads
+    cd = info.cdtype
+    try:
+        key = (expr, tuple((n.args[i], cd if i in spec.promote_idx else None) for i in at), info.avals if out else None)
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
 def decided(nodes) -> bool:
     """Whether the checks of ``nodes`` (a graph's) are all decided on the host, none firing."""
     checked = [n for n in nodes if n.info.checked]
@@ -194,7 +213,13 @@ def decided(nodes) -> bool:
         if not isinstance(n.spec.overload, torch._ops.OpOverload):
             return False  # a body's or a compiled graph's checks (loops, torch.compile): on the device
     views: dict = {}
+    passed: set = set()  # the checks decided so far, as _same's keys: a loss's backward repeats its forward's
     for n in checked:
+        same = _same(n)
+        if same is not None:
+            if same in passed:
+                continue
+            passed.add(same)
         host: list = []
         layout = _args(n.args, host, views)
         if not any(k == "h" for k, _ in _flat(layout)):
