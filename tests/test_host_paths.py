@@ -219,3 +219,33 @@ def test_a_scalar_at_its_schema_default_is_a_constant_and_any_other_value_a_para
         for got, want in zip(outs, program(a, b, w, bias, i, j, alpha, beta)):
             torch.testing.assert_close(got.cpu(), want, msg=str((alpha, beta)))
     assert _count("UncachedCompile") - before == 1  # the graph with parameters, once
+
+
+def test_a_fused_shim_makes_the_node_output_and_storage_their_constructors_make():
+    # The fused shims make a cached signature's Node, its Out and the result's Storage inline,
+    # without their __init__ (trace/dispatch._fuse): every slot those set must be set alike, so a
+    # field added to one constructor and not to the fused code fails here, not in a later sync.
+    from xlatorch.runtime.ir.values import Node, Out
+    from xlatorch.runtime.trace.tensor import PENDING, Storage
+
+    dev = xm.xla_device()
+    a, b = torch.randn(3, 4), torch.randn(3, 4)
+    xa, xb = a.to(dev), b.to(dev)
+    xm.mark_step()
+    xa + xb  # the first call fuses the shim and caches the signature
+    fused = dispatch.SHIMS[aten.add.Tensor]
+    assert fused.__wrapped__ is generated.add_Tensor
+    got, ref = fused(xa, xb), generated.add_Tensor(xa, xb)  # inline / through Node() and Storage()
+    (gn, go, gs), (rn, ro, rs) = [(t._st.value.node, t._st.value, t._st) for t in (got, ref)]
+    assert go is not ro and gs is not rs and gs.sid in PENDING and PENDING[gs.sid]() is gs
+    for cls, g, r, skip in ((Node, gn, rn, ("args", "outs")), (Out, go, ro, ("node",)),
+                            (Storage, gs, rs, ("refs", "gen", "sid", "value", "__weakref__"))):  # fmt: skip
+        for slot in cls.__slots__:
+            assert hasattr(g, slot) == hasattr(r, slot), (cls.__name__, slot)
+            if slot not in skip and hasattr(r, slot):
+                assert getattr(g, slot) == getattr(r, slot), (cls.__name__, slot)
+    assert gn.outs == (go,) and go.node is gn and gs.value is go and gs.gen == gs.sid
+    assert [w() for w in gs.refs] == [got]
+    assert gn.args[:2] == rn.args[:2] and gn.key is rn.key
+    torch.testing.assert_close(got.cpu(), a + b)
+    torch.testing.assert_close(ref.cpu(), a + b)

@@ -40,7 +40,7 @@ class Info:
     tuple shared by all of them (set by ``trace/nodes.py`` at the first), so that comparing two
     graphs' keys finds equal nodes by identity instead of walking their signatures."""
 
-    __slots__ = ("avals", "cdtype", "checked", "big", "key", "one")
+    __slots__ = ("avals", "cdtype", "checked", "big", "key", "one", "fast")
 
     def __init__(self, avals, cdtype, checked=False):
         self.avals = avals
@@ -49,6 +49,7 @@ class Info:
         self.checked = checked
         self.big = any(a is not None and type(a) is tuple and _nbytes(a) >= BIG_BYTES for a in avals)
         self.key = None
+        self.fast = False  # set with ``key``: its nodes may be made inline (``trace/dispatch._fuse``)
 
 
 def _nbytes(aval) -> int:

@@ -133,7 +133,9 @@ class Node:
     ``hash(-1) == hash(-2)``, and dims -1 and -2 must not share an executable).
     """
 
-    # tick: checked nodes; born: a constant's storage (runtime/plan/births.py)
+    # tick: checked nodes; born: a constant's storage (runtime/plan/births.py).
+    # Made inline, with its Out, by the fused shims (trace/dispatch._fuse) for an Info marked
+    # ``fast``: a change to what __init__ sets is made there too (tests/test_host_paths.py).
     __slots__ = ("spec", "args", "info", "key", "outs", "dev", "src", "tick", "born")
 
     def __init__(self, spec, args, info, key):

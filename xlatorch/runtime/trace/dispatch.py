@@ -15,7 +15,8 @@ import torch
 
 from xlatorch.runtime.base.dtypes import PY_SCALAR_DTYPE
 from xlatorch.runtime.base.record import COUNTERS
-from xlatorch.runtime.base.threads import _in_backward
+from xlatorch.runtime.base.threads import TICKS, _get_ident, _in_backward, owner
+from xlatorch.runtime.ir import values as _ir
 from xlatorch.runtime.ir.ops import (
     GENERATOR,
     HOST_SCALARS,
@@ -32,7 +33,7 @@ from xlatorch.runtime.ir.ops import (
     _static_sig,
 )
 from xlatorch.runtime.ir.rng import next_key
-from xlatorch.runtime.ir.values import Node, Scalar
+from xlatorch.runtime.ir.values import Node, Out, Scalar
 from xlatorch.runtime.trace import tensor as _tensor_module
 from xlatorch.runtime.trace.nodes import _node, convert_value, scalar
 from xlatorch.runtime.trace.tensor import Storage, XlaTensor, value_of, wrap, write
@@ -281,7 +282,7 @@ def _arg_lines(kinds, defaults, scope) -> list:
 _FUSED_NAMES = frozenset(
     "XlaTensor _tensor_value _static_sig scalar _sig next_key Scalar PY_SCALAR_DTYPE spec cache counter _node Node "
     "COUNTERS _in_backward _weakref _new DEVICE Storage _reads _host_scalars info n out vals sig st t r "
-    "CACHED_VIEWS".split()
+    "CACHED_VIEWS IR Out _alloc _get_ident _owner TICKS PENDING bw sid".split()
 )
 
 
@@ -317,12 +318,16 @@ def _fuse(spec: OpSpec) -> None:
         f"    vals = ({vs})",
         f"    sig = ({ss})",
         "    info = cache.get(sig)",
-        "    if info is None or info.checked or info.key is None:",
+        "    if info is None or not info.fast or IR._multi or IR.DEBUG_SOURCE:",
         "        n = _node(spec, vals, sig)",
-        "    else:",
-        "        n = Node(spec, vals, info, info.key)",
+        "        out = n.outs[0]",
+        "    else:",  # Node(spec, vals, info, info.key) and its Out, inline (ir/values.py)
+        "        n = _alloc(Node)",
+        "        n.spec, n.args, n.info, n.key, n.dev = spec, vals, info, info.key, 0",
+        "        out = _alloc(Out)",
+        "        out.node, out.idx, out.aval, out.sig = n, 0, info.one, info.one",
+        "        n.outs = (out,)",
         "        COUNTERS[counter] += 1",
-        "    out = n.outs[0]",
         "    t = _new(XlaTensor, out.aval[0], dtype=out.aval[1], device=DEVICE)",
         "    COUNTERS['CreateXlaTensor'] += 1",
     ]
@@ -337,10 +342,16 @@ def _fuse(spec: OpSpec) -> None:
             "    st.refs.append(r)",
             "    return t",
         ]
-    else:  # wrap(out), inline
+    else:  # wrap(out), inline, with Storage(out, _weakref(t)) (trace/tensor.py)
         lines += [
-            "    t._st = st = Storage(out, _weakref(t))",
-            "    if spec.born and _in_backward() == -1:",  # as call(): births
+            "    t._st = st = _alloc(Storage)",
+            "    st.refs = [_weakref(t)]",
+            "    bw = _in_backward()",
+            "    st.owner = _get_ident() if bw == -1 else _owner()",
+            "    st.gen = st.sid = sid = next(TICKS)",
+            "    st.prev, st.first, st.sharding, st.dev, st.value = None, 0, None, n.dev, out",
+            "    PENDING[sid] = _weakref(st)",
+            "    if bw == -1 and spec.born:",  # as call(): births
             "        n.born = _weakref(st)",
             "    return t",
         ]
@@ -349,7 +360,9 @@ def _fuse(spec: OpSpec) -> None:
              "cache": spec.cache, "counter": spec.counter, "_node": _node, "Node": Node, "COUNTERS": COUNTERS,
              "_in_backward": _in_backward, "_weakref": _weakref, "_new": torch.Tensor._make_wrapper_subclass,
              "DEVICE": _tensor_module.DEVICE, "Storage": Storage, "_reads": _tensor_module._reads,
-             "_host_scalars": _host_scalars, "CACHED_VIEWS": _tensor_module.CACHED_VIEWS}  # fmt: skip
+             "_host_scalars": _host_scalars, "CACHED_VIEWS": _tensor_module.CACHED_VIEWS, "IR": _ir, "Out": Out,
+             "_alloc": object.__new__, "_get_ident": _get_ident, "_owner": owner, "TICKS": TICKS,
+             "PENDING": _tensor_module.PENDING}  # fmt: skip
     # noqa below: source built above from the fixed _LINES and the shim's parameters
     exec(compile("\n".join(lines), _made_here(f"fused {spec.name}"), "exec"), scope)  # noqa: S102
     fused = scope["fused"]

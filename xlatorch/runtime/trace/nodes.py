@@ -49,6 +49,8 @@ def _node(spec: OpSpec, vals: tuple, sig: tuple) -> Node:
     key = info.key
     if key is None:  # equal signatures share the Info, so its nodes share one key tuple
         key = info.key = (spec, sig)
+        # An unchecked node with one output, not large: a fused shim makes the next ones inline
+        info.fast = not info.checked and not info.big and info.one is not None
     n = Node(spec, vals, info, key)
     COUNTERS[spec.counter] += 1
     if info.checked:

@@ -90,6 +90,9 @@ class Storage:
     ``refs`` holds weak references to the tensors made on it (some may have died or
     moved to another storage since): a sync asks it whether one view alone can still
     read the storage (``reroot_lone_views``).
+
+    Made inline by the fused shims (trace/dispatch._fuse): a change to what __init__ sets is
+    made there too (tests/test_host_paths.py).
     """
 
     __slots__ = ("value", "gen", "sid", "dev", "refs", "prev", "first", "owner", "sharding", "__weakref__")
@@ -136,26 +139,54 @@ class Storage:
         v = self.value
         if type(v) is Data:
             v.holders -= 1
-        elif PENDING is not None:  # None: the interpreter is tearing this module down
+            return
+        try:
             PENDING.pop(self.sid, None)
             # References: n.outs, self.value, v and getrefcount's argument; any more is a reader
             # (the common case: a consumer's arguments), and nothing is freed
-            if type(v) is Out and _refs(v) <= 4:
-                n = v.node
-                del v
-                self.value = None
-                _free_dead(n)
+            if type(v) is not Out or _refs(v) > 4:
+                return
+            n = v.node
+            del v
+            self.value = None
+            outs = n.outs
+            if outs is None or len(outs) > 1:
+                _free_dead([n])
+                return
+            # Its only output, read by nothing: the node is dead (``_free_dead``'s first round, inline)
+            args = n.args
+            n.outs = n.args = None
+            work = _operand_nodes(args)
+            if work:
+                args = None
+                _free_dead(work)
+        except Exception:  # at interpreter exit the module's globals may be gone
+            pass
 
 
-def _free_dead(n) -> None:
-    """After the last tensor of a pending value let go of it: when nothing reads node ``n``'s
+def _operand_nodes(args) -> list:
+    """The nodes whose outputs are among ``args`` (tensor lists flattened)."""
+    work = []
+    for a in args:
+        t = type(a)
+        if t is Out:
+            work.append(a.node)
+        elif t is tuple:
+            for x in a:
+                if type(x) is Out:
+                    work.append(x.node)
+    return work
+
+
+def _free_dead(work: list) -> None:
+    """After the last tensor of a pending value let go of it: when nothing reads a node's
     outputs any more (no consumer's arguments, no tensor, no view's cached value: their
     reference counts say so), no sync will compute it, so break its cycle with its outputs now,
     as ``plan/collect.release`` does after a sync, and then its operands' nodes that this leaves
     unread. Left linked, a value the program dropped unused (a generation loop's clones) went
-    to the cyclic collector, and kept linked the graph it read from."""
+    to the cyclic collector, and kept linked the graph it read from. ``work``: the nodes to
+    look at, taken by this call (no reference to them must be left in the caller)."""
     try:
-        work = [n]
         while work:
             n = work.pop()
             outs = n.outs
@@ -169,16 +200,9 @@ def _free_dead(n) -> None:
                 args = n.args
                 n.outs = n.args = None
                 if args:  # its operands' nodes are counted next: no reference to them left here
-                    for a in args:
-                        t = type(a)
-                        if t is Out:
-                            work.append(a.node)
-                        elif t is tuple:
-                            for x in a:
-                                if type(x) is Out:
-                                    work.append(x.node)
-                            x = None
-                    a = args = None
+                    work += _operand_nodes(args)
+                    args = None
+            o = outs = None
     except Exception:  # at interpreter exit the module's globals may be gone
         pass
 
