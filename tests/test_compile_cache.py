@@ -409,9 +409,9 @@ def test_a_cache_moved_elsewhere_hits(cold, tmp_path):
 
 def test_the_cache_on_disk_is_bounded_and_keeps_the_newest(tmp_path):
     """A graph of this kind leaves about 7 kB (its executable, 3.9 kB, and its lowered program,
-    3.2 kB): a bound of 24 kB holds three. Each process writes three; the oldest go (eviction
-    runs when a write passes the bound), the directory never holds more than the bound, and
-    what survives still hits."""
+    3.2 kB): a bound of 24 kB holds three. Each of two processes writes three; the oldest go
+    (eviction runs when a write passes the bound), the directory never holds more than the
+    bound, and what survives still hits."""
     entries = tmp_path / "jax"
     limit = 24_000
 
@@ -419,14 +419,14 @@ def test_the_cache_on_disk_is_bounded_and_keeps_the_newest(tmp_path):
         return sum(f.stat().st_size for f in entries.iterdir() if f.name.endswith("-cache"))
 
     evictions = 0
-    for first in (100, 200, 300):
+    for first in (100, 200):
         (run,) = _run(tmp_path, script=_GRAPHS, args=(first, first + 1, first + 2), XLATORCH_CACHE_MAX_BYTES=str(limit))
         assert run["Miss"] == 3 and run["Hit"] == 0
         assert 0 < size() <= limit, size()
         evictions += run["Eviction"]
-    assert evictions >= 6
+    assert evictions >= 3  # the second process's three graphs cannot fit beside the first's
     assert not [f for f in os.listdir(entries) if f.endswith(".tmp")]  # written whole, renamed
-    (newest,) = _run(tmp_path, script=_GRAPHS, args=(302, 301), XLATORCH_CACHE_MAX_BYTES=str(limit))
+    (newest,) = _run(tmp_path, script=_GRAPHS, args=(202, 201), XLATORCH_CACHE_MAX_BYTES=str(limit))
     assert newest["Hit"] == 2 and newest["Miss"] == 0 and newest["ProgramHit"] == 2
     (oldest,) = _run(tmp_path, script=_GRAPHS, args=(100,), XLATORCH_CACHE_MAX_BYTES=str(limit))
     assert oldest["Hit"] == 0 and oldest["Miss"] == 1 and oldest["ProgramMiss"] == 1

@@ -61,24 +61,29 @@ def test_a_value_not_accepted_stops_the_import_naming_the_variable(name, value, 
     assert accepted in last, last
 
 
-@pytest.mark.parametrize("off", ["0", "false", "False", "off", "no"])
-def test_switches_turn_off_with_any_false_word(off):
-    code = """
-        import gc, signal
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # as at a terminal (a background job ignores it)
-        import torch, xlatorch
-        from xlatorch.runtime.base import config
-        from xlatorch.runtime.plan import births
-        deferred = signal.getsignal(signal.SIGINT) is not signal.default_int_handler
-        print(births.ENABLED, gc.get_freeze_count() > 0, deferred, config.CHECKS)
-    """
-    switches = ("XLATORCH_HOIST_BIRTHS", "XLATORCH_GC_FREEZE", "XLATORCH_DEFER_SIGINT", "XLATORCH_CHECKS")
-    r = _run(code, **dict.fromkeys(switches, off))
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.split() == ["False"] * 4
-    r = _run(code)  # on by default
+_SWITCHES_CODE = """
+    import gc, signal
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as at a terminal (a background job ignores it)
+    import torch, xlatorch
+    from xlatorch.runtime.base import config
+    from xlatorch.runtime.plan import births
+    deferred = signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    print(births.ENABLED, gc.get_freeze_count() > 0, deferred, config.CHECKS)
+"""
+_SWITCHES = ("XLATORCH_HOIST_BIRTHS", "XLATORCH_GC_FREEZE", "XLATORCH_DEFER_SIGINT", "XLATORCH_CHECKS")
+
+
+def test_switches_are_on_by_default():
+    r = _run(_SWITCHES_CODE)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split() == ["True"] * 4
+
+
+@pytest.mark.parametrize("off", ["0", "false", "False", "off", "no"])
+def test_switches_turn_off_with_any_false_word(off):
+    r = _run(_SWITCHES_CODE, **dict.fromkeys(_SWITCHES, off))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["False"] * 4
 
 
 def test_the_modules_a_first_step_imports_are_frozen_at_import():
