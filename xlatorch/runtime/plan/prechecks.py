@@ -191,19 +191,15 @@ def _same(n):
     """What node ``n``'s check decides, as a key: its expression (ops.yaml ``check``) and the
     values it reads (tensors by identity, static arguments by value, each with the dtype the check
     casts it to), and the outputs' avals if it reads them. ``nll_loss_backward`` checks its
-    forward's targets again: equal keys, one answer. None when an argument is not hashable."""
+    forward's targets again: equal keys, one answer. None for an op whose check reads nothing
+    recorded; the key may hold an argument that is not hashable (``decided`` skips those)."""
     spec, info = n.spec, n.info
     reads = spec.check_reads
     if reads is None:
         return None
     expr, at, out = reads
     cd = info.cdtype
-    try:
-        key = (expr, tuple((n.args[i], cd if i in spec.promote_idx else None) for i in at), info.avals if out else None)
-        hash(key)
-    except TypeError:
-        return None
-    return key
+    return expr, tuple((n.args[i], cd if i in spec.promote_idx else None) for i in at), info.avals if out else None
 
 
 def decided(nodes) -> bool:
@@ -217,9 +213,12 @@ def decided(nodes) -> bool:
     for n in checked:
         same = _same(n)
         if same is not None:
-            if same in passed:
-                continue
-            passed.add(same)
+            try:
+                if same in passed:
+                    continue
+                passed.add(same)
+            except TypeError:  # an argument that is not hashable: decided on its own
+                pass
         host: list = []
         layout = _args(n.args, host, views)
         if not any(k == "h" for k, _ in _flat(layout)):

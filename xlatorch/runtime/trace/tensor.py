@@ -166,16 +166,7 @@ class Storage:
 
 def _operand_nodes(args) -> list:
     """The nodes whose outputs are among ``args`` (tensor lists flattened)."""
-    work = []
-    for a in args:
-        t = type(a)
-        if t is Out:
-            work.append(a.node)
-        elif t is tuple:
-            for x in a:
-                if type(x) is Out:
-                    work.append(x.node)
-    return work
+    return [v.node for v in ir.operands(args) if type(v) is Out]
 
 
 def _free_dead(work: list) -> None:
