@@ -1,4 +1,5 @@
 import atexit
+import compileall
 import os
 import shutil
 import sys
@@ -7,11 +8,18 @@ import tempfile
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _ROOT)
 # The persistent compilation cache of a test run lives and dies with it (subprocesses share it).
 if "XLATORCH_CACHE_DIR" not in os.environ:
     os.environ["XLATORCH_CACHE_DIR"] = tempfile.mkdtemp(prefix="xlatorch-test-cache-")
     atexit.register(shutil.rmtree, os.environ["XLATORCH_CACHE_DIR"], True)
+# Under PYTHONDONTWRITEBYTECODE (some containers set it) no import writes bytecode, so every
+# process a test starts compiled the project's ~200 modules from source: 3.2 s against 4.1 s
+# for ``import xlatorch`` (medians of ten, alternating). Written here once (an unchanged file
+# is skipped), into the usual __pycache__ folders; imports read them whatever the variable says.
+for _folder in ("xlatorch", "generated", "tests", "examples", "bench", "codegen", "tools"):
+    compileall.compile_dir(os.path.join(_ROOT, _folder), quiet=2)
 
 import xlatorch  # noqa: E402,F401
 import xlatorch.debug.metrics as met  # noqa: E402
