@@ -74,7 +74,7 @@ def _child(cache: str, device: str, tokens: int, prompt: int, later: int) -> dic
     phases.clear()
     runs = [call(4 + i) for i in range(later)]
     n = max(later, 1) * tokens
-    res["phase_ms"] = {k: v / n * 1e3 for k, v in phases.items()}
+    res["phase_ms"] = {k: phases.get(k, 0.0) / n * 1e3 for k in _PHASES.values()}
     res["phase_ms"]["rest"] = sum(s for s, _, _ in runs) / n * 1e3 - sum(res["phase_ms"].values())
     res["slowest_later_s"] = max((s for s, _, _ in runs), default=0.0)
     times = sorted(s for s, _, _ in runs) or [res["third_s"]]
