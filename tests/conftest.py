@@ -18,8 +18,9 @@ if "XLATORCH_CACHE_DIR" not in os.environ:
 # process a test starts compiled the project's ~200 modules from source: 3.2 s against 4.1 s
 # for ``import xlatorch`` (medians of ten, alternating). Written here once (an unchanged file
 # is skipped), into the usual __pycache__ folders; imports read them whatever the variable says.
-for _folder in ("xlatorch", "generated", "tests", "examples", "bench", "codegen", "tools"):
-    compileall.compile_dir(os.path.join(_ROOT, _folder), quiet=2)
+if sys.dont_write_bytecode:  # otherwise imports write it themselves
+    for _folder in ("xlatorch", "generated", "tests", "examples", "bench", "codegen", "tools"):
+        compileall.compile_dir(os.path.join(_ROOT, _folder), quiet=2)
 
 import xlatorch  # noqa: E402,F401
 import xlatorch.debug.metrics as met  # noqa: E402
