@@ -67,8 +67,10 @@ def _child(cache: str, device: str, tokens: int, prompt: int, later: int) -> dic
 
     res = {"cache": cache, "device": device}
     for name, seed in (("first", 1), ("second", 2), ("third", 3)):
+        dyn = met.counter_value("DynamoCompile") or 0
         s, c, toks = call(seed)
         res[f"{name}_s"], res[f"{name}_compiles"], res[f"{name}_tokens"] = s, c, toks
+        res[f"{name}_dynamo"] = (met.counter_value("DynamoCompile") or 0) - dyn  # graphs Dynamo made
     res["per_token_ms"] = res["third_s"] / tokens * 1e3
     before = met.counter_value("OptimizedRecompile") or 0
     phases.clear()
@@ -185,6 +187,10 @@ def main() -> None:
                 f"{cache}/{device} vs {base[0]}/{base[1]}: second call {second:.2f}x, per token {token:.2f}x "
                 f"(third call), {later:.2f}x (median later call)"
             )
+    for r in rows:
+        if r["device"] == "compile":  # xlatorch's counter (torch_xla has none)
+            dyn = ", ".join(str(r[f"{n}_dynamo"]) for n in ("first", "second", "third"))
+            print(f"{r['cache']}/{r['device']}: forward graphs Dynamo made in the first three calls: {dyn}")
     print("ms per token over the later calls, by phase (" + ", ".join(_PHASES.values()) + ", rest):")
     for r in rows:
         print(f"  {r['cache']:8} {r['device']:10} " + "  ".join(f"{k} {v:.2f}" for k, v in r["phase_ms"].items()))
