@@ -160,11 +160,51 @@ def test_write_through_broadcast_expand_is_pytorch_error():
     assert torch.equal(x.cpu(), torch.ones(2, 3))
 
 
+# Views whose layout differs from a contiguous tensor's: (name, how to make it from a 2x3x4 tensor).
+_LAYOUTS = [
+    ("t of a slice", lambda a: a[0].t()),
+    ("permute", lambda a: a.permute(2, 0, 1)),
+    ("transpose", lambda a: a.transpose(0, 2)),
+    ("slice with a step", lambda a: a[:, ::2]),
+    ("select", lambda a: a[:, 1]),
+    ("narrow", lambda a: a.narrow(2, 1, 2)),
+    ("expand", lambda a: a[:, :1].expand(2, 3, 4)),
+    ("diagonal", lambda a: a.diagonal(0, 1, 2)),
+    ("unfold", lambda a: a.unfold(2, 2, 1)),
+    ("as_strided", lambda a: a.as_strided((3, 2), (1, 4), 2)),
+    ("view of a permute", lambda a: a.permute(1, 0, 2)[1:].unsqueeze(0)),
+]
+
+
+@pytest.mark.parametrize("name, make", _LAYOUTS, ids=[n for n, _ in _LAYOUTS])
+def test_a_view_reports_cpus_strides_and_contiguous_copies_as_on_cpu(name, make):
+    """A view's strides and offset are CPU's, so what PyTorch decides from them matches:
+    ``contiguous()``, ``reshape`` and ``flatten`` copy where CPU copies (a write into the
+    result leaves the base as it was) and alias where CPU aliases."""
+    for how in ("contiguous", "reshape", "flatten"):
+        got = {}
+        for dev in ("cpu", "xla"):
+            a = torch.arange(24.0).reshape(2, 3, 4).to(dev)
+            v = make(a)
+            layout = (v.stride(), v.storage_offset(), v.is_contiguous())
+            r = {"contiguous": v.contiguous, "reshape": lambda v=v: v.reshape(-1), "flatten": v.flatten}[how]()
+            r.mul_(-1)  # into the copy, or through the alias into the base
+            got[dev] = layout, a.cpu(), r.cpu()
+        (want_layout, want_base, want_r), (layout, base, r) = got["cpu"], got["xla"]
+        assert layout == want_layout, (name, how)
+        assert torch.equal(base, want_base) and torch.equal(r, want_r), (name, how)
+
+
+def test_a_view_cpu_cannot_make_raises_when_made():
+    x = torch.arange(6.0, device="xla").reshape(2, 3)
+    with pytest.raises(RuntimeError, match="view size is not compatible with input tensor's size and stride"):
+        x.t().view(-1)
+    assert x.t().reshape(-1).cpu().tolist() == [0.0, 3.0, 1.0, 4.0, 2.0, 5.0]
+
+
 def test_documented_differences():
     x = torch.randn(3, 4, device="xla")
-    # Always contiguous, no storage.
-    t = x.t()
-    assert t.is_contiguous() and t.stride() == (3, 1)
+    # No storage.
     with pytest.raises(RuntimeError, match="no storage"):
         x.untyped_storage()
     # Moving a view to CPU copies its data and drops the view relationship.

@@ -266,7 +266,7 @@ def _copy_(self, src, non_blocking=False):
 
 
 def _alias(self):
-    return wrap(value_of(self), self._st, self._vw)
+    return wrap(value_of(self), self._st, self._vw, self._geo)
 
 
 def _item(self):

@@ -34,8 +34,10 @@ from xlatorch.runtime.ir.ops import (
 )
 from xlatorch.runtime.ir.rng import next_key
 from xlatorch.runtime.ir.values import Node, Out, Scalar
+from xlatorch.runtime.trace import strides
 from xlatorch.runtime.trace import tensor as _tensor_module
 from xlatorch.runtime.trace.nodes import _node, convert_value, scalar
+from xlatorch.runtime.trace.strides import geometry
 from xlatorch.runtime.trace.tensor import Storage, XlaTensor, value_of, wrap, write
 
 __all__ = ["dispatch", "call", "call_inplace", "call_out", "SHIMS", "RUNTIME_OPS", "DECOMPS", "FALLBACK"]
@@ -282,7 +284,7 @@ def _arg_lines(kinds, defaults, scope) -> list:
 _FUSED_NAMES = frozenset(
     "XlaTensor _tensor_value _static_sig scalar _sig next_key Scalar PY_SCALAR_DTYPE spec cache counter _node Node "
     "COUNTERS _in_backward _weakref _new DEVICE Storage _reads _host_scalars info n out vals sig st t r "
-    "CACHED_VIEWS IR Out _alloc _get_ident _owner TICKS PENDING bw sid".split()
+    "CACHED_VIEWS IR Out _alloc _get_ident _owner TICKS PENDING bw sid vstep geo _geometry _GEOMETRY".split()
 )
 
 
@@ -328,13 +330,21 @@ def _fuse(spec: OpSpec) -> None:
         "        out.node, out.idx, out.aval, out.sig = n, 0, info.one, info.one",
         "        n.outs = (out,)",
         "        COUNTERS[counter] += 1",
-        "    t = _new(XlaTensor, out.aval[0], dtype=out.aval[1], device=DEVICE)",
-        "    COUNTERS['CreateXlaTensor'] += 1",
     ]
-    if spec.view:  # _view_of(a0, (spec, rest, 0), out), inline
+    if spec.view:  # _view_of(a0, (spec, rest, 0), out, n.info), inline
         lines += [
+            "    vstep = (spec, n.args[1:], 0)",
+            "    geo = _GEOMETRY.get((n.info, a0._geo, 0), _geometry)",  # strides.geometry's lookup, inline
+            "    if geo is _geometry:",
+            "        geo = _geometry(n.info, vstep, a0)",
+            "    if geo is None:",
+            "        t = _new(XlaTensor, out.aval[0], dtype=out.aval[1], device=DEVICE)",
+            "    else:",
+            "        t = _new(XlaTensor, out.aval[0], geo[0], geo[1], dtype=out.aval[1], device=DEVICE)",
+            "        t._geo = geo",
+            "    COUNTERS['CreateXlaTensor'] += 1",
             "    t._st = st = a0._st",
-            "    t._vw, t._vc = (a0._vw or ()) + ((spec, n.args[1:], 0),), (st.gen, out)",
+            "    t._vw, t._vc = (a0._vw or ()) + (vstep,), (st.gen, out)",
             "    r = _weakref(t)",
             "    CACHED_VIEWS.append(r)",
             "    if len(st.refs) >= 16:",
@@ -344,6 +354,8 @@ def _fuse(spec: OpSpec) -> None:
         ]
     else:  # wrap(out), inline, with Storage(out, _weakref(t)) (trace/tensor.py)
         lines += [
+            "    t = _new(XlaTensor, out.aval[0], dtype=out.aval[1], device=DEVICE)",
+            "    COUNTERS['CreateXlaTensor'] += 1",
             "    t._st = st = _alloc(Storage)",
             "    st.refs = [_weakref(t)]",
             "    bw = _in_backward()",
@@ -362,7 +374,7 @@ def _fuse(spec: OpSpec) -> None:
              "DEVICE": _tensor_module.DEVICE, "Storage": Storage, "_reads": _tensor_module._reads,
              "_host_scalars": _host_scalars, "CACHED_VIEWS": _tensor_module.CACHED_VIEWS, "IR": _ir, "Out": Out,
              "_alloc": object.__new__, "_get_ident": _get_ident, "_owner": owner, "TICKS": TICKS,
-             "PENDING": _tensor_module.PENDING}  # fmt: skip
+             "PENDING": _tensor_module.PENDING, "_geometry": geometry, "_GEOMETRY": strides.GEOMETRY}  # fmt: skip
     # noqa below: source built above from the fixed _LINES and the shim's parameters
     exec(compile("\n".join(lines), _made_here(f"fused {spec.name}"), "exec"), scope)  # noqa: S102
     fused = scope["fused"]
@@ -387,7 +399,7 @@ def call(spec: OpSpec, args: tuple):
     if spec.view:
         base = args[0]
         rest = n.args[1:]
-        outs = [_view_of(base, (spec, rest, i), o) for i, o in enumerate(n.outs)]
+        outs = [_view_of(base, (spec, rest, i), o, n.info) for i, o in enumerate(n.outs)]
         if spec.returns is ONE:
             return outs[0]
         return outs if spec.returns is LIST else tuple(outs)
@@ -397,9 +409,12 @@ def call(spec: OpSpec, args: tuple):
     return out
 
 
-def _view_of(base: XlaTensor, step, value) -> XlaTensor:
+def _view_of(base: XlaTensor, step, value, info) -> XlaTensor:
     chain = (base._vw or ()) + (step,)
-    return wrap(value, base._st, chain)
+    geo = strides.GEOMETRY.get((info, base._geo, step[2]), geometry)  # strides.geometry's lookup, inline
+    if geo is geometry:
+        geo = geometry(info, step, base)
+    return wrap(value, base._st, chain, geo)
 
 
 def call_inplace(spec: OpSpec, args: tuple):

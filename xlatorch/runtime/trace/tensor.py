@@ -212,6 +212,7 @@ class XlaTensor(torch.Tensor):
     # Set on views only (a plain tensor reads these class defaults: two attribute writes less per op)
     _vw: tuple | None = None  # view steps from the storage's value, or None
     _vc: tuple | None = None  # (storage gen, value) cache of a view's value
+    _geo: tuple | None = None  # a view's (strides, storage offset) when not contiguous's from 0 (trace/strides.py)
 
     @staticmethod
     def __new__(cls, *args, **kwargs):
@@ -333,7 +334,7 @@ class XlaTensor(torch.Tensor):
                 f"Attempted to set the data of an xla tensor to a tensor on {new.device}; move it to xla first"
             )
         torch._C.TensorBase.data.__set__(self, new)
-        self._st, self._vw, self._vc = new._st, new._vw, new._vc
+        self._st, self._vw, self._vc, self._geo = new._st, new._vw, new._vc, new._geo
         new._st.refs.append(weakref.ref(self))
         if self._vw is not None:
             CACHED_VIEWS.append(weakref.ref(self))
@@ -359,13 +360,19 @@ def _rebuild_xla(cpu, requires_grad):
 _new = torch.Tensor._make_wrapper_subclass
 
 
-def wrap(value, st: Storage | None = None, view=None) -> XlaTensor:
-    """A new device tensor holding ``value`` (a fresh storage unless ``st`` is given).
+def wrap(value, st: Storage | None = None, view=None, geo=None) -> XlaTensor:
+    """A new device tensor holding ``value`` (a fresh storage unless ``st`` is given); a view
+    (``view``: its steps) reports the strides and offset ``geo`` (``trace/strides.py``; None:
+    contiguous from offset 0).
 
     Inlined, with ``dispatch._view_of`` and ``nodes._node``'s cached path, in the fused shims
     (``dispatch._fuse``): a change here is made there too (``tests/test_host_paths.py``)."""
     shape, dtype = value.aval
-    t = _new(XlaTensor, shape, dtype=dtype, device=DEVICE)
+    if geo is None:
+        t = _new(XlaTensor, shape, dtype=dtype, device=DEVICE)
+    else:
+        t = _new(XlaTensor, shape, strides=geo[0], storage_offset=geo[1], dtype=dtype, device=DEVICE)
+        t._geo = geo
     COUNTERS["CreateXlaTensor"] += 1
     if st is None:
         t._st = Storage(value, _weakref(t))

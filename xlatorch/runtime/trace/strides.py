@@ -1,0 +1,76 @@
+"""A view's strides and storage offset, as PyTorch on CPU gives them.
+
+A device tensor's value has a shape and no layout, but PyTorch decides things from the
+strides a tensor reports: ``contiguous()`` returns the tensor itself when it is contiguous
+(else a copy), ``reshape`` and ``flatten`` return a view when the strides allow one (else a
+copy), ``view`` raises when they do not. Reported contiguous, a transposed view's
+``contiguous()`` was the view itself, so writing into it wrote into its base, which on CPU
+stays as it was. So a view reports the strides and offset PyTorch's own view op gives over
+its base's (``geometry``: the op's meta kernel, once per signature and base layout), and a
+view CPU cannot make raises CPU's error when it is made. Every other tensor is contiguous
+from offset 0 (results of ops are new buffers, laid out as XLA likes).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from xlatorch.runtime.ir.values import Scalar
+from xlatorch.runtime.trace.nodes import replay_on_cpu
+
+__all__ = ["GEOMETRY", "geometry", "contiguous_strides"]
+
+# (Info of the view's signature, the base's ``_geo``, output index) -> (strides, offset), or
+# None for a contiguous view from offset 0 (the default a new tensor gets). Cleared when full
+# (the fused shims hold it: never rebound).
+GEOMETRY: dict = {}
+_LIMIT = 4096
+
+
+def geometry(info, step, base) -> tuple | None:
+    """(strides, storage offset) of view ``step`` (``(spec, rest, idx)``) applied to device
+    tensor ``base``, or None when they are a contiguous tensor's from offset 0. Raises
+    PyTorch's error for a view it cannot make (``view`` over incompatible strides). A tensor's
+    layout is its ``_geo`` (set on the views that are not contiguous from 0): no call into
+    PyTorch per view."""
+    key = (info, base._geo, step[2])
+    g = GEOMETRY.get(key, geometry)
+    if g is geometry:
+        geo = base._geo
+        strides, offset = geo if geo is not None else (contiguous_strides(tuple(base.shape)), 0)
+        g = _compute(step, tuple(base.shape), strides, offset, base.dtype)
+        if len(GEOMETRY) >= _LIMIT:
+            GEOMETRY.clear()
+        GEOMETRY[key] = g
+    return g
+
+
+def _compute(step, shape, strides, offset, dtype) -> tuple | None:
+    _, rest, _ = step
+    if any(not _static(a) for a in rest):
+        return None  # a tensor argument: PyTorch's own layout rule is not needed (none such view op)
+    extent = offset + 1 + sum((s - 1) * st for s, st in zip(shape, strides)) if math.prod(shape) else offset
+    meta = torch.empty(max(extent, 1), dtype=dtype, device="meta").as_strided(shape, strides, offset)
+    out = replay_on_cpu(step, meta)  # PyTorch's view op over the base's layout (raises as CPU does)
+    got, off = tuple(out.stride()), out.storage_offset()
+    return None if off == 0 and got == contiguous_strides(tuple(out.shape)) else (got, off)
+
+
+def _static(a) -> bool:
+    if type(a) is tuple or type(a) is list:
+        return all(_static(x) for x in a)
+    return a is None or type(a) in (int, float, bool, Scalar) or isinstance(a, _STATIC_TYPES)
+
+
+_STATIC_TYPES = (torch.dtype, torch.device, torch.memory_format)
+
+
+def contiguous_strides(shape: tuple) -> tuple:
+    """A contiguous tensor's strides for ``shape`` (PyTorch's: 1 for a size-1 dimension too)."""
+    out, acc = [], 1
+    for s in reversed(shape):
+        out.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(out))
