@@ -1058,10 +1058,12 @@ S_erf_ = OpSpec(
 S_pow_Tensor_Scalar = OpSpec(
     "pow.Tensor_Scalar", aten.pow.Tensor_Scalar, E.pow_Tensor_Scalar, ('self', 'exponent'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    check=E.pow_Tensor_Scalar__check, check_integral=True, check_reads=('L.checks.negative_power(exponent)', (1,), False),
 )
 S_pow__Scalar = OpSpec(
     "pow_.Scalar", aten.pow_.Scalar, E.pow_Tensor_Scalar, ('self', 'exponent'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    check=E.pow_Tensor_Scalar__check, check_integral=True, check_reads=('L.checks.negative_power(exponent)', (1,), False),
 )
 S_pow_Tensor_Tensor = OpSpec(
     "pow.Tensor_Tensor", aten.pow.Tensor_Tensor, E.pow_Tensor_Tensor, ('self', 'exponent'), (TENSOR, TENSOR,), (False, False), ONE,

@@ -915,12 +915,16 @@ def pow_Tensor_Scalar(out, self, exponent):
     return jnp.power(self, exponent)
 
 
+def pow_Tensor_Scalar__check(out, self, exponent):
+    return L.checks.negative_power(exponent)
+
+
 def pow_Tensor_Tensor(out, self, exponent):
-    return jnp.power(self, exponent)
+    return L.pointwise.power(self, exponent)
 
 
 def pow_Scalar(out, self, exponent):
-    return jnp.power(self, exponent)
+    return L.pointwise.power(self, exponent)
 
 
 def maximum(out, self, other):

@@ -76,6 +76,10 @@ BAD = {
     "remainder_scalar_tensor": lambda x, d: torch.remainder(3, I([0], device=d)),
     "fmod": lambda x, d: torch.fmod(I([3], device=d), I([0], device=d)),
     "fmod_scalar": lambda x, d: torch.fmod(I([3], device=d), 0),
+    "pow_negative_scalar": lambda x, d: I([2, 3], device=d) ** -1,
+    "pow_negative_scalar_int8": lambda x, d: I([2], dtype=torch.int8, device=d).pow(-2),
+    "pow_negative_scalar_inplace": lambda x, d: I([2, 4], device=d).pow_(-1),
+    "pow_negative_scalar_empty": lambda x, d: _zeros(d, 0, dtype=torch.long) ** -1,
     "floor_divide_int32": lambda x, d: I([3], dtype=torch.int32, device=d) // I([0], dtype=torch.int32, device=d),
     "float_index": lambda x, d: x[I([0.0], device=d)],
     "mask_shape": lambda x, d: x[I([True], device=d)],
@@ -115,6 +119,11 @@ GOOD = {
     "float_floor_divide_by_zero": lambda x, d: x.to(d) // 0,
     "float_fmod_by_zero": lambda x, d: torch.fmod(x.to(d), 0.0),
     "div_no_rounding_by_zero": lambda x, d: torch.div(I([3], device=d), I([0], device=d), rounding_mode=None),
+    "pow_negative_tensor_exponent": lambda x, d: I([2, 3, 1, -1, 0, -2], device=d).pow(
+        I([-1, -2, -3, -3, 2, -1], device=d)
+    ),
+    "pow_int_by_negative_float": lambda x, d: I([2, 4], device=d) ** -0.5,
+    "pow_int_by_zero_and_positive": lambda x, d: I([2, -3], device=d) ** 0 + I([2, -3], device=d) ** 3,
     # Indices that select nothing: CPU reads none of them, so none is checked.
     "advanced_index_broadcast_to_nothing": lambda x, d: _zeros(d, 0, 0, 10, 0)[
         :, _zeros(d, 5, 5, 0, dtype=torch.long), :, _zeros(d, 5, 5, 1, dtype=torch.long)

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["in_range", "always", "index_range", "select_range", "along_dim", "index_add_range", "advanced",
-           "targets", "bag", "divisor", "index_out_of_range", "flat", "segments", "lu_pivots"]  # fmt: skip
+           "targets", "bag", "divisor", "negative_power", "index_out_of_range", "flat", "segments",
+           "lu_pivots"]  # fmt: skip
 
 
 def _xp(x):
@@ -178,6 +179,13 @@ def divisor(out, other):
     if other.size == 0 or _empty(out):
         return None
     return xp.any(other == 0), 0, 0, RuntimeError, "ZeroDivisionError"
+
+
+def negative_power(exponent):
+    """Integral ``pow`` by a Scalar: CPU raises on a negative exponent, whatever the data (an
+    empty tensor too), where XLA's integer power would give garbage."""
+    xp = _xp(exponent)
+    return xp.asarray(exponent) < 0, 0, 0, RuntimeError, "Integers to negative integer powers are not allowed."
 
 
 _SEGMENT_LENGTH = ("Expected segment_length >= 0 to be true, but got false.  (Could this error message be "

@@ -148,6 +148,22 @@ def div_mode(out, self, other, rounding_mode):
     return lax.div(self, other) if rounding_mode == "trunc" else jnp.floor_divide(self, other)
 
 
+def power(self, exponent):
+    """``pow``. For integers, CPU's: a negative exponent gives 0, or 1 and -1 for bases 1 and -1
+    (-1 to an odd power), where XLA's integer power of a negative exponent is undefined (it
+    gave 5069619362125685561 for 3 ** -2)."""
+    if _is_float(self):  # and complex
+        return jnp.power(self, exponent)
+    self, exponent = jnp.broadcast_arrays(self, exponent)
+    pos = jnp.power(self, jnp.maximum(exponent, 0).astype(exponent.dtype))
+    if jnp.result_type(self) == jnp.bool_:
+        return pos
+    one = jnp.ones_like(self)
+    minus_one = jnp.where(exponent % 2 == 0, one, -one)  # (-1) ** exponent
+    neg = jnp.where(self == 1, one, jnp.where(self == -1, minus_one, jnp.zeros_like(self)))
+    return jnp.where(exponent < 0, neg, pos)
+
+
 def clamp(self, min, max):
     """``clamp.Tensor``: max(self, min) then min(., max); NaN propagates, min > max gives max."""
     if min is not None:
