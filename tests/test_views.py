@@ -279,3 +279,34 @@ def test_linear_weight_gradients_are_not_stored_transposed():
     for p, e in zip(dev_model.parameters(), expect):
         assert p.grad._vw is None
         torch.testing.assert_close(p.grad.cpu(), e)
+
+
+# Writes through a view chain with a step whose elements can share memory (overlapping
+# windows, a broadcast), into a view of it that does not: exactly its elements change.
+_OVERLAPPING_WRITES = {
+    "unfold_window": lambda x: x.unfold(0, 3, 2)[1].zero_(),
+    "unfold_column": lambda x: x.unfold(0, 3, 2)[:, 0].fill_(-1),
+    "unfold_element": lambda x: x.view(2, 6).unfold(1, 2, 1)[1, 2].add_(100),
+    "expand_row": lambda x: x[:3].expand(4, 3)[2].add_(10),
+    "expand_slice": lambda x: x.view(2, 6)[:, None].expand(2, 4, 6)[:, 1, 1:].mul_(-1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_OVERLAPPING_WRITES))
+def test_a_write_through_an_overlapping_step_changes_what_cpu_changes(name):
+    write = _OVERLAPPING_WRITES[name]
+    want = torch.arange(12.0)
+    write(want)
+    got = torch.arange(12.0).to("xla")
+    write(got)
+    assert torch.equal(got.cpu(), want)
+    # and autograd through it
+    x = torch.arange(12.0).to("xla").requires_grad_()
+    y = x * 1
+    write(y)
+    (y * y).sum().backward()
+    xc = torch.arange(12.0).requires_grad_()
+    yc = xc * 1
+    write(yc)
+    (yc * yc).sum().backward()
+    assert torch.equal(x.grad.cpu(), xc.grad)

@@ -20,7 +20,7 @@ import torch
 from xlatorch.runtime.ir.values import Scalar
 from xlatorch.runtime.trace.nodes import replay_on_cpu
 
-__all__ = ["GEOMETRY", "geometry", "contiguous_strides"]
+__all__ = ["GEOMETRY", "geometry", "contiguous_strides", "through_storage"]
 
 # (Info of the view's signature, the base's ``_geo``, output index) -> (strides, offset), or
 # None for a contiguous view from offset 0 (the default a new tensor gets). Cleared when full
@@ -74,3 +74,35 @@ def contiguous_strides(shape: tuple) -> tuple:
         out.append(acc)
         acc *= max(s, 1)
     return tuple(reversed(out))
+
+
+# View ops whose elements can share memory (overlapping windows, a broadcast): a write through
+# a chain with one of them is not the composition of each step's scatter.
+_MAY_OVERLAP = frozenset(("unfold.default", "expand.default"))
+
+
+def through_storage(shape, dtype, chain) -> tuple | None:
+    """For a write through view ``chain`` of a storage whose value has ``shape``: when a step
+    of it may overlap (``_MAY_OVERLAP``) and the view it ends in does not, ``(size, stride,
+    offset)`` of that view over the storage's elements, so that the write is one
+    ``as_strided_scatter`` of exactly them, as on CPU. Step by step, the overlapping step
+    would write back its other copies of an element, stale (``x.unfold(0, 3, 2)[1].zero_()``
+    left the element shared with the next window as it was). None otherwise (the steps'
+    scatters are exact; a write into an overlapping view raises there as on CPU)."""
+    if not any(step[0].name in _MAY_OVERLAP for step in chain):
+        return None
+    view = torch.empty(shape, dtype=dtype, device="meta")
+    for step in chain:
+        view = replay_on_cpu(step, view)
+    size, stride = tuple(view.shape), tuple(view.stride())
+    return (size, stride, view.storage_offset()) if _no_overlap(size, stride) else None
+
+
+def _no_overlap(size, stride) -> bool:
+    """Whether no two elements of a view of ``size`` and ``stride`` share memory."""
+    extent = 0  # the span of the dimensions seen so far, in elements
+    for st, n in sorted((abs(st), n) for n, st in zip(size, stride) if n > 1):
+        if st <= extent:
+            return False
+        extent += st * (n - 1)
+    return True

@@ -33,8 +33,10 @@ from xlatorch.runtime.base.threads import (
 )
 from xlatorch.runtime.ir import values as ir
 from xlatorch.runtime.ir.failed import FailedValueError, cause, failed_value
+from xlatorch.runtime.ir.ops import SPECS
 from xlatorch.runtime.ir.values import Data, Out
-from xlatorch.runtime.trace.nodes import apply_scatter, apply_view, convert_value
+from xlatorch.runtime.trace.nodes import apply_scatter, apply_view, convert_value, node
+from xlatorch.runtime.trace.strides import through_storage
 
 __all__ = [
     "XlaTensor",
@@ -479,12 +481,17 @@ def write(t: XlaTensor, v) -> None:
     if vw is None:
         st.set(v)
         return
-    bases = [st.value]
-    for step in vw[:-1]:
-        bases.append(apply_view(step, bases[-1]))
-    new = v
-    for step, base in zip(reversed(vw), reversed(bases)):
-        new = apply_scatter(step, base, new)
+    root = st.value
+    flat = through_storage(root.aval[0], root.aval[1], vw)
+    if flat is not None:  # a chain with a step that may overlap: one scatter into the storage's elements
+        new = node(SPECS["as_strided_scatter.default"], (root, v) + flat).outs[0]
+    else:
+        bases = [root]
+        for step in vw[:-1]:
+            bases.append(apply_view(step, bases[-1]))
+        new = v
+        for step, base in zip(reversed(vw), reversed(bases)):
+            new = apply_scatter(step, base, new)
     st.set(new)
     t._vc = (st.gen, v)
     CACHED_VIEWS.append(_weakref(t))
