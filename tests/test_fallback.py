@@ -33,3 +33,23 @@ def test_inplace_fallback_writes_back():
     assert res is out
     torch.testing.assert_close(out.cpu(), torch.special.bessel_j0(cpu))
     assert met.counter_value("aten::special_bessel_j0") == 1
+
+
+def test_a_packed_sequence_keeps_its_batch_sizes_on_the_host_and_runs_as_on_cpu():
+    """``_pack_padded_sequence`` falls back; its ``batch_sizes`` stay on the CPU, where PyTorch
+    keeps them on every device (nn.utils.rnn rejects them elsewhere)."""
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+    torch.manual_seed(0)
+    gru = torch.nn.GRU(3, 4, batch_first=True, bidirectional=True)
+    x = torch.randn(3, 5, 3)
+    got, want = [], []
+    for dev, out in (("cpu", want), ("xla", got)):
+        g = gru.to(dev)
+        packed = pack_padded_sequence(x.to(dev), torch.tensor([5, 3, 2]), batch_first=True)
+        assert packed.batch_sizes.device.type == "cpu" and packed.data.device.type == dev
+        o, h = g(packed)
+        padded, lengths = pad_packed_sequence(o, batch_first=True)
+        out += [padded.detach().cpu(), lengths, h.detach().cpu()]
+    for g_, w in zip(got, want):
+        torch.testing.assert_close(g_, w, rtol=1e-5, atol=1e-6)

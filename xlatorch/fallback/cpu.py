@@ -43,6 +43,11 @@ def _is_xla_device(d) -> bool:
     return d is not None and torch.device(d).type == "xla"
 
 
+# Results PyTorch keeps on the host on every device (op -> their positions): a packed
+# sequence's ``batch_sizes`` (nn.utils.rnn checks it is on the CPU).
+_HOST_RESULTS = {"aten::_pack_padded_sequence": (1,)}
+
+
 def run_on_cpu(func, args, kwargs):
     """Run ``func`` on CPU copies of its device arguments and bring the results back."""
     name = str(func._schema.name)
@@ -93,6 +98,9 @@ def run_on_cpu(func, args, kwargs):
                 return wrap(to_device(r, dev))
         return r
 
+    host = _HOST_RESULTS.get(name)
+    if host is not None and isinstance(res, tuple):
+        return tuple(r if i in host else tree_map(up, r) for i, r in enumerate(res))
     return tree_map(up, res)
 
 
