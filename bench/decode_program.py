@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 import xlatorch.core.xla_model as xm
+from bench.generate import LLAMA
 from xlatorch.runtime.base import record
 
 
@@ -31,9 +32,7 @@ def _model():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)  # fmt: skip
-    return LlamaForCausalLM(cfg).eval()
+    return LlamaForCausalLM(LlamaConfig(**LLAMA)).eval()
 
 
 def _steps(model, device, prompt: int, max_len: int, compiled: bool):

@@ -32,6 +32,9 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EAGER = ("cpu", "cuda")  # PyTorch eager's rows: the baselines
+# The bench's tiny Llama (also bench/decode_program.py's)
+LLAMA = dict(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=512)  # fmt: skip
 
 
 def _child(cache: str, device: str, tokens: int, prompt: int, later: int) -> dict:
@@ -45,8 +48,7 @@ def _child(cache: str, device: str, tokens: int, prompt: int, later: int) -> dic
     met = importlib.import_module(f"{lib}.debug.metrics")
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)  # fmt: skip
+    cfg = LlamaConfig(**LLAMA)
     dev = torch.device(device) if device in EAGER else xm.xla_device()
     model = LlamaForCausalLM(cfg).eval().to(dev)
     if device in ("compile", "tx-compile"):  # Hugging Face's fast path: the forward under torch.compile

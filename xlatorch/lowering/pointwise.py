@@ -155,8 +155,8 @@ def power(self, exponent):
     if _is_float(self):  # and complex
         return jnp.power(self, exponent)
     self, exponent = jnp.broadcast_arrays(self, exponent)
-    pos = jnp.power(self, jnp.maximum(exponent, 0).astype(exponent.dtype))
-    if jnp.result_type(self) == jnp.bool_:
+    pos = jnp.power(self, jnp.maximum(exponent, 0))
+    if self.dtype == jnp.bool_:
         return pos
     one = jnp.ones_like(self)
     minus_one = jnp.where(exponent % 2 == 0, one, -one)  # (-1) ** exponent

@@ -16,11 +16,11 @@ from __future__ import annotations
 import math
 
 import torch
+from torch._prims_common import make_contiguous_strides_for as _contiguous
 
-from xlatorch.runtime.ir.values import Scalar
 from xlatorch.runtime.trace.nodes import replay_on_cpu
 
-__all__ = ["GEOMETRY", "geometry", "contiguous_strides", "through_storage"]
+__all__ = ["GEOMETRY", "geometry", "through_storage"]
 
 # (Info of the view's signature, the base's ``_geo``, output index) -> (strides, offset), or
 # None for a contiguous view from offset 0 (the default a new tensor gets). Cleared when full
@@ -39,7 +39,7 @@ def geometry(info, step, base) -> tuple | None:
     g = GEOMETRY.get(key, geometry)
     if g is geometry:
         geo = base._geo
-        strides, offset = geo if geo is not None else (contiguous_strides(tuple(base.shape)), 0)
+        strides, offset = geo if geo is not None else (_contiguous(base.shape), 0)
         g = _compute(step, tuple(base.shape), strides, offset, base.dtype)
         if len(GEOMETRY) >= _LIMIT:
             GEOMETRY.clear()
@@ -48,32 +48,11 @@ def geometry(info, step, base) -> tuple | None:
 
 
 def _compute(step, shape, strides, offset, dtype) -> tuple | None:
-    _, rest, _ = step
-    if any(not _static(a) for a in rest):
-        return None  # a tensor argument: PyTorch's own layout rule is not needed (none such view op)
     extent = offset + 1 + sum((s - 1) * st for s, st in zip(shape, strides)) if math.prod(shape) else offset
     meta = torch.empty(max(extent, 1), dtype=dtype, device="meta").as_strided(shape, strides, offset)
     out = replay_on_cpu(step, meta)  # PyTorch's view op over the base's layout (raises as CPU does)
     got, off = tuple(out.stride()), out.storage_offset()
-    return None if off == 0 and got == contiguous_strides(tuple(out.shape)) else (got, off)
-
-
-def _static(a) -> bool:
-    if type(a) is tuple or type(a) is list:
-        return all(_static(x) for x in a)
-    return a is None or type(a) in (int, float, bool, Scalar) or isinstance(a, _STATIC_TYPES)
-
-
-_STATIC_TYPES = (torch.dtype, torch.device, torch.memory_format)
-
-
-def contiguous_strides(shape: tuple) -> tuple:
-    """A contiguous tensor's strides for ``shape`` (PyTorch's: 1 for a size-1 dimension too)."""
-    out, acc = [], 1
-    for s in reversed(shape):
-        out.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(out))
+    return None if off == 0 and got == _contiguous(out.shape) else (got, off)
 
 
 # View ops whose elements can share memory (overlapping windows, a broadcast): a write through
@@ -87,9 +66,13 @@ def through_storage(shape, dtype, chain) -> tuple | None:
     offset)`` of that view over the storage's elements, so that the write is one
     ``as_strided_scatter`` of exactly them, as on CPU. Step by step, the overlapping step
     would write back its other copies of an element, stale (``x.unfold(0, 3, 2)[1].zero_()``
-    left the element shared with the next window as it was). None otherwise (the steps'
-    scatters are exact; a write into an overlapping view raises there as on CPU)."""
-    if not any(step[0].name in _MAY_OVERLAP for step in chain):
+    left the element shared with the next window as it was). None otherwise: the steps'
+    scatters are exact, or the final view overlaps itself (into a broadcast the scatter raises
+    CPU's error)."""
+    for step in chain:  # a loop, not any(): a write through a view runs this
+        if step[0].name in _MAY_OVERLAP:
+            break
+    else:
         return None
     view = torch.empty(shape, dtype=dtype, device="meta")
     for step in chain:
