@@ -3764,14 +3764,6 @@ def expand_copy_out(self, size, *, implicit=False, out):
     return call_out(S_expand_copy, (self, size, implicit,), (out,))
 
 
-def as_strided_copy(self, size, stride, storage_offset=None):
-    return call(S_as_strided_copy, (self, size, stride, storage_offset,))
-
-
-def as_strided_copy_out(self, size, stride, storage_offset=None, *, out):
-    return call_out(S_as_strided_copy, (self, size, stride, storage_offset,), (out,))
-
-
 def narrow_copy(self, dim, start, length):
     return call(S_narrow_copy, (self, dim, start, length,))
 
@@ -4186,10 +4178,6 @@ def put_(self, index, source, accumulate=False):
 
 def put_out(self, index, source, accumulate=False, *, out):
     return call_out(S_put, (self, index, source, accumulate,), (out,))
-
-
-def as_strided(self, size, stride, storage_offset=None):
-    return call(S_as_strided, (self, size, stride, storage_offset,))
 
 
 def as_strided_scatter(self, src, size, stride, storage_offset=None):
@@ -8388,8 +8376,6 @@ SHIMS = {
     aten.permute_copy.out: permute_copy_out,
     aten.expand_copy.default: expand_copy,
     aten.expand_copy.out: expand_copy_out,
-    aten.as_strided_copy.default: as_strided_copy,
-    aten.as_strided_copy.out: as_strided_copy_out,
     aten.narrow_copy.default: narrow_copy,
     aten.narrow_copy.out: narrow_copy_out,
     aten.slice_copy.Tensor: slice_copy_Tensor,
@@ -8494,7 +8480,6 @@ SHIMS = {
     aten.put.default: put,
     aten.put_.default: put_,
     aten.put.out: put_out,
-    aten.as_strided.default: as_strided,
     aten.as_strided_scatter.default: as_strided_scatter,
     aten.as_strided_scatter.out: as_strided_scatter_out,
     aten.diagonal_scatter.default: diagonal_scatter,
@@ -10377,6 +10362,8 @@ RUNTIME = (
     aten.unsqueeze_.default,
     aten.as_strided_.default,
     aten.detach_.default,
+    aten.as_strided_copy.default,
+    aten.as_strided.default,
     aten.nonzero.default,
     aten.masked_select.default,
     aten.resize_.default,

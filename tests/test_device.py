@@ -159,6 +159,15 @@ def test_unsupported_dtype_is_a_clear_error():
         torch.zeros(2, dtype=torch.uint16).to("xla")
 
 
+def test_a_sparse_tensor_is_a_clear_error_not_a_memory_format_one():
+    """Sparse tensors cannot live on the device: moving one (or making one there, which runs
+    on the CPU and moves the result) says so and what to do; it raised 'unsupported memory
+    format option Contiguous'."""
+    for make in (lambda: torch.eye(3).to_sparse().to("xla"), lambda: torch.eye(3, device="xla").to_sparse()):
+        with pytest.raises(RuntimeError, match=r"torch.sparse_coo tensor cannot be moved to the xla device.*to_dense"):
+            make()
+
+
 def test_static_args_that_hash_alike_do_not_share_an_executable():
     # hash(-1) == hash(-2) in CPython: the graph cache must compare static arguments themselves.
     cpu = torch.randn(3, 4)

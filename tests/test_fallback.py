@@ -1,6 +1,8 @@
 """Ops without a lowering run on CPU, correctly, and are counted."""
 
+import pytest
 import torch
+import torch.nn.functional as F
 
 import xlatorch.debug.metrics as met
 
@@ -53,3 +55,37 @@ def test_a_packed_sequence_keeps_its_batch_sizes_on_the_host_and_runs_as_on_cpu(
         out += [padded.detach().cpu(), lengths, h.detach().cpu()]
     for g_, w in zip(got, want):
         torch.testing.assert_close(g_, w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("lengths", ["cpu tensors", "device tensors", "tuples"])
+def test_ctc_loss_takes_its_lengths_as_cpu_tensors_as_cuda_does(reduction, lengths):
+    """``F.ctc_loss`` with the lengths as CPU tensors (what CUDA accepts, and the usual
+    DataLoader output): PyTorch's composite kept them as tensors for a subclass and divided
+    the device loss by them, which raised the mixed-device error where CPU and CUDA run.
+    Loss and gradient against CPU."""
+    torch.manual_seed(0)
+    t, n, c = 12, 3, 6
+    lp = torch.randn(t, n, c).log_softmax(2)
+    targets = torch.randint(1, c, (n, 4))
+    il, tl = torch.full((n,), t, dtype=torch.long), torch.tensor([4, 3, 2])
+    res = {}
+    for dev in ("cpu", "xla"):
+        x = lp.to(dev).requires_grad_()
+        if lengths == "cpu tensors":
+            lens = (il, tl)
+        elif lengths == "device tensors":
+            lens = (il.to(dev), tl.to(dev))
+        else:
+            lens = (tuple(il.tolist()), tuple(tl.tolist()))
+        loss = F.ctc_loss(x, targets.to(dev), *lens, reduction=reduction)
+        (g,) = torch.autograd.grad(loss.sum(), x)
+        res[dev] = loss.detach().cpu(), g.cpu()
+    for got, want in zip(res["xla"], res["cpu"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_ctc_loss_lengths_of_a_float_dtype_raise_pytorchs_error():
+    lp = torch.randn(5, 2, 4, device="xla").log_softmax(2)
+    with pytest.raises(RuntimeError, match="input_lengths must be integral"):
+        F.ctc_loss(lp, torch.ones(2, 2, dtype=torch.long), torch.tensor([5.0, 5.0]), torch.tensor([2, 2]))

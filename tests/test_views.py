@@ -310,3 +310,46 @@ def test_a_write_through_an_overlapping_step_changes_what_cpu_changes(name):
     write(yc)
     (yc * yc).sum().backward()
     assert torch.equal(x.grad.cpu(), xc.grad)
+
+
+# as_strided of a view: its strides and offset count the storage's elements, not the view's.
+_AS_STRIDED_OF_VIEWS = {
+    "slice_offset_0": lambda x: x[1:].as_strided((3,), (1,), 0),
+    "slice_default_offset": lambda x: x[1:].as_strided((2, 2), (1, 2)),
+    "transpose": lambda x: x.t().as_strided((3,), (4,), 1),
+    "select_wider_than_view": lambda x: x[:, 1].as_strided((2, 3), (3, 1), 2),
+    "narrow_before_its_start": lambda x: x.narrow(1, 2, 2).as_strided((2, 2), (4, 1), 0),
+    "view_of_as_strided_of_view": lambda x: x[2:].as_strided((2, 3), (1, 4), 1)[1],
+}
+
+
+@pytest.mark.parametrize("name", sorted(_AS_STRIDED_OF_VIEWS))
+def test_as_strided_of_a_view_indexes_the_storage_as_on_cpu(name):
+    """Read (the result in an op, not only moved to the host), written into, and through
+    autograd: on the view's own elements it read x[1], x[2] where CPU reads x[0], x[1]."""
+    make = _AS_STRIDED_OF_VIEWS[name]
+    got = {}
+    for dev in ("cpu", "xla"):
+        x = torch.arange(12.0).reshape(3, 4).to(dev)
+        v = make(x)
+        computed = (v * 10 + 1).cpu()
+        assert torch.equal(torch.as_strided_copy(v, (2,), (1,), 1).cpu(), x.reshape(-1)[1:3].cpu()), name
+        layout = (v.shape, v.stride(), v.storage_offset())
+        v.mul_(-1)
+        w = torch.arange(12.0).to(dev).requires_grad_()
+        y = make(w.reshape(3, 4) * 1)
+        (y * torch.arange(1.0, y.numel() + 1).reshape(y.shape).to(dev)).sum().backward()
+        got[dev] = computed, layout, x.cpu(), w.grad.cpu()
+    for want, have in zip(got["cpu"], got["xla"]):
+        if isinstance(want, torch.Tensor):
+            assert torch.equal(have, want), name
+        else:
+            assert have == want, name
+
+
+def test_as_strided_of_a_view_past_its_storage_raises_cpus_error():
+    x = torch.arange(12.0, device="xla").reshape(3, 4)
+    x[1:].as_strided((12,), (1,), 0)  # within the storage, past the view: fine, as on CPU
+    for past in (lambda: x[1:].as_strided((13,), (1,), 0), lambda: x.as_strided((2,), (1,), 11)):
+        with pytest.raises(RuntimeError, match="storage size of 52 are out of bounds for storage of size 48"):
+            past()  # before: a gather clamped to the last element, silently

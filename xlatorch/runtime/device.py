@@ -160,6 +160,7 @@ def register(factories: dict) -> None:
     _lib.impl("_copy_from", lambda self, dst, non_blocking=False: _launched(_copy_(dst, self)), "PrivateUse1")
     _lib.impl("_pin_memory", _pin_memory, "CPU")
     _lib.impl("is_pinned", _is_pinned, "CPU")
+    _lib.impl("ctc_loss.Tensor", _ctc_loss, "AutogradPrivateUse1")
 
 
 # Pinning a CPU tensor for the device. PyTorch asks the accelerator's hooks for a pinned-memory
@@ -187,6 +188,23 @@ def _is_pinned(self, device=None):
     if not _pins_for_xla(device):
         return aten.is_pinned.default._op_dk(_COMPOSITE, self, device)
     return False
+
+
+_IMPLICIT = torch._C.DispatchKey.CompositeImplicitAutograd
+_INTEGERS = frozenset((torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64))
+
+
+def _ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, reduction=1, zero_infinity=False):
+    """``ctc_loss`` with its lengths as tensors. For a tensor subclass PyTorch's composite keeps
+    them as tensors and, for ``reduction='mean'``, divides the device's loss by the target
+    lengths: given as CPU tensors (as CUDA takes them) that raised the mixed-device error
+    where CPU and CUDA run. Lengths on the host are read as lists, as the composite does
+    for a plain tensor; any others go through the composite unchanged."""
+    lens = (input_lengths, target_lengths)
+    if all(type(t) is torch.Tensor and t.device.type == "cpu" and t.dtype in _INTEGERS for t in lens):
+        il, tl = (t.tolist() for t in lens)
+        return aten.ctc_loss.IntList(log_probs, targets, il, tl, blank, reduction, zero_infinity)
+    return aten.ctc_loss.Tensor._op_dk(_IMPLICIT, log_probs, targets, *lens, blank, reduction, zero_infinity)
 
 
 def _fake_tensors_stay_fake() -> None:

@@ -39,6 +39,11 @@ def to_device(t: torch.Tensor, dev: int | None = None) -> Data:
     """Upload a CPU tensor (to local device ``dev``, default: this thread's), stored in the
     device's dtype for it; counted in ``TransferToDeviceTime``."""
     to_jax(t.dtype)  # a clear error for unsupported dtypes
+    if t.layout is not torch.strided:
+        raise RuntimeError(
+            f"xlatorch: a {t.layout} tensor cannot be moved to the xla device, which holds dense arrays only "
+            f"(sparse and other layouts run on the CPU); convert it with .to_dense() first, or keep it on the CPU"
+        )
     if dev is None:
         dev = current_device()
     aval = (tuple(t.shape), t.dtype)

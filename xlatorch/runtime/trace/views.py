@@ -1,19 +1,45 @@
-"""In-place view ops (``t_``, ``transpose_``, ``squeeze_``, ``unsqueeze_``, ``as_strided_``).
+"""In-place view ops (``t_``, ``transpose_``, ``squeeze_``, ``unsqueeze_``, ``as_strided_``),
+and ``as_strided``, which indexes storage.
 
 An in-place view op changes the tensor's own shape: the tensor is rebound to the
 functional view of its storage (``t_`` becomes ``t``), so it keeps aliasing its base
 and every other view, and later writes through it scatter into the shared storage.
+
+``as_strided``'s strides and offset count elements of the tensor's storage, not of the
+tensor: ``x[1:].as_strided((2,), (1,), 0)`` starts at ``x[0]``. Applied to a view's own
+value it indexed the view's elements (read ``x[1]``, ``x[2]``: a silent divergence), so
+``as_strided`` of a view is a view of the storage's value, one step from it.
 """
 
 from __future__ import annotations
 
 import torch
 
-from xlatorch.runtime.trace.dispatch import RUNTIME_OPS
+from xlatorch.runtime.ir.ops import SPECS
+from xlatorch.runtime.trace.dispatch import RUNTIME_OPS, call
+from xlatorch.runtime.trace.tensor import wrap
 
 __all__ = ["install"]
 
 aten = torch.ops.aten
+
+
+def as_strided(self, size, stride, storage_offset=None):
+    """``aten.as_strided``: over the storage's value (contiguous, from offset 0), where the
+    strides and offset PyTorch gives count. Out of the storage's bounds it raises CPU's
+    error."""
+    if storage_offset is None:  # PyTorch's default: the tensor's own offset
+        storage_offset = self.storage_offset()
+    if getattr(self, "_vw", None) is not None:
+        st = self._st
+        if st.value.aval[1] != self.dtype:
+            raise NotImplementedError(
+                f"xlatorch: as_strided of a view whose dtype ({self.dtype}) is not its storage's "
+                f"({st.value.aval[1]}) is not supported; apply it to a .clone() of the view instead"
+            )
+        self = wrap(st.value, st)  # the storage itself, as a tensor
+    _check_bounds(size, stride, storage_offset, self)
+    return call(SPECS["as_strided.default"], (self, size, stride, storage_offset))
 
 
 def _rebind(functional):
@@ -26,6 +52,19 @@ def _rebind(functional):
     return inplace_view
 
 
+def _check_bounds(size, stride, offset, storage) -> None:
+    """CPU's bounds check of an as_strided view over ``storage`` (the meta kernel has none)."""
+    if any(s < 0 for s in stride):
+        raise RuntimeError(f"as_strided: Negative strides are not supported at the moment, got strides: {list(stride)}")
+    item = storage.element_size()
+    need = 0 if 0 in size else offset + 1 + sum((n - 1) * s for n, s in zip(size, stride))
+    if need > storage.numel():
+        raise RuntimeError(
+            f"setStorage: sizes {list(size)}, strides {list(stride)}, storage offset {offset}, and itemsize {item} "
+            f"requiring a storage size of {need * item} are out of bounds for storage of size {storage.numel() * item}"
+        )
+
+
 def install() -> None:
     """Register the handlers (called by ``xlatorch.runtime.device.install``)."""
     RUNTIME_OPS.update(
@@ -36,7 +75,9 @@ def install() -> None:
             aten.squeeze_.dim: _rebind(aten.squeeze.dim),
             aten.squeeze_.dims: _rebind(aten.squeeze.dims),
             aten.unsqueeze_.default: _rebind(aten.unsqueeze.default),
-            aten.as_strided_.default: _rebind(aten.as_strided.default),
+            aten.as_strided.default: as_strided,
+            aten.as_strided_copy.default: lambda *args: aten.clone.default(as_strided(*args)),
+            aten.as_strided_.default: _rebind(as_strided),
             # The autograd layer above does the detaching; the tensor itself is unchanged.
             aten.detach_.default: lambda self: self,
         }
