@@ -86,16 +86,31 @@ CASES = {
     "copy_from_cpu_into_slice": _copy_from_cpu_into_slice,
     "inplace_view_ops": _inplace_views,
     "detach_alias_write": lambda d: [(x := _base(d)), x.detach()[2].fill_(8), x.data[:, 0].fill_(-8)],
+    # set_ shares the source's storage: writes to either show in both (as a CPU fallback it copied)
+    "set_source": lambda d: [(x := _base(d)), (s := torch.ones(2, 3, device=d)), x.set_(s), s.add_(1), x.mul_(3)],
+    "set_view_of_source": lambda d: [
+        (x := torch.zeros(2, device=d)),
+        (y := torch.arange(10.0, device=d)),
+        x.set_(y, 2, (2, 2), (1, 3)),
+        x.mul_(-1),
+        x.stride(),
+    ],
+    "set_a_view": lambda d: [(x := _base(d)), (v := x.t()), v.set_(torch.ones(5, device=d)), v.add_(1)],
+    "set_empty": lambda d: [(x := _base(d)), x.set_(), x.shape],
 }
 
 
 def _compare(cpu, dev):
     for i, (c, x) in enumerate(zip(cpu, dev)):
         if not isinstance(c, torch.Tensor):
+            assert x == c, f"output {i}: {x} vs eager {c}"
             continue
         got = x.cpu()
         assert (got.shape, got.dtype) == (c.shape, c.dtype), f"output {i}: {got.shape} {got.dtype} vs eager"
         assert torch.equal(got, c), f"output {i}:\n{got}\nvs eager\n{c}"
+        if x._is_view():  # moved to the host, a view is replayed there: also as computed on the device
+            assert torch.equal(x.clone().cpu(), c), f"output {i} computed on the device"
+            assert (x.stride(), x.storage_offset()) == (c.stride(), c.storage_offset()), f"output {i}"
 
 
 @pytest.mark.parametrize("name", list(CASES))

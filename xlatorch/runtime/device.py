@@ -161,6 +161,7 @@ def register(factories: dict) -> None:
     _lib.impl("_pin_memory", _pin_memory, "CPU")
     _lib.impl("is_pinned", _is_pinned, "CPU")
     _lib.impl("ctc_loss.Tensor", _ctc_loss, "AutogradPrivateUse1")
+    _lib.impl("set_.source_Tensor_storage_offset", views.set_to_view, "AutogradPrivateUse1")
 
 
 # Pinning a CPU tensor for the device. PyTorch asks the accelerator's hooks for a pinned-memory

@@ -1,5 +1,5 @@
-"""In-place view ops (``t_``, ``transpose_``, ``squeeze_``, ``unsqueeze_``, ``as_strided_``),
-and ``as_strided``, which indexes storage.
+"""In-place view ops (``t_``, ``transpose_``, ``squeeze_``, ``unsqueeze_``, ``as_strided_``,
+``set_``), and ``as_strided``, which indexes storage.
 
 An in-place view op changes the tensor's own shape: the tensor is rebound to the
 functional view of its storage (``t_`` becomes ``t``), so it keeps aliasing its base
@@ -19,7 +19,7 @@ from xlatorch.runtime.ir.ops import SPECS
 from xlatorch.runtime.trace.dispatch import RUNTIME_OPS, call
 from xlatorch.runtime.trace.tensor import wrap
 
-__all__ = ["install"]
+__all__ = ["install", "set_to_view"]
 
 aten = torch.ops.aten
 
@@ -40,6 +40,39 @@ def as_strided(self, size, stride, storage_offset=None):
         self = wrap(st.value, st)  # the storage itself, as a tensor
     _check_bounds(size, stride, storage_offset, self)
     return call(SPECS["as_strided.default"], (self, size, stride, storage_offset))
+
+
+def _set_tensor(self, source):
+    """``aten.set_.source_Tensor``: ``self`` shares ``source``'s storage, shape and layout
+    (the data setter). As a CPU fallback it was a copy: later writes to either did not show
+    in the other."""
+    _check_set_source(self, source)
+    self.data = source  # XlaTensor.data: metadata and storage
+    return self
+
+
+def set_to_view(self, source, storage_offset, size, stride=()):
+    """``aten.set_.source_Tensor_storage_offset``, above autograd (PyTorch's composite passes
+    ``source``'s storage, which a device tensor's wrapper does not hold): ``self`` shares
+    ``as_strided`` of ``source`` (contiguous strides by default)."""
+    if not stride:
+        stride = torch._prims_common.make_contiguous_strides_for(size)
+    return aten.set_.source_Tensor(self, aten.as_strided.default(source, size, stride, storage_offset))
+
+
+def _check_set_source(self, source) -> None:
+    if not isinstance(source, torch.Tensor) or source.device != self.device:
+        where = source.device if isinstance(source, torch.Tensor) else type(source).__name__
+        raise RuntimeError(f"xlatorch: set_ of a tensor on {self.device} to a source on {where}; move it there first")
+    if source.dtype != self.dtype:
+        raise RuntimeError(f"Could not set tensor of type {source.dtype} to a tensor of type {self.dtype}")
+
+
+def _set_storage(self, *args, **kwargs):
+    raise NotImplementedError(
+        "xlatorch: set_ with a Storage is not supported on the xla device (device tensors have no host "
+        "storage); use set_(tensor) with a tensor on the device"
+    )
 
 
 def _rebind(functional):
@@ -76,6 +109,10 @@ def install() -> None:
             aten.squeeze_.dims: _rebind(aten.squeeze.dims),
             aten.unsqueeze_.default: _rebind(aten.unsqueeze.default),
             aten.as_strided.default: as_strided,
+            aten.set_.source_Tensor: _set_tensor,
+            aten.set_.default: lambda self: _set_tensor(self, aten.new_empty.default(self, (0,))),
+            aten.set_.source_Storage: _set_storage,
+            aten.set_.source_Storage_storage_offset: _set_storage,
             aten.as_strided_copy.default: lambda *args: aten.clone.default(as_strided(*args)),
             aten.as_strided_.default: _rebind(as_strided),
             # The autograd layer above does the detaching; the tensor itself is unchanged.
