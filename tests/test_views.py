@@ -247,6 +247,22 @@ def test_deepcopy_of_a_module_on_the_device():
     assert torch.equal(m2.weight.cpu(), m.weight.cpu() + 1)
 
 
+def test_deepcopy_keeps_what_shares_a_storage_sharing_and_a_views_layout():
+    """As on CPU: a tensor and its views deep-copied together share one copied storage (a write
+    into the view's copy shows in the base's copy, not in the original), and a view's copy
+    keeps its strides. Copied apart, the write did not show."""
+    got = {}
+    for dev in ("cpu", "xla"):
+        x = torch.arange(12.0).reshape(3, 4).to(dev)
+        base, col, row = copy.deepcopy([x, x[:, 1], x[2]])
+        col.fill_(0)
+        row.mul_(-1)
+        t = copy.deepcopy(x.t())
+        got[dev] = x.cpu(), base.cpu(), col.cpu(), (col.stride(), col.storage_offset()), t.cpu(), t.stride()
+    for have, want in zip(got["xla"], got["cpu"]):
+        assert torch.equal(have, want) if isinstance(want, torch.Tensor) else have == want
+
+
 def test_arange_runs_on_the_device():
     for args in [(5,), (5.0,), (2, 9), (1.5, 4.0), (0, 10, 3)]:
         assert torch.equal(torch.arange(*args, device="xla").cpu(), torch.arange(*args))

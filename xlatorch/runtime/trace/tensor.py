@@ -294,17 +294,28 @@ class XlaTensor(torch.Tensor):
         return REDUCE(self)
 
     def __deepcopy__(self, memo):
-        # A new storage holding a (lazy) clone; Python attributes (``_is_param``, the
-        # user's own) are deep-copied, the aliasing fields are not.
+        # As on CPU: the storage is copied once per deepcopy (a lazy clone of its value) and
+        # the tensor rebuilt on the copy with its view steps and layout, so a tensor and its
+        # views deep-copied together still share (copied apart, a write into the view's copy
+        # did not show in the base's). Python attributes (``_is_param``, the user's own) are
+        # deep-copied, the aliasing fields are not.
         if id(self) in memo:
             return memo[id(self)]
-        with torch.no_grad():
-            new = torch.ops.aten.clone.default(self)
+        st = self._st
+        root = memo.get(id(st))
+        if root is None:
+            with torch.no_grad():
+                root = memo[id(st)] = torch.ops.aten.clone.default(wrap(st.value, st))
+            memo.setdefault(id(memo), []).append(st)  # deepcopy's keep-alive list: ids stay unique
+        v = value_of(root)
+        for step in self._vw or ():
+            v = apply_view(step, v)
+        new = wrap(v, root._st, self._vw, self._geo)
         new.requires_grad_(self.requires_grad)
         memo[id(self)] = new
-        for k, v in self.__dict__.items():
-            if k not in ("_st", "_vw", "_vc"):
-                setattr(new, k, copy.deepcopy(v, memo))
+        for k, val in self.__dict__.items():
+            if k not in ("_st", "_vw", "_vc", "_geo"):
+                setattr(new, k, copy.deepcopy(val, memo))
         return new
 
     def __coerce_same_metadata_as_tangent__(self, expected_metadata, expected_type=None):
