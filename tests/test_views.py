@@ -210,6 +210,56 @@ def test_a_view_reports_cpus_strides_and_contiguous_copies_as_on_cpu(name, make)
         assert torch.equal(base, want_base) and torch.equal(r, want_r), (name, how)
 
 
+# Results of ops on inputs laid out otherwise than contiguous: (name, how to make it from a 3x4 tensor).
+_LAID_OUT = [
+    ("pointwise of a transpose", lambda a: a.t() * 2),
+    ("binary with a contiguous operand", lambda a: a.t() + torch.ones(4, 3, device=a.device)),
+    ("empty_like of a transpose", lambda a: torch.empty_like(a.t()).fill_(1)),
+    ("to(dtype) of a transpose", lambda a: a.t().to(torch.float64)),
+    ("clone of a permute", lambda a: a.reshape(2, 3, 2).permute(2, 0, 1).clone()),
+    ("reduction over a permute", lambda a: a.reshape(2, 3, 2).permute(2, 0, 1).sum(1)),
+    ("channels_last", lambda a: a.reshape(1, 3, 2, 2).to(memory_format=torch.channels_last) + 1),
+]
+
+
+@pytest.mark.parametrize("name, make", _LAID_OUT, ids=[n for n, _ in _LAID_OUT])
+def test_a_result_reports_cpus_layout_and_contiguous_copies_as_on_cpu(name, make):
+    """The result reports CPU's strides, so ``contiguous()`` (and ``reshape``) copy where CPU
+    copies: reported contiguous, ``(x.t() * 2).contiguous()`` was the result itself, and a
+    write into the "copy" changed it (a silent divergence). Its views (``.t().view(-1)``,
+    which CPU can make of a transposed result) and ``as_strided`` (which counts elements in
+    the layout's order) match CPU too, read and written."""
+    got = {}
+    for dev in ("cpu", "xla"):
+        y = make(torch.arange(12.0).reshape(3, 4).to(dev))
+        layout = (y.stride(), y.is_contiguous())
+        c = y.contiguous()
+        c.add_(100)
+        r = y.reshape(-1)
+        r.mul_(-1)
+        flat = y.as_strided((y.numel(),), (1,), 0) * 1
+        y.as_strided((2,), (1,), 1).fill_(7)
+        back = y.permute(*reversed(range(y.dim())))
+        try:
+            viewed = (back.view(-1) * 1).cpu()
+        except RuntimeError as e:
+            viewed = str(e)[:40]
+        got[dev] = layout, y.cpu(), c.cpu(), r.cpu(), flat.cpu(), viewed
+    for have, want in zip(got["xla"], got["cpu"]):
+        assert torch.equal(have, want) if isinstance(want, torch.Tensor) else have == want, name
+
+
+def test_an_upload_keeps_its_layout_and_a_download_gives_it_back():
+    """``.to("xla")`` of a transposed CPU tensor is transposed (as CUDA's copy), and
+    ``.cpu()`` of a result laid out otherwise gives CPU the same layout."""
+    x = torch.arange(12.0).reshape(3, 4).t()
+    d = x.to("xla")
+    assert d.stride() == x.stride()
+    d.contiguous().add_(1)  # a copy: d unchanged
+    assert torch.equal(d.cpu(), x) and d.cpu().stride() == x.stride()
+    assert (d * 2).cpu().stride() == (x * 2).stride()
+
+
 def test_a_view_cpu_cannot_make_raises_when_made():
     x = torch.arange(6.0, device="xla").reshape(2, 3)
     with pytest.raises(RuntimeError, match="view size is not compatible with input tensor's size and stride"):

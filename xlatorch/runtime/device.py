@@ -23,7 +23,7 @@ from xlatorch.runtime.execute.transfer import to_device
 from xlatorch.runtime.ir import rng
 from xlatorch.runtime.ir.ops import SPECS
 from xlatorch.runtime.plan import births
-from xlatorch.runtime.trace import dynamic, modules, views
+from xlatorch.runtime.trace import dynamic, modules, strides, views
 from xlatorch.runtime.trace.dispatch import RUNTIME_OPS, SHIMS, call
 from xlatorch.runtime.trace.nodes import convert_value, node
 from xlatorch.runtime.trace.tensor import XlaTensor, value_of, wrap, write
@@ -155,7 +155,7 @@ def register(factories: dict) -> None:
     _fake_tensors_stay_fake()
     _lib = torch.library.Library("aten", "IMPL")
     for name, shim in factories.items():
-        _lib.impl(name, _ordinal_checked(shim), "PrivateUse1")
+        _lib.impl(name, _ordinal_checked(_laid_out(shim) if name == "empty_strided" else shim), "PrivateUse1")
     # torch.tensor(data, device="xla") copies below the Python key: ATen asks for _copy_from.
     _lib.impl("_copy_from", lambda self, dst, non_blocking=False: _launched(_copy_(dst, self)), "PrivateUse1")
     _lib.impl("_pin_memory", _pin_memory, "CPU")
@@ -228,6 +228,18 @@ def _fake_tensors_stay_fake() -> None:
     FakeTensorMode.avoid_device_init = property(lambda self: True)
 
 
+def _laid_out(shim):
+    """``empty_strided`` reporting the strides it is given, when dense (an upload's
+    destination: ``x.t().to("xla")`` is transposed, as CUDA's copy; trace/strides.py)."""
+
+    def empty_strided(size, stride, *args, **kwargs):
+        t = shim(size, stride, *args, **kwargs)
+        geo = strides.layout_like(torch.empty_strided(size, stride, device="meta"))
+        return t if geo is None else wrap(value_of(t), geo=geo)
+
+    return empty_strided
+
+
 def _ordinal_checked(shim):
     """A factory that raises for a device ordinal this process does not have (``xla:3``)."""
 
@@ -257,10 +269,12 @@ def _to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None, non
         cpu = to_cpu(self, ".cpu()")
         return cpu.to(device=device, dtype=dtype or cpu.dtype)
     dev = device_index(torch.device(device) if device is not None else None)
+    # The copy keeps the layout (preserve_format), as CUDA's does: trace/strides.py
+    geo = strides.layout_like(self, memory_format)
     if type(self) is not XlaTensor:
-        return wrap(to_device(self.to(dtype=dtype or self.dtype), dev))
+        return wrap(to_device(self.to(dtype=dtype or self.dtype), dev), geo=geo)
     v = value_of(self) if device is None or self._st.dev == dev else to_other_device(self, dev)
-    return wrap(convert_value(v, dtype or self.dtype))
+    return wrap(convert_value(v, dtype or self.dtype), geo=geo)
 
 
 def _fit(v, dst: XlaTensor):

@@ -16,6 +16,7 @@ from xlatorch.runtime.ir.emit import emit_node
 from xlatorch.runtime.ir.values import Data, Out
 from xlatorch.runtime.trace import tensor
 from xlatorch.runtime.trace.nodes import replay_on_cpu
+from xlatorch.runtime.trace.strides import STORAGE_LAYOUT
 from xlatorch.runtime.trace.tensor import XlaTensor, value_of
 
 __all__ = ["to_cpu", "materialized", "to_other_device"]
@@ -47,9 +48,14 @@ def _base_to_cpu(st, reason: str = "to_cpu") -> torch.Tensor:
             sync_value(st.value)
     v = st.value
     if v.host is not None:  # held on the host too (execute/host.py): a copy, never the value itself
-        return v.host.clone()
-    with record.TIMED("TransferFromDeviceTime"):
-        return from_array(v.array, v.aval[1])
+        cpu = v.host.clone()
+    else:
+        with record.TIMED("TransferFromDeviceTime"):
+            cpu = from_array(v.array, v.aval[1])
+    layout = STORAGE_LAYOUT.get(st)
+    if layout is not None:  # an op's result laid out as on CPU (trace/strides.py): its views need it
+        cpu = torch.empty_strided(cpu.shape, layout, dtype=cpu.dtype).copy_(cpu)
+    return cpu
 
 
 def materialized(t: XlaTensor):

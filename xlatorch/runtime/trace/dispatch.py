@@ -284,7 +284,8 @@ def _arg_lines(kinds, defaults, scope) -> list:
 _FUSED_NAMES = frozenset(
     "XlaTensor _tensor_value _static_sig scalar _sig next_key Scalar PY_SCALAR_DTYPE spec cache counter _node Node "
     "COUNTERS _in_backward _weakref _new DEVICE Storage _reads _host_scalars info n out vals sig st t r "
-    "CACHED_VIEWS IR Out _alloc _get_ident _owner TICKS PENDING bw sid vstep geo _geometry _GEOMETRY".split()
+    "CACHED_VIEWS IR Out _alloc _get_ident _owner TICKS PENDING bw sid vstep geo _geometry _GEOMETRY lay "
+    "_result_layout STORAGE_LAYOUT".split()
 )
 
 
@@ -352,9 +353,20 @@ def _fuse(spec: OpSpec) -> None:
             "    st.refs.append(r)",
             "    return t",
         ]
-    else:  # wrap(out), inline, with Storage(out, _weakref(t)) (trace/tensor.py)
+    else:  # wrap(out, geo=...), inline, with Storage(out, _weakref(t)) (trace/tensor.py)
+        laid = " or ".join(
+            f"(type(a{i}) is XlaTensor and a{i}._geo is not None)"
+            for i, k in enumerate(spec.kinds)
+            if k is TENSOR or k is OPT_TENSOR
+        )
+        a_s = "".join(f"a{i}, " for i in range(n))
         lines += [
-            "    t = _new(XlaTensor, out.aval[0], dtype=out.aval[1], device=DEVICE)",
+            f"    lay = _result_layout(spec, n.info, ({a_s})) if {laid or 'False'} else None",
+            "    if lay is None:",
+            "        t = _new(XlaTensor, out.aval[0], dtype=out.aval[1], device=DEVICE)",
+            "    else:",
+            "        t = _new(XlaTensor, out.aval[0], lay[0], 0, dtype=out.aval[1], device=DEVICE)",
+            "        t._geo = lay",
             "    COUNTERS['CreateXlaTensor'] += 1",
             "    t._st = st = _alloc(Storage)",
             "    st.refs = [_weakref(t)]",
@@ -363,6 +375,8 @@ def _fuse(spec: OpSpec) -> None:
             "    st.gen = st.sid = sid = next(TICKS)",
             "    st.prev, st.first, st.sharding, st.dev, st.value = None, 0, None, n.dev, out",
             "    PENDING[sid] = _weakref(st)",
+            "    if lay is not None:",
+            "        STORAGE_LAYOUT[st] = lay[0]",
             "    if bw == -1 and spec.born:",  # as call(): births
             "        n.born = _weakref(st)",
             "    return t",
@@ -374,7 +388,8 @@ def _fuse(spec: OpSpec) -> None:
              "DEVICE": _tensor_module.DEVICE, "Storage": Storage, "_reads": _tensor_module._reads,
              "_host_scalars": _host_scalars, "CACHED_VIEWS": _tensor_module.CACHED_VIEWS, "IR": _ir, "Out": Out,
              "_alloc": object.__new__, "_get_ident": _get_ident, "_owner": owner, "TICKS": TICKS,
-             "PENDING": _tensor_module.PENDING, "_geometry": geometry, "_GEOMETRY": strides.GEOMETRY}  # fmt: skip
+             "PENDING": _tensor_module.PENDING, "_geometry": geometry, "_GEOMETRY": strides.GEOMETRY,
+             "_result_layout": strides.result_layout, "STORAGE_LAYOUT": strides.STORAGE_LAYOUT}  # fmt: skip
     # noqa below: source built above from the fixed _LINES and the shim's parameters
     exec(compile("\n".join(lines), _made_here(f"fused {spec.name}"), "exec"), scope)  # noqa: S102
     fused = scope["fused"]
@@ -403,7 +418,15 @@ def call(spec: OpSpec, args: tuple):
         if spec.returns is ONE:
             return outs[0]
         return outs if spec.returns is LIST else tuple(outs)
-    out = wrap(n.outs[0]) if spec.returns is ONE else _outputs(spec, n)
+    if spec.returns is ONE:
+        laid = False
+        for a in args:  # an input laid out otherwise than contiguous: the result as CPU lays it out
+            if type(a) is XlaTensor and a._geo is not None:
+                laid = True
+                break
+        out = wrap(n.outs[0], geo=strides.result_layout(spec, n.info, args) if laid else None)
+    else:
+        out = _outputs(spec, n)
     if spec.born and _in_backward() == -1:  # gradients are made anew every step: never births
         n.born = _weakref(out._st)
     return out

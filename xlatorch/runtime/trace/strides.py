@@ -7,20 +7,28 @@ copy), ``view`` raises when they do not. Reported contiguous, a transposed view'
 ``contiguous()`` was the view itself, so writing into it wrote into its base, which on CPU
 stays as it was. So a view reports the strides and offset PyTorch's own view op gives over
 its base's (``geometry``: the op's meta kernel, once per signature and base layout), and a
-view CPU cannot make raises CPU's error when it is made. Every other tensor is contiguous
-from offset 0 (results of ops are new buffers, laid out as XLA likes).
+view CPU cannot make raises CPU's error when it is made.
+
+The result of an op with an input so laid out reports the layout CPU gives it (``x.t() * 2``
+is transposed on CPU: ``result_layout``, the op's meta kernel over its inputs' strides, once
+per signature and input layouts); its storage remembers it (``STORAGE_LAYOUT``), for
+``as_strided``, which counts elements in that order. Reported contiguous, ``contiguous()``
+of it returned the result itself, so a write into the "copy" changed the original. Every
+other result is contiguous from offset 0. The device's value of a tensor is always its
+logical, row-major array: a layout is what PyTorch sees, not how XLA stores it.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 from torch._prims_common import make_contiguous_strides_for as _contiguous
 
 from xlatorch.runtime.trace.nodes import replay_on_cpu
 
-__all__ = ["GEOMETRY", "geometry", "through_storage"]
+__all__ = ["GEOMETRY", "geometry", "through_storage", "result_layout", "layout_like", "STORAGE_LAYOUT"]
 
 # (Info of the view's signature, the base's ``_geo``, output index) -> (strides, offset), or
 # None for a contiguous view from offset 0 (the default a new tensor gets). Cleared when full
@@ -60,7 +68,7 @@ def _compute(step, shape, strides, offset, dtype) -> tuple | None:
 _MAY_OVERLAP = frozenset(("unfold.default", "expand.default"))
 
 
-def through_storage(shape, dtype, chain) -> tuple | None:
+def through_storage(shape, dtype, chain, layout=None) -> tuple | None:
     """For a write through view ``chain`` of a storage whose value has ``shape``: when a step
     of it may overlap (``_MAY_OVERLAP``) and the view it ends in does not, ``(size, stride,
     offset)`` of that view over the storage's elements, so that the write is one
@@ -74,6 +82,11 @@ def through_storage(shape, dtype, chain) -> tuple | None:
             break
     else:
         return None
+    if layout is not None:
+        raise NotImplementedError(
+            "xlatorch: a write through an unfold or expand view of an op's result laid out otherwise than "
+            "contiguous is not supported; write through a view of its .contiguous() copy instead"
+        )
     view = torch.empty(shape, dtype=dtype, device="meta")
     for step in chain:
         view = replay_on_cpu(step, view)
@@ -89,3 +102,65 @@ def _no_overlap(size, stride) -> bool:
             return False
         extent += st * (n - 1)
     return True
+
+
+# (Info of an op's signature, each argument's ``_geo``) -> the layout CPU gives its result
+# ((strides, 0)), or None: contiguous. Cleared when full.
+RESULT_LAYOUT: dict = {}
+# Storage -> the strides of the tensor it was made for, where not contiguous (as_strided of it
+# or its views counts elements in that order: trace/views.py).
+STORAGE_LAYOUT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def result_layout(spec, info, args) -> tuple | None:
+    """The layout CPU gives the one result of op ``spec`` (signature ``info``) called with
+    ``args`` (schema order), some of them device tensors laid out otherwise than contiguous:
+    PyTorch's meta kernel over arguments with the same strides (TensorIterator's rule for
+    pointwise ops, ``preserve_format`` for clones and ``*_like``). None: contiguous."""
+    key = (info, tuple([getattr(a, "_geo", None) for a in args]))
+    g = RESULT_LAYOUT.get(key, result_layout)
+    if g is result_layout:
+        g = _result_layout(spec, args)
+        if len(RESULT_LAYOUT) >= _LIMIT:
+            RESULT_LAYOUT.clear()
+        RESULT_LAYOUT[key] = g
+    return g
+
+
+def _result_layout(spec, args) -> tuple | None:
+    def meta(a):
+        if isinstance(a, torch.Tensor):
+            return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
+        if type(a) in (list, tuple) and any(isinstance(x, torch.Tensor) for x in a):
+            return [meta(x) for x in a]
+        return a
+
+    pos, kw = [], {}
+    for name, a, kwarg_only in zip(spec.arg_names, args, spec.kwarg_only):
+        if kwarg_only:
+            kw[name] = meta(a)
+        else:
+            pos.append(meta(a))
+    if kw.get("device") is not None:
+        kw["device"] = "meta"
+    try:
+        out = spec.overload(*pos, **kw)
+    except Exception:  # no meta kernel, or one that needs values: contiguous, as before
+        return None
+    if not isinstance(out, torch.Tensor) or out.storage_offset() != 0:
+        return None
+    got = tuple(out.stride())
+    return None if got == _contiguous(out.shape) or not _no_overlap(tuple(out.shape), got) else (got, 0)
+
+
+def layout_like(t: torch.Tensor, memory_format=None) -> tuple | None:
+    """The layout a copy of ``t`` gets (``.to``, a transfer) in ``memory_format``
+    (``preserve_format`` by default: ``t``'s own strides when dense), as ``(strides, 0)``,
+    or None: contiguous."""
+    preserve = memory_format in (None, torch.preserve_format)
+    if memory_format is torch.contiguous_format or (preserve and t.is_contiguous()):
+        return None
+    meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+    out = torch.empty_like(meta, memory_format=memory_format or torch.preserve_format)
+    got = tuple(out.stride())
+    return None if got == _contiguous(out.shape) else (got, 0)

@@ -36,7 +36,7 @@ from xlatorch.runtime.ir.failed import FailedValueError, cause, failed_value
 from xlatorch.runtime.ir.ops import SPECS
 from xlatorch.runtime.ir.values import Data, Out
 from xlatorch.runtime.trace.nodes import apply_scatter, apply_view, convert_value, node
-from xlatorch.runtime.trace.strides import through_storage
+from xlatorch.runtime.trace.strides import STORAGE_LAYOUT, through_storage
 
 __all__ = [
     "XlaTensor",
@@ -304,8 +304,10 @@ class XlaTensor(torch.Tensor):
         st = self._st
         root = memo.get(id(st))
         if root is None:
-            with torch.no_grad():
-                root = memo[id(st)] = torch.ops.aten.clone.default(wrap(st.value, st))
+            layout = STORAGE_LAYOUT.get(st)
+            with torch.no_grad():  # the storage's copy laid out as it is
+                root = wrap(st.value, st, None, None if layout is None else (layout, 0))
+                root = memo[id(st)] = torch.ops.aten.clone.default(root)
             memo.setdefault(id(memo), []).append(st)  # deepcopy's keep-alive list: ids stay unique
         v = value_of(root)
         for step in self._vw or ():
@@ -375,8 +377,8 @@ _new = torch.Tensor._make_wrapper_subclass
 
 def wrap(value, st: Storage | None = None, view=None, geo=None) -> XlaTensor:
     """A new device tensor holding ``value`` (a fresh storage unless ``st`` is given); a view
-    (``view``: its steps) reports the strides and offset ``geo`` (``trace/strides.py``; None:
-    contiguous from offset 0).
+    (``view``: its steps), or an op's result, reports the strides and offset ``geo``
+    (``trace/strides.py``; None: contiguous from offset 0).
 
     Inlined, with ``dispatch._view_of`` and ``nodes._node``'s cached path, in the fused shims
     (``dispatch._fuse``): a change here is made there too (``tests/test_host_paths.py``)."""
@@ -388,7 +390,9 @@ def wrap(value, st: Storage | None = None, view=None, geo=None) -> XlaTensor:
         t._geo = geo
     COUNTERS["CreateXlaTensor"] += 1
     if st is None:
-        t._st = Storage(value, _weakref(t))
+        t._st = st = Storage(value, _weakref(t))
+        if geo is not None:  # an op's result laid out as on CPU (trace/strides.result_layout)
+            STORAGE_LAYOUT[st] = geo[0]
         return t
     t._st = st
     r = _weakref(t)
@@ -493,7 +497,7 @@ def write(t: XlaTensor, v) -> None:
         st.set(v)
         return
     root = st.value
-    flat = through_storage(root.aval[0], root.aval[1], vw)
+    flat = through_storage(root.aval[0], root.aval[1], vw, STORAGE_LAYOUT.get(st))
     if flat is not None:  # a chain with a step that may overlap: one scatter into the storage's elements
         new = node(SPECS["as_strided_scatter.default"], (root, v) + flat).outs[0]
     else:

@@ -17,6 +17,7 @@ import torch
 
 from xlatorch.runtime.ir.ops import SPECS
 from xlatorch.runtime.trace.dispatch import RUNTIME_OPS, call
+from xlatorch.runtime.trace.strides import STORAGE_LAYOUT
 from xlatorch.runtime.trace.tensor import wrap
 
 __all__ = ["install", "set_to_view"]
@@ -25,19 +26,24 @@ aten = torch.ops.aten
 
 
 def as_strided(self, size, stride, storage_offset=None):
-    """``aten.as_strided``: over the storage's value (contiguous, from offset 0), where the
-    strides and offset PyTorch gives count. Out of the storage's bounds it raises CPU's
+    """``aten.as_strided``: over the storage's value (contiguous, from offset 0; or, for the
+    result of an op laid out otherwise, ``STORAGE_LAYOUT``, the value in that order), where
+    the strides and offset PyTorch gives count. Out of the storage's bounds it raises CPU's
     error."""
     if storage_offset is None:  # PyTorch's default: the tensor's own offset
         storage_offset = self.storage_offset()
-    if getattr(self, "_vw", None) is not None:
-        st = self._st
+    st = self._st
+    layout = STORAGE_LAYOUT.get(st)
+    if self._vw is not None or layout is not None:
         if st.value.aval[1] != self.dtype:
             raise NotImplementedError(
                 f"xlatorch: as_strided of a view whose dtype ({self.dtype}) is not its storage's "
                 f"({st.value.aval[1]}) is not supported; apply it to a .clone() of the view instead"
             )
-        self = wrap(st.value, st)  # the storage itself, as a tensor
+        self = wrap(st.value, st, None, None if layout is None else (layout, 0))  # the storage, as a tensor
+        if layout is not None:  # its elements in memory order: the value permuted to it, flat
+            order = sorted(range(len(layout)), key=lambda d: -layout[d])
+            self = aten.view.default(aten.permute.default(self, order), (-1,))
     _check_bounds(size, stride, storage_offset, self)
     return call(SPECS["as_strided.default"], (self, size, stride, storage_offset))
 
