@@ -249,6 +249,14 @@ def test_a_result_reports_cpus_layout_and_contiguous_copies_as_on_cpu(name, make
         assert torch.equal(have, want) if isinstance(want, torch.Tensor) else have == want, name
 
 
+def test_a_write_through_an_overlapping_view_of_a_laid_out_result_is_a_clear_error():
+    """Not supported yet (the scatter would go in the storage's order): it raises, naming the
+    way around, rather than writing elements CPU would not."""
+    y = torch.arange(12.0, device="xla").reshape(3, 4).t() * 2
+    with pytest.raises(NotImplementedError, match=r"contiguous\(\) copy"):
+        y.unfold(0, 2, 1)[0].zero_()
+
+
 def test_an_upload_keeps_its_layout_and_a_download_gives_it_back():
     """``.to("xla")`` of a transposed CPU tensor is transposed (as CUDA's copy), and
     ``.cpu()`` of a result laid out otherwise gives CPU the same layout."""

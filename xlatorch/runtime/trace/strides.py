@@ -68,8 +68,8 @@ def _compute(step, shape, strides, offset, dtype) -> tuple | None:
 _MAY_OVERLAP = frozenset(("unfold.default", "expand.default"))
 
 
-def through_storage(shape, dtype, chain, layout=None) -> tuple | None:
-    """For a write through view ``chain`` of a storage whose value has ``shape``: when a step
+def through_storage(st, shape, dtype, chain) -> tuple | None:
+    """For a write through view ``chain`` of storage ``st``, whose value has ``shape``: when a step
     of it may overlap (``_MAY_OVERLAP``) and the view it ends in does not, ``(size, stride,
     offset)`` of that view over the storage's elements, so that the write is one
     ``as_strided_scatter`` of exactly them, as on CPU. Step by step, the overlapping step
@@ -82,7 +82,7 @@ def through_storage(shape, dtype, chain, layout=None) -> tuple | None:
             break
     else:
         return None
-    if layout is not None:
+    if st in STORAGE_LAYOUT:
         raise NotImplementedError(
             "xlatorch: a write through an unfold or expand view of an op's result laid out otherwise than "
             "contiguous is not supported; write through a view of its .contiguous() copy instead"

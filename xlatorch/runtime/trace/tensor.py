@@ -497,7 +497,7 @@ def write(t: XlaTensor, v) -> None:
         st.set(v)
         return
     root = st.value
-    flat = through_storage(root.aval[0], root.aval[1], vw, STORAGE_LAYOUT.get(st))
+    flat = through_storage(st, root.aval[0], root.aval[1], vw)
     if flat is not None:  # a chain with a step that may overlap: one scatter into the storage's elements
         new = node(SPECS["as_strided_scatter.default"], (root, v) + flat).outs[0]
     else:
