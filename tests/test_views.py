@@ -97,6 +97,11 @@ CASES = {
     ],
     "set_a_view": lambda d: [(x := _base(d)), (v := x.t()), v.set_(torch.ones(5, device=d)), v.add_(1)],
     "set_empty": lambda d: [(x := _base(d)), x.set_(), x.shape],
+    # resize_ within the storage keeps it: views made before still alias the tensor
+    "resize_same_count": lambda d: [(x := _base(d)), (v := x.view(4, 6)), (r := x[1]), x.resize_(24), x.mul_(-1), v, r],
+    "resize_smaller": lambda d: [(x := _base(d)), (v := x[1:]), x.resize_(2, 3), x.fill_(0), v, x.stride()],
+    "resize_a_view": lambda d: [(x := _base(d)), (w := x[1]), w.resize_(2, 5), w.add_(100), x, w.storage_offset()],
+    "resize_larger_keeps_elements": lambda d: [_base(d)[1:].resize_(5, 6)[:3]],  # the rest is uninitialised
 }
 
 

@@ -17,6 +17,7 @@ import torch
 from xlatorch.runtime.base.record import cause
 from xlatorch.runtime.ir.ops import SPECS, Info, signature
 from xlatorch.runtime.ir.values import Node
+from xlatorch.runtime.trace import views
 from xlatorch.runtime.trace.dispatch import RUNTIME_OPS, SHIMS, count
 from xlatorch.runtime.trace.tensor import DEVICE, XlaTensor, value_of, wrap
 
@@ -136,27 +137,36 @@ def equal(self, other):
 
 
 def resize_(self, size, *, memory_format=None):
-    """aten.resize_: a new value of the new size (old elements first, new ones zero).
-
-    Same element count: a reshape. Otherwise the flattened old value is cut or
-    zero-padded (PyTorch leaves new elements uninitialised). The tensor takes a new
-    storage through the ``data`` setter, as ``out=`` does; views cannot be resized.
+    """aten.resize_, as on CPU: within its storage (its offset plus the new element count
+    fit), the tensor becomes the view of its storage at its offset with the new size and
+    contiguous strides (``as_strided``): it still shares the storage with every view made
+    before (as a new storage, writes through it stopped showing in them). Past the storage,
+    the tensor is the same view of a new storage holding the old one's elements, then zeros
+    (PyTorch leaves them uninitialised; CPU grows the storage itself, so views made before
+    keep sharing it: here they keep the old one).
     """
     size = tuple(int(s) for s in size)
     if tuple(self.shape) == size:
         return self
-    if self._vw is not None:
-        raise RuntimeError("xlatorch: resize_ of a view is not supported; resize a .clone() instead")
-    n_old, n_new = self.numel(), 1
+    n_new = 1
     for s in size:
         n_new *= s
+    n_storage = 1
+    for s in self._st.value.aval[0]:
+        n_storage *= s
+    offset = self.storage_offset()
+    mf = torch.contiguous_format if memory_format in (None, torch.preserve_format) else memory_format
+    strides = torch.empty(size, device="meta", memory_format=mf).stride()
     # Called inside __torch_dispatch__: ATen overloads, not composite Tensor methods.
-    flat = aten.view.default(aten.clone.default(self), (n_old,))
-    if n_new < n_old:
-        flat = aten.slice.Tensor(flat, 0, 0, n_new)
-    elif n_new > n_old:
-        flat = aten.cat.default([flat, aten.new_zeros.default(flat, (n_new - n_old,))])
-    self.data = wrap(value_of(aten.view.default(aten.clone.default(flat), size)))
+    if offset + n_new <= n_storage:
+        self.data = views.as_strided(self, size, strides, offset)
+        return self
+    flat = aten.clone.default(views.as_strided(self, (n_storage,), (1,), 0))  # in the storage's order
+    flat = aten.cat.default([flat, aten.new_zeros.default(flat, (offset + n_new - n_storage,))])
+    if offset == 0 and strides == torch._prims_common.make_contiguous_strides_for(size):
+        self.data = wrap(value_of(aten.view.default(flat, size)))  # the new storage's own tensor (out=)
+    else:
+        self.data = views.as_strided(flat, size, strides, offset)
     return self
 
 
