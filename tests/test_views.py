@@ -344,17 +344,30 @@ def test_a_lone_view_owns_its_storage_after_a_sync():
     assert y._vw is not None and z._vw is not None  # two views: the base must stay
     del z
     t = torch.arange(24.0, device=dev).reshape(4, 6) * 2
-    lone = t[1:3].t().detach()  # detach: no PyTorch view ``_base`` keeps ``t`` alive
+    lone = t[:2].t().detach()  # detach: no PyTorch view ``_base`` keeps ``t`` alive
     del t
     assert lone._vw is not None
     out = lone.cpu()  # the sync inside .cpu() re-roots the view it then reads
-    assert lone._vw is None and lone.shape == (6, 2)
-    torch.testing.assert_close(out, (torch.arange(24.0).reshape(4, 6) * 2)[1:3].t())
+    assert lone._vw is None and lone.shape == (6, 2) and lone.stride() == (1, 6)
+    torch.testing.assert_close(out, (torch.arange(24.0).reshape(4, 6) * 2)[:2].t())
     lone[0].add_(100)
-    expect = (torch.arange(24.0).reshape(4, 6) * 2)[1:3].t().clone()
+    expect = (torch.arange(24.0).reshape(4, 6) * 2)[:2].t().clone()
     expect[0] += 100
     torch.testing.assert_close(lone.cpu(), expect)
     torch.testing.assert_close(y.cpu(), base.t())
+    # as_strided of it counts in its storage's order, as CPU's, where the rest of the base is gone
+    cpu = (torch.arange(24.0).reshape(4, 6) * 2)[:2].t().clone()
+    cpu[0] += 100
+    cpu = cpu.t().contiguous().t()  # the same layout: transposed, from offset 0
+    torch.testing.assert_close((lone.as_strided((4,), (1,), 3) * 1).cpu(), cpu.as_strided((4,), (1,), 3))
+    # a lone view with an offset stays a view: as_strided of it reaches the base's storage
+    t = torch.arange(24.0, device=dev).reshape(4, 6) * 2
+    off = t[1:3].t().detach()
+    del t
+    off.cpu()
+    assert off._vw is not None
+    want = (torch.arange(24.0) * 2).as_strided((3,), (1,), 2)
+    torch.testing.assert_close((off.as_strided((3,), (1,), 2) * 1).cpu(), want)
 
 
 def test_linear_weight_gradients_are_not_stored_transposed():

@@ -28,7 +28,7 @@ from torch._prims_common import make_contiguous_strides_for as _contiguous
 
 from xlatorch.runtime.trace.nodes import replay_on_cpu
 
-__all__ = ["GEOMETRY", "geometry", "through_storage", "result_layout", "layout_like", "STORAGE_LAYOUT"]
+__all__ = ["GEOMETRY", "geometry", "through_storage", "result_layout", "layout_like", "dense", "STORAGE_LAYOUT"]
 
 # (Info of the view's signature, the base's ``_geo``, output index) -> (strides, offset), or
 # None for a contiguous view from offset 0 (the default a new tensor gets). Cleared when full
@@ -92,6 +92,18 @@ def through_storage(st, shape, dtype, chain) -> tuple | None:
         view = replay_on_cpu(step, view)
     size, stride = tuple(view.shape), tuple(view.stride())
     return (size, stride, view.storage_offset()) if _no_overlap(size, stride) else None
+
+
+def dense(size, stride) -> bool:
+    """Whether a tensor of ``size`` and ``stride`` covers exactly as many elements as it has."""
+    if 0 in size:
+        return True
+    expected = 1
+    for st, n in sorted((st, n) for n, st in zip(size, stride) if n != 1):
+        if st != expected:
+            return False
+        expected *= n
+    return True
 
 
 def _no_overlap(size, stride) -> bool:

@@ -36,7 +36,7 @@ from xlatorch.runtime.ir.failed import FailedValueError, cause, failed_value
 from xlatorch.runtime.ir.ops import SPECS
 from xlatorch.runtime.ir.values import Data, Out
 from xlatorch.runtime.trace.nodes import apply_scatter, apply_view, convert_value, node
-from xlatorch.runtime.trace.strides import STORAGE_LAYOUT, through_storage
+from xlatorch.runtime.trace.strides import STORAGE_LAYOUT, dense, through_storage
 
 __all__ = [
     "XlaTensor",
@@ -436,7 +436,9 @@ def reroot_lone_views(storages) -> None:
     view's value, and the view becomes a plain tensor on it.
 
     Nothing else can observe the rest of the base, so this changes no result; it lets XLA
-    compute the view directly instead of the base plus a copy. The case that matters: an
+    compute the view directly instead of the base plus a copy. A view whose elements are
+    not its base's whole storage (an offset, gaps) stays a view: ``as_strided`` of it counts
+    in the base's storage. The case that matters: an
     ``nn.Linear`` weight's gradient is ``t()`` of an ``mm`` (autograd's ``TBackward``), and
     storing the ``mm`` would make XLA transpose a weight-sized buffer every step.
     """
@@ -455,10 +457,17 @@ def reroot_lone_views(storages) -> None:
                     break
                 lone = t
         if lone is not None and lone._vw is not None:
+            geo = lone._geo
+            if geo is not None and (geo[1] or not dense(lone.shape, geo[0])):
+                continue  # its storage elements are not its value's: as_strided of it needs the base
             v = value_of(lone)
             st.set(v)
             lone._vw = lone._vc = None
             st.refs = [_weakref(lone)]
+            if geo is None:
+                STORAGE_LAYOUT.pop(st, None)
+            else:  # a transposed view: its storage is its value, in the view's order
+                STORAGE_LAYOUT[st] = geo[0]
 
 
 def fail_storages(storages, error: Exception) -> None:
