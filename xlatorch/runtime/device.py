@@ -15,6 +15,7 @@ import itertools
 import operator
 
 import torch
+from torch._prims_common import make_contiguous_strides_for
 
 from xlatorch.runtime.base.topology import device_index, local_device_count
 from xlatorch.runtime.execute import eager
@@ -234,6 +235,8 @@ def _laid_out(shim):
 
     def empty_strided(size, stride, *args, **kwargs):
         t = shim(size, stride, *args, **kwargs)
+        if tuple(stride) == make_contiguous_strides_for(size):  # the common case: no meta tensor
+            return t
         geo = strides.layout_like(torch.empty_strided(size, stride, device="meta"))
         return t if geo is None else wrap(value_of(t), geo=geo)
 

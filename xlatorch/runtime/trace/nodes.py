@@ -23,6 +23,7 @@ __all__ = [
     "node",
     "scalar",
     "info_of",
+    "call_meta",
     "apply_view",
     "apply_scatter",
     "convert_value",
@@ -93,6 +94,19 @@ def _infer(spec: OpSpec, vals: tuple) -> Info:
     meta = [_host_tensor(a) if k is HOST_SCALARS else _to_meta(a) for a, k in zip(vals, spec.kinds)]
     if spec.index_dtype is not None:
         _check_index_dtype(spec.index_dtype, meta)
+    res = call_meta(spec, spec.meta_overload, meta)
+    res = [res] if isinstance(res, torch.Tensor) else list(res)
+    if spec.mutates:  # the functional op's results, e.g. (Tensor[], Tensor): one flat list
+        res = [x for r in res for x in (r if isinstance(r, (list, tuple)) else (r,))]
+    # None: an output PyTorch leaves undefined (e.g. a gradient masked out by output_mask).
+    avals = tuple(None if r is None else (tuple(r.shape), r.dtype) for r in res)
+    return info_of(spec, meta, avals)
+
+
+def call_meta(spec: OpSpec, op, meta):
+    """``op`` (one of ``spec``'s overloads) called with ``meta``, its arguments in schema order
+    as meta tensors (or fewer: the rest default); keyword-only ones by name, a generator
+    left out, a device made ``meta``."""
     args, kwargs = [], {}
     for n, m, ko, k in zip(spec.arg_names, meta, spec.kwarg_only, spec.kinds):
         if k is GENERATOR:
@@ -103,13 +117,7 @@ def _infer(spec: OpSpec, vals: tuple) -> Info:
             args.append(m)
     if kwargs.get("device") is not None:
         kwargs["device"] = "meta"
-    res = spec.meta_overload(*args, **kwargs)
-    res = [res] if isinstance(res, torch.Tensor) else list(res)
-    if spec.mutates:  # the functional op's results, e.g. (Tensor[], Tensor): one flat list
-        res = [x for r in res for x in (r if isinstance(r, (list, tuple)) else (r,))]
-    # None: an output PyTorch leaves undefined (e.g. a gradient masked out by output_mask).
-    avals = tuple(None if r is None else (tuple(r.shape), r.dtype) for r in res)
-    return info_of(spec, meta, avals)
+    return op(*args, **kwargs)
 
 
 # c10's names of the dtypes, as CPU's messages print them: ScalarType ("Float") and, for the

@@ -26,7 +26,7 @@ import weakref
 import torch
 from torch._prims_common import make_contiguous_strides_for as _contiguous
 
-from xlatorch.runtime.trace.nodes import replay_on_cpu
+from xlatorch.runtime.trace.nodes import call_meta, replay_on_cpu
 
 __all__ = ["GEOMETRY", "geometry", "through_storage", "result_layout", "layout_like", "dense", "STORAGE_LAYOUT"]
 
@@ -147,22 +147,14 @@ def _result_layout(spec, args) -> tuple | None:
             return [meta(x) for x in a]
         return a
 
-    pos, kw = [], {}
-    for name, a, kwarg_only in zip(spec.arg_names, args, spec.kwarg_only):
-        if kwarg_only:
-            kw[name] = meta(a)
-        else:
-            pos.append(meta(a))
-    if kw.get("device") is not None:
-        kw["device"] = "meta"
     try:
-        out = spec.overload(*pos, **kw)
+        out = call_meta(spec, spec.overload, [meta(a) for a in args])
     except Exception:  # no meta kernel, or one that needs values: contiguous, as before
         return None
     if not isinstance(out, torch.Tensor) or out.storage_offset() != 0:
         return None
-    got = tuple(out.stride())
-    return None if got == _contiguous(out.shape) or not _no_overlap(tuple(out.shape), got) else (got, 0)
+    got = tuple(out.stride())  # a storage's layout: dense (as_strided counts in its order)
+    return None if got == _contiguous(out.shape) or not dense(tuple(out.shape), got) else (got, 0)
 
 
 def layout_like(t: torch.Tensor, memory_format=None) -> tuple | None:
