@@ -168,6 +168,22 @@ def test_a_sparse_tensor_is_a_clear_error_not_a_memory_format_one():
             make()
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_a_nested_tensor_is_a_clear_error_naming_what_to_do():
+    """A nested tensor cannot live on the device: moving one, or any op on one made there, says
+    so and what to do (it was PyTorch's "Could not run 'aten::_to_copy' with arguments from the
+    'NestedTensorxla' backend" and a list of every backend)."""
+    parts = [torch.randn(2, 3), torch.randn(4, 3)]
+    with pytest.raises(RuntimeError) as moved:
+        torch.nested.nested_tensor(parts).to("xla")
+    assert "aten::_to_copy got a nested tensor (torch.nested)" in str(moved.value)
+    assert "to_padded_tensor" in str(moved.value)
+    made = torch.nested.nested_tensor(parts, device="xla")
+    for op in (lambda t: t * 2, lambda t: t.unbind(), lambda t: t.to_padded_tensor(0.0)):
+        with pytest.raises(RuntimeError, match=r"got a nested tensor \(torch.nested\) on the xla device.*dense"):
+            op(made)
+
+
 def test_static_args_that_hash_alike_do_not_share_an_executable():
     # hash(-1) == hash(-2) in CPython: the graph cache must compare static arguments themselves.
     cpu = torch.randn(3, 4)
