@@ -184,6 +184,23 @@ def test_a_nested_tensor_is_a_clear_error_naming_what_to_do():
             op(made)
 
 
+def test_xla_tensors_collated_in_a_dataloader_worker_say_what_to_do(monkeypatch):
+    """A Dataset returning xla tensors to a DataLoader with workers: the worker collates the batch
+    into shared CPU memory, which an xla tensor cannot reach. It said "xla tensors have no
+    storage"; now what to do. (The worker's own collate runs here, with the worker info a worker
+    process sets: forking this process's device runtime in a test could hang it.)"""
+    from torch.utils.data._utils import worker
+
+    x = torch.ones(2, device="xla")
+    with pytest.raises(RuntimeError, match="no storage"):  # outside a worker: as before
+        x.untyped_storage()
+    monkeypatch.setattr(worker, "_worker_info", worker.WorkerInfo(id=0, num_workers=1, seed=0, dataset=None))
+    with pytest.raises(
+        RuntimeError, match=r"DataLoader worker process cannot hand xla tensors.*CPU tensors.*MpDeviceLoader"
+    ):
+        torch.utils.data.default_collate([x, x])
+
+
 def test_static_args_that_hash_alike_do_not_share_an_executable():
     # hash(-1) == hash(-2) in CPython: the graph cache must compare static arguments themselves.
     cpu = torch.randn(3, 4)

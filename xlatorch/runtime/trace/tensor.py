@@ -330,6 +330,13 @@ class XlaTensor(torch.Tensor):
             # torch.compile (or its compiled autograd, outside Dynamo's tracing context) making
             # a fake tensor of this one: the wrapper's empty storage.
             return torch.Tensor.untyped_storage(self)
+        if torch.utils.data.get_worker_info() is not None:  # collating a batch in shared memory
+            raise RuntimeError(
+                "xlatorch: a DataLoader worker process cannot hand xla tensors to the main process (its "
+                "batches travel in shared CPU memory): have the Dataset return CPU tensors and move each "
+                "batch to the device in the main process (pl.MpDeviceLoader(loader, device) does), or use "
+                "num_workers=0"
+            )
         raise RuntimeError(
             "xla tensors have no storage: their data lives on the device. Move the tensor "
             "to CPU (t.cpu()) to reach its storage"
