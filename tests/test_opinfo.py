@@ -111,7 +111,7 @@ def _compile_fast(request):
     if _full(request.config) or "XLATORCH_XLA_OPTIONS" in os.environ:
         yield
         return
-    from xlatorch.runtime.lower import compiler
+    from xlatorch.runtime.lower import cache, compiler
 
     fast = compiler.options(once=True)  # None where the backend has no such options
     if not fast:
@@ -120,6 +120,7 @@ def _compile_fast(request):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("XLATORCH_XLA_OPTIONS", ",".join(f"{k}={v}" for k, v in fast.items()))
         yield
+    cache.CACHE.clear()  # executables compiled so serve no later test (the key holds no options)
 
 
 def _full(config) -> bool:
