@@ -4,7 +4,7 @@ Each test runs a program in a subprocess that ends while device work is in fligh
 step's execution, a step closure, a thread's steps). Before xlatorch waited for that work at
 exit, Python's finalization ended the threads waiting inside jaxlib with ``pthread_exit``
 and the process aborted ("terminate called after throwing an instance of ''", status 134)
-after all its work had succeeded. The programs make each step long (seconds of matmuls) so
+after all its work had succeeded. The programs make each step long (most of a second of matmuls) so
 that it is still running when the program ends (milliseconds after it starts); their outcome
 does not depend on how long.
 """

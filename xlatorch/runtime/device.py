@@ -163,32 +163,20 @@ def register(factories: dict) -> None:
     _lib.impl("is_pinned", _is_pinned, "CPU")
     _lib.impl("ctc_loss.Tensor", _ctc_loss, "AutogradPrivateUse1")
     _lib.impl("set_.source_Tensor_storage_offset", views.set_to_view, "AutogradPrivateUse1")
-    _layouts = torch.library.Library("_", "IMPL")
-    for key, what in _OTHER_LAYOUTS.items():
-        _layouts.fallback(functools.partial(_not_dense, what), key)
-    _KEEP.append(_layouts)
+    _nested = torch.library.Library("_", "IMPL")
+    _nested.fallback(_nested_on_device, "NestedTensorPrivateUse1")
+    _KEEP.append(_nested)
 
 
-# Tensors of other layouts whose ops PyTorch sends to the device's keys for them (a nested
-# tensor's ``.to("xla")`` keeps it nested; a CSR tensor's too). With no kernel there, PyTorch's
-# error said "Could not run 'aten::_to_copy' with arguments from the 'NestedTensorxla' backend"
-# and listed every backend. A sparse COO tensor's upload is refused earlier
-# (``execute/transfer.to_device``); its key is here for the ops that reach it otherwise.
-_OTHER_LAYOUTS = {
-    "NestedTensorPrivateUse1": (
-        "a nested tensor (torch.nested)",
-        "pad it with torch.nested.to_padded_tensor on the CPU",
-    ),
-    "SparseCsrPrivateUse1": ("a compressed sparse tensor (CSR/CSC/BSR/BSC)", "convert it with .to_dense()"),
-    "SparsePrivateUse1": ("a sparse COO tensor", "convert it with .to_dense()"),
-}
-
-
-def _not_dense(what, op, *args, **kwargs):
-    kind, fix = what
+# A nested tensor's ops on the device (its ``.to("xla")`` keeps it nested) reach its key for the
+# device, where nothing is registered: PyTorch's error said "Could not run 'aten::_to_copy' with
+# arguments from the 'NestedTensorxla' backend" and listed every backend. (Sparse tensors are
+# refused at their upload: ``execute/transfer.to_device``.)
+def _nested_on_device(op, *args, **kwargs):
     raise RuntimeError(
-        f"xlatorch: {op._schema.name} got {kind} on the xla device, which holds dense arrays only; "
-        f"{fix} first (then move it), or keep it on the CPU"
+        f"xlatorch: {op._schema.name} got a nested tensor (torch.nested) on the xla device, which holds dense "
+        f"arrays only; pad it with torch.nested.to_padded_tensor on the CPU first (then move it), or keep it "
+        f"on the CPU"
     )
 
 
