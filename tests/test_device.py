@@ -201,6 +201,85 @@ def test_xla_tensors_collated_in_a_dataloader_worker_say_what_to_do(monkeypatch)
         torch.utils.data.default_collate([x, x])
 
 
+_FORKS = """
+import os, sys, torch
+import xlatorch.core.xla_model as xm
+
+def forked(body):  # the child's exit status: 0 if body returned
+    pid = os.fork()
+    if pid == 0:
+        try:
+            body()
+        except BaseException as e:
+            print("child raised", type(e).__name__, e, flush=True)
+            os._exit(3)
+        sys.exit(0)  # a normal exit: atexit hooks run
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+dev = xm.xla_device()
+cpu = torch.randn(8, 8)
+
+def before_start():  # a child forked before the runtime started starts its own
+    torch.testing.assert_close((cpu.to(dev) @ cpu.to(dev)).cpu(), cpu @ cpu, rtol=1e-5, atol=1e-5)
+print("before start", forked(before_start), flush=True)
+
+x = cpu.to(dev)
+torch.testing.assert_close((x @ x).cpu(), cpu @ cpu, rtol=1e-5, atol=1e-5)
+pending = x * 2  # pending in the parent when it forks
+
+def after_start():
+    said = []
+    for what, f in [("op", lambda: x @ x), ("upload", lambda: torch.ones(2).to(dev)), ("read", lambda: x.cpu()),
+                    ("pending read", lambda: pending.cpu()), ("sync", xm.mark_step)]:
+        try:
+            f()
+            said.append(what + " ran")
+        except RuntimeError as e:
+            assert "forked" in str(e) and "would hang" in str(e) and "spawn" in str(e), e
+            said.append(what + " refused")
+    assert torch.xla._is_in_bad_fork()
+    print("child:", ", ".join(said), flush=True)
+print("after start", forked(after_start), flush=True)
+
+class Data(torch.utils.data.Dataset):  # a Dataset whose items are made on the device
+    def __len__(self):
+        return 4
+    def __getitem__(self, i):
+        return x[i] * 2
+loader = torch.utils.data.DataLoader(Data(), batch_size=2, num_workers=1, multiprocessing_context="fork")
+try:
+    next(iter(loader))
+except RuntimeError as e:
+    print("dataloader:", "forked" in str(e) and "MpDeviceLoader" in str(e), flush=True)
+torch.testing.assert_close(pending.cpu(), cpu * 2)  # the parent goes on
+print("parent ok", not torch.xla._is_in_bad_fork(), flush=True)
+"""
+
+
+def test_a_process_forked_after_the_device_started_refuses_device_work_instead_of_hanging():
+    """JAX's runtime does not survive fork(): a forked child's first execution hung for good (a
+    DataLoader worker whose Dataset made its items on the device, an os.fork child reading a
+    result). Now each entry to the device in such a child (an op on an xla tensor, an upload, a
+    read, a sync) raises an error saying why and what to do, the child exits normally, and the
+    parent goes on. A child forked before the runtime started uses the device. In a subprocess,
+    so that a hang fails this test by its timeout instead of hanging the suite."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-W", "ignore", "-c", _FORKS], env=dict(os.environ, PYTHONPATH=root),
+                       capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert r.stdout.splitlines() == [
+        "before start 0",
+        "child: op refused, upload refused, read refused, pending read refused, sync refused",
+        "after start 0",
+        "dataloader: True",
+        "parent ok True",
+    ], r.stdout + r.stderr[-3000:]
+
+
 def test_static_args_that_hash_alike_do_not_share_an_executable():
     # hash(-1) == hash(-2) in CPython: the graph cache must compare static arguments themselves.
     cpu = torch.randn(3, 4)

@@ -17,6 +17,7 @@ import operator
 import torch
 from torch._prims_common import make_contiguous_strides_for
 
+from xlatorch.runtime.base import fork
 from xlatorch.runtime.base.topology import device_index, local_device_count
 from xlatorch.runtime.execute import eager
 from xlatorch.runtime.execute.materialize import to_cpu, to_other_device
@@ -25,6 +26,7 @@ from xlatorch.runtime.ir import rng
 from xlatorch.runtime.ir.ops import SPECS
 from xlatorch.runtime.plan import births
 from xlatorch.runtime.trace import dynamic, modules, strides, views
+from xlatorch.runtime.trace import tensor as _tensor_module
 from xlatorch.runtime.trace.dispatch import RUNTIME_OPS, SHIMS, call
 from xlatorch.runtime.trace.nodes import convert_value, node
 from xlatorch.runtime.trace.tensor import XlaTensor, value_of, wrap, write
@@ -53,7 +55,7 @@ class _DeviceModule:
 
     @staticmethod
     def _is_in_bad_fork() -> bool:
-        return False
+        return fork.FORKED[0] is not None
 
     @staticmethod
     def manual_seed_all(seed: int) -> None:
@@ -163,9 +165,20 @@ def register(factories: dict) -> None:
     _lib.impl("is_pinned", _is_pinned, "CPU")
     _lib.impl("ctc_loss.Tensor", _ctc_loss, "AutogradPrivateUse1")
     _lib.impl("set_.source_Tensor_storage_offset", views.set_to_view, "AutogradPrivateUse1")
+    fork.HOOKS.append(_refuse_ops_in_a_forked_child)
     _nested = torch.library.Library("_", "IMPL")
     _nested.fallback(_nested_on_device, "NestedTensorPrivateUse1")
     _KEEP.append(_nested)
+
+
+def _refuse_ops_in_a_forked_child() -> None:
+    """In a child forked after the runtime started (base/fork.py), every op on an xla tensor
+    raises at once, where it is called, rather than at the sync that would hang."""
+
+    def refuse(func, args, kwargs):
+        fork.check(f"{func._schema.name} (an op on an xla tensor)")
+
+    _tensor_module.DISPATCH = refuse
 
 
 # A nested tensor's ops on the device (its ``.to("xla")`` keeps it nested) reach its key for the

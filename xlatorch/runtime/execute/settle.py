@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 
-from xlatorch.runtime.base import topology
+from xlatorch.runtime.base import fork, topology
 from xlatorch.runtime.base.record import COUNTERS
 from xlatorch.runtime.base.threads import LOCK
 from xlatorch.runtime.execute import faults as failed
@@ -146,7 +146,12 @@ def _at_exit() -> None:
     there, and reads the last step's checks: one that failed makes the exit status 1, as an
     exception in the work owed does. Device work after it (``atexit`` hooks registered
     before xlatorch was imported) runs in the main thread only.
+
+    A child forked after the runtime started (base/fork.py) owes nothing: the device's work
+    is its parent's, and its copy of the runtime cannot be waited on.
     """
+    if fork.FORKED[0] is not None:
+        return
     try:
         for hook in EXIT_HOOKS:
             hook()

@@ -17,6 +17,7 @@ import jax
 
 from xlatorch.runtime.base import config, record, regions, topology
 from xlatorch.runtime.base.dtypes import to_jax
+from xlatorch.runtime.base.fork import check as check_fork
 from xlatorch.runtime.base.record import COUNTERS
 from xlatorch.runtime.base.source import fmt_src, user_frame
 from xlatorch.runtime.base.threads import BODIES, CHECKED_SINCE_SYNC, DEFERRED, LOCK, _in_backward
@@ -143,6 +144,7 @@ def sync(reason: str = "mark_step", dev: int | None = None) -> None:
 
 
 def _sync(reason, dev, timed) -> None:
+    check_fork(f"a sync ({reason})")
     if BODIES:
         raise BodyError(f"xlatorch: {BODIES[-1]} needs a value on the host ({reason}, at "
                         f"{fmt_src(user_frame(), full=True)}): a body is traced once and runs on the device, "

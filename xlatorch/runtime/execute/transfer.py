@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import torch
 
-from xlatorch.runtime.base import config, record, topology
+from xlatorch.runtime.base import config, fork, record, topology
 from xlatorch.runtime.base.dtypes import EXACT, TORCH_TO_JAX, to_jax
 from xlatorch.runtime.base.topology import current_device, jax_device, put
 from xlatorch.runtime.execute import dry, settle
@@ -59,6 +59,7 @@ def upload(t: torch.Tensor, dev: int):
     read of a value made on the host); counted in ``TransferToDeviceTime``."""
     if dry.ACTIVE[0]:  # xlatorch.check: the shape and dtype only
         return dry.DryArray(t.shape, TORCH_TO_JAX[t.dtype], host=t.detach().cpu())
+    fork.check("a copy to the xla device")
     jdev = jax_device(dev)  # first: starting the runtime is not a transfer (and may start a capture)
     with record.TIMED("TransferToDeviceTime"):
         # jax.device_put on CPU may alias an aligned numpy array: the device value must not
@@ -74,6 +75,7 @@ UPLOAD[0] = upload
 
 def from_array(arr, dtype: torch.dtype) -> torch.Tensor:
     """A new CPU tensor of ``dtype`` from device data (widened if a precision mode narrowed it)."""
+    fork.check("a copy from the xla device")
     settle.settle()  # the data may come from a step whose on-device checks are not read yet
     a = np.asarray(arr if arr.is_fully_addressable else sharding.host_value(arr))
     want = EXACT[dtype]
