@@ -178,6 +178,11 @@ def test_a_nested_tensor_is_a_clear_error_naming_what_to_do():
         torch.nested.nested_tensor(parts).to("xla")
     assert "aten::_to_copy got a nested tensor (torch.nested)" in str(moved.value)
     assert "to_padded_tensor" in str(moved.value)
+    jagged = torch.nested.nested_tensor(parts, layout=torch.jagged)  # a Python subclass around its values
+    with pytest.raises(RuntimeError, match=r"cannot make a nested tensor \(torch.nested\) on the xla device.*padded"):
+        jagged.to("xla")
+    with pytest.raises(RuntimeError, match=r"cannot make a nested tensor \(torch.nested\) on the xla device.*padded"):
+        torch.nested.nested_tensor(parts, layout=torch.jagged, device="xla")
     made = torch.nested.nested_tensor(parts, device="xla")
     for op in (lambda t: t * 2, lambda t: t.unbind(), lambda t: t.to_padded_tensor(0.0)):
         with pytest.raises(RuntimeError, match=r"got a nested tensor \(torch.nested\) on the xla device.*dense"):

@@ -29,7 +29,7 @@ from xlatorch.runtime.trace import dynamic, modules, strides, views
 from xlatorch.runtime.trace import tensor as _tensor_module
 from xlatorch.runtime.trace.dispatch import RUNTIME_OPS, SHIMS, call
 from xlatorch.runtime.trace.nodes import convert_value, node
-from xlatorch.runtime.trace.tensor import XlaTensor, value_of, wrap, write
+from xlatorch.runtime.trace.tensor import XlaTensor, nested_error, value_of, wrap, write
 
 aten = torch.ops.aten
 
@@ -186,11 +186,7 @@ def _refuse_ops_in_a_forked_child() -> None:
 # arguments from the 'NestedTensorxla' backend" and listed every backend. (Sparse tensors are
 # refused at their upload: ``execute/transfer.to_device``.)
 def _nested_on_device(op, *args, **kwargs):
-    raise RuntimeError(
-        f"xlatorch: {op._schema.name} got a nested tensor (torch.nested) on the xla device, which holds dense "
-        f"arrays only; pad it with torch.nested.to_padded_tensor on the CPU first (then move it), or keep it "
-        f"on the CPU"
-    )
+    raise nested_error(f"{op._schema.name} got")
 
 
 # Pinning a CPU tensor for the device. PyTorch asks the accelerator's hooks for a pinned-memory

@@ -15,6 +15,7 @@ from xlatorch.runtime.execute import dry, settle
 from xlatorch.runtime.ir.values import UPLOAD, Data
 from xlatorch.runtime.multi import sharding
 from xlatorch.runtime.plan.stages import small_integral
+from xlatorch.runtime.trace.tensor import nested_error
 
 __all__ = ["to_device", "upload", "from_array"]
 
@@ -39,6 +40,8 @@ def to_device(t: torch.Tensor, dev: int | None = None) -> Data:
     """Upload a CPU tensor (to local device ``dev``, default: this thread's), stored in the
     device's dtype for it; counted in ``TransferToDeviceTime``."""
     to_jax(t.dtype)  # a clear error for unsupported dtypes
+    if t.is_nested:
+        raise nested_error("cannot make")
     if t.layout is not torch.strided:
         raise RuntimeError(
             f"xlatorch: a {t.layout} tensor cannot be moved to the xla device, which holds dense arrays only "

@@ -200,6 +200,22 @@ def _free_dead(work: list) -> None:
         pass
 
 
+def nested_error(what: str) -> RuntimeError:
+    """A nested tensor (torch.nested) on the device: what to do instead (runtime/device.py's
+    fallback for a strided one's ops; ``untyped_storage`` for a jagged one's move)."""
+    return RuntimeError(
+        f"xlatorch: {what} a nested tensor (torch.nested) on the xla device, which holds dense arrays only; "
+        f"pad it with torch.nested.to_padded_tensor on the CPU first (then move it), or keep it on the CPU"
+    )
+
+
+def _nesting(frame) -> bool:
+    """Whether ``frame`` is a jagged nested tensor being made around its values."""
+    from torch.nested._internal.nested_tensor import NestedTensor
+
+    return frame.f_code is NestedTensor.__new__.__code__
+
+
 def _faking(frame) -> bool:
     """Whether ``frame`` is PyTorch's fake-tensor converter describing a tensor."""
     from torch._subclasses.meta_utils import MetaTensorDescriber
@@ -330,6 +346,8 @@ class XlaTensor(torch.Tensor):
             # torch.compile (or its compiled autograd, outside Dynamo's tracing context) making
             # a fake tensor of this one: the wrapper's empty storage.
             return torch.Tensor.untyped_storage(self)
+        if _nesting(sys._getframe(1)):  # a jagged nested tensor moved to the device (its values were)
+            raise nested_error("cannot make")
         if torch.utils.data.get_worker_info() is not None:  # collating a batch in shared memory
             raise RuntimeError(
                 "xlatorch: a DataLoader worker process cannot hand xla tensors to the main process (its "
