@@ -19,7 +19,7 @@ KEYS = {
 RULES = ("lower", "helper", "decompose", "fallback")
 DISPATCH = {"shim", "runtime", "metadata"}
 TEST_KEYS = {"opinfo", "atol", "rtol", "grad_atol", "grad_rtol", "dtypes", "xfail", "compare"}
-TEST_TAGS = {"float32", "bfloat16", "int64", "bool", "grad", "inplace", "all"}
+TEST_TAGS = {"float32", "bfloat16", "int64", "bool", "grad", "inplace", "out", "all"}
 CHECK_IF = {"integral"}
 INDEX_DTYPE_KEYS = {"arg", "dtypes", "error"}  # and optionally "empty_ok"
 # The exceptions an index_dtype error may raise, and the dtype names its message may use.

@@ -104,6 +104,13 @@ def _cases():
 
 
 FWD_CASES, GRAD_CASES, INPLACE_CASES = _cases()
+# Writes into a tensor of another dtype: in-place variants on int64 samples, out= int64 for float32 ones
+INPLACE_INT_CASES = sorted(
+    k for k, (op, _) in _plan().items() if op.inplace_variant is not None and torch.int64 in op.supported_dtypes("cpu")
+)
+OUT_CASES = sorted(
+    k for k, (op, _) in _plan().items() if op.supports_out and torch.float32 in op.supported_dtypes("cpu")
+)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -347,8 +354,10 @@ def test_inplace(key, request):
         cpu = s.input.clone()
         try:
             want = op.inplace_variant(cpu, *s.args, **s.kwargs)
-        except Exception:
-            continue  # e.g. the result would not fit self's dtype or shape
+        except Exception as e:  # e.g. the result would not fit self's shape: the device refuses it too
+            _refuses(lambda s=s: op.inplace_variant(_Moved(s).input.clone(), *_Moved(s).args, **_Moved(s).kwargs),
+                     e, f"{key} in-place sample {i}")  # fmt: skip
+            continue
         xs = _Moved(s)
         xs.input = xs.input.clone()  # as the reference: not a view, whose storage as_strided would index
         got = op.inplace_variant(xs.input, *xs.args, **xs.kwargs)
@@ -357,6 +366,63 @@ def test_inplace(key, request):
     xm.mark_step()
     for i, got, want in pending:
         _check(entries, got, want, tol, f"{key} in-place sample {i}")
+
+
+def _refuses(call, cpu_error, where) -> None:
+    """``call`` on the device raises, as its CPU twin raised ``cpu_error``: a program CPU refuses
+    never computes something on the device (nothing is synced: no graph is compiled)."""
+    try:
+        call()
+    except Exception:
+        return
+    raise AssertionError(f"{where}: CPU raised {type(cpu_error).__name__}: {cpu_error}; the xla device did not")
+
+
+@pytest.mark.parametrize("key", INPLACE_INT_CASES)
+def test_inplace_int64_refuses_what_cpu_refuses(key, request):
+    """An in-place op on int64 samples: where CPU raises (``sqrt_`` would write floats into
+    integers; ``eq_`` would broadcast ``self``), the device raises too, instead of writing
+    converted values or a value of another shape (``int32.mul_(float32)`` and ``a.eq_(b)``
+    with ``a`` of [5, 1] and ``b`` of [5, 5] did). Where CPU accepts, the device must too (its
+    values are the forward and in-place tests' business: nothing is synced here)."""
+    op, _, _, _ = _setup(key, "inplace", request)
+    for i, s in enumerate(_samples(op, torch.int64, False, _full(request.config))):
+        if not isinstance(s.input, torch.Tensor):
+            continue
+        try:
+            op.inplace_variant(s.input.clone(), *s.args, **s.kwargs)
+        except Exception as e:
+            _refuses(lambda s=s: op.inplace_variant(_Moved(s).input.clone(), *_Moved(s).args, **_Moved(s).kwargs),
+                     e, f"{key} int64 in-place sample {i}")  # fmt: skip
+        else:
+            xs = _Moved(s)
+            op.inplace_variant(xs.input.clone(), *xs.args, **xs.kwargs)
+
+
+@pytest.mark.parametrize("key", OUT_CASES)
+def test_out_of_another_dtype_refuses_what_cpu_refuses(key, request):
+    """``out=`` an int64 tensor for a float32 result: where CPU raises (``add`` would cast
+    unsafely; ``mm`` and ``abs`` want the result's own dtype) the device raises too, instead of
+    writing truncated values (``torch.abs(x, out=int_tensor)`` did); where CPU accepts
+    (``eq``'s bools, ``bernoulli``), the device must too."""
+    op, _, _, _ = _setup(key, "out", request)
+    for i, s in enumerate(_samples(op, torch.float32, False, _full(request.config))):
+        try:
+            want = op(s.input, *s.args, **s.kwargs)
+        except Exception:
+            continue
+        if not isinstance(want, torch.Tensor):
+            continue
+        try:
+            op(s.input, *s.args, **s.kwargs, out=torch.empty(want.shape, dtype=torch.int64))
+        except Exception as e:
+            _refuses(lambda s=s, w=want: _call_out(op, _Moved(s), w), e, f"{key} out=int64 sample {i}")
+        else:
+            _call_out(op, _Moved(s), want)
+
+
+def _call_out(op, xs, want):
+    return op(xs.input, *xs.args, **xs.kwargs, out=torch.empty(want.shape, dtype=torch.int64, device="xla"))
 
 
 @pytest.mark.parametrize("key", sorted(_plan()))

@@ -146,3 +146,68 @@ def test_pointwise_edge_cases(name, fn, args):
     got = tuple(g.cpu() for g in got) if isinstance(got, tuple) else got.cpu()
     torch.testing.assert_close(got, expected, equal_nan=True, rtol=2e-6, atol=0)
     assert _fallbacks() == []
+
+
+def _i32(dev):
+    return torch.tensor([1, 2, 3], dtype=torch.int32, device=dev)
+
+
+def _f32(dev):
+    return torch.tensor([1.5, -2.0, 3.25], device=dev)
+
+
+# Writes into an existing tensor that CPU refuses: a result type that does not cast safely to
+# the tensor written (TensorIterator's rule), a result of another shape, an out= of a dtype the
+# op does not take. PyTorch's meta kernels, which give a node its avals, skip some of these;
+# the device wrote truncated or broadcast values instead.
+_REFUSED = {
+    "int.mul_(float tensor)": lambda d: _i32(d).mul_(_f32(d)),
+    "int.add_(float 0-d tensor)": lambda d: _i32(d).add_(torch.tensor(1.5, device=d)),
+    "int.sqrt_()": lambda d: _i32(d).sqrt_(),
+    "int.div_(int)": lambda d: _i32(d).div_(2),
+    "bool.add_(1)": lambda d: (_i32(d) > 1).add_(1),
+    "float.mul_(1j)": lambda d: _f32(d).mul_(1j),
+    "[3, 1].eq_([3, 3])": lambda d: _f32(d)[:, None].eq_(torch.ones(3, 3, device=d)),
+    "[3, 1].pow_([3, 3])": lambda d: _f32(d)[:, None].clone().pow_(torch.ones(3, 3, device=d)),
+    "foreach int.mul_(1.5)": lambda d: torch._foreach_mul_([_i32(d), _i32(d)], 1.5),
+    "add(out=int)": lambda d: torch.add(_f32(d), _f32(d), out=_i32(d)),
+    "abs(out=int)": lambda d: torch.abs(_f32(d), out=_i32(d)),
+    "mm(out=int)": lambda d: torch.mm(_f32(d)[None], _f32(d)[:, None], out=_i32(d)[:1, None]),
+}  # fmt: skip
+
+# ... and the writes CPU takes, which must still run, with CPU's values
+_TAKEN = {
+    "int.eq_(float)": lambda d: _i32(d).eq_(_f32(d)),
+    "int.logical_not_()": lambda d: _i32(d).logical_not_(),
+    "uint8.add_(-1)": lambda d: _i32(d).to(torch.uint8).add_(-1),
+    "half.add_(double tensor)": lambda d: _f32(d).half().add_(_f32(d).double()),
+    "int.div_(2, floor)": lambda d: _i32(d).div_(2, rounding_mode="floor"),
+    "[3, 3].add_([3, 1])": lambda d: torch.ones(3, 3, device=d).add_(_f32(d)[:, None]),
+    "foreach int.add_(1)": lambda d: _foreach_add_one(_i32(d)),
+    "lt(out=float)": lambda d: torch.lt(_f32(d), 0, out=torch.zeros(3, device=d)),
+    "eq(out=int)": lambda d: torch.eq(_f32(d), _f32(d), out=_i32(d)),
+    "mul(out=half)": lambda d: torch.mul(_f32(d), _f32(d), out=torch.zeros(3, dtype=torch.half, device=d)),
+}  # fmt: skip
+
+
+def _foreach_add_one(x):
+    torch._foreach_add_([x], 1)
+    return x
+
+
+@pytest.mark.parametrize("name", sorted(_REFUSED))
+def test_a_write_cpu_refuses_raises_on_the_device(name):
+    with pytest.raises(RuntimeError) as cpu:
+        _REFUSED[name]("cpu")
+    with pytest.raises(RuntimeError, match="cast|size change|broadcast shape|expected|Expected") as xla:
+        _REFUSED[name]("xla")
+    if "broadcast shape" in str(cpu.value):  # TensorIterator's message, word for word
+        assert str(xla.value) == str(cpu.value)
+
+
+@pytest.mark.parametrize("name", sorted(_TAKEN))
+def test_a_write_cpu_takes_runs_on_the_device_as_on_cpu(name):
+    want = _TAKEN[name]("cpu")
+    got = _TAKEN[name]("xla")
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0)

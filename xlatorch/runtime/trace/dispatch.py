@@ -9,6 +9,7 @@ node (output avals and computation dtype from PyTorch's meta kernels, once per s
 from __future__ import annotations
 
 import os
+import warnings
 from weakref import ref as _weakref
 
 import torch
@@ -36,7 +37,7 @@ from xlatorch.runtime.ir.rng import next_key
 from xlatorch.runtime.ir.values import Node, Out, Scalar
 from xlatorch.runtime.trace import strides
 from xlatorch.runtime.trace import tensor as _tensor_module
-from xlatorch.runtime.trace.nodes import _node, convert_value, scalar
+from xlatorch.runtime.trace.nodes import _node, call_meta, convert_value, dtype_name, meta_args, scalar
 from xlatorch.runtime.trace.strides import geometry
 from xlatorch.runtime.trace.tensor import Storage, XlaTensor, value_of, wrap, write
 
@@ -447,14 +448,25 @@ def call_inplace(spec: OpSpec, args: tuple):
         return _call_mutating(spec, args)
     if spec.kinds[0] is TENSOR_LIST:  # _foreach_*_: one result per tensor of the list
         n = _node(spec, *_prepare(spec, args))
+        _safe_cast([v.aval[1] for v in n.outs], self)  # the functional op's results (its meta_overload)
         for t, v in zip(self, n.outs):
             write(t, v if v.aval[1] == t.dtype else convert_value(v, t.dtype))
         return None
     if type(self) is not XlaTensor:
         raise _not_xla(spec, self)
-    n = _node(spec, *_prepare(spec, args))
+    n = _node(spec, *_prepare(spec, args))  # its shape and dtype are checked with its signature (nodes.py)
     write(self, n.outs[0])
     return self
+
+
+def _safe_cast(rtypes, targets) -> None:
+    """CPU's rule for a foreach in-place op: the type of each result (``rtypes``) casts safely
+    to the tensor it writes (as ``nodes._check_in_place`` for one tensor)."""
+    for rtype, t in zip(rtypes, targets):
+        if t.dtype is not rtype and not torch.can_cast(rtype, t.dtype):
+            raise RuntimeError(
+                f"result type {dtype_name(rtype)} can't be cast to the desired output type {dtype_name(t.dtype)}"
+            )
 
 
 def _call_mutating(spec: OpSpec, args: tuple):
@@ -478,10 +490,13 @@ def call_out(spec: OpSpec, args: tuple, outs: tuple, returns: bool = True):
     ``returns=False`` for the out= overloads that take a list of tensors and return nothing
     (``unbind_copy.int_out``, ``split_copy.Tensor_out``).
     """
-    n = _node(spec, *_prepare(spec, args))
-    for t, v in zip(outs, n.outs):
+    for t in outs:
         if type(t) is not XlaTensor:
             raise _not_xla(spec, t)
+    vals, sig = _prepare(spec, args)
+    _check_out(spec, vals, sig, outs)
+    n = _node(spec, vals, sig)
+    for t, v in zip(outs, n.outs):
         if t.dtype != v.aval[1]:
             v = convert_value(v, t.dtype)
         if tuple(t.shape) != v.aval[0]:
@@ -491,6 +506,42 @@ def call_out(spec: OpSpec, args: tuple, outs: tuple, returns: bool = True):
     if not returns:
         return None
     return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+_OUT_CHECKED: set = set()  # (spec, signature, the outs' avals) whose out= tensors PyTorch accepts
+_OUT_OVERLOADS: dict = {}  # spec -> its out= overload (from the generated shims)
+
+
+def _check_out(spec: OpSpec, vals: tuple, sig: tuple, outs: tuple) -> None:
+    """PyTorch's rules for ``out=`` tensors, as the out= overload's meta kernel applies them
+    (once per signature): the dtype the op requires (exactly, for ``mm`` or ``abs``; one the
+    result casts to safely, for ``add``), which the functional node does not see; CPU raises
+    where the device wrote ``torch.abs(x, out=int_tensor)``'s truncated values."""
+    key = (spec, sig, tuple([(tuple(t.shape), t.dtype) for t in outs]))
+    if key in _OUT_CHECKED:
+        return
+    if not _OUT_OVERLOADS:
+        for op, shim in SHIMS.items():
+            code = getattr(shim, "__code__", None)
+            if code is not None and code.co_names[:1] == ("call_out",) and len(code.co_names) > 1:
+                _OUT_OVERLOADS.setdefault(shim.__globals__.get(code.co_names[1]), op)
+    overload = _OUT_OVERLOADS.get(spec)
+    # A random op's meta refuses outs its CPU kernel takes (bernoulli's ints): left to the op
+    if overload is not None and GENERATOR not in spec.kinds:
+        params = [a for a in overload._schema.arguments if a.is_out]
+        metas = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in outs]
+        if len(params) == 1 and isinstance(params[0].type, torch.ListType):  # Tensor[] out
+            kw = {params[0].name: metas}
+        else:
+            kw = {a.name: m for a, m in zip(params, metas)}
+        meta = meta_args(spec, vals)
+        with warnings.catch_warnings():  # a resized out= warns once per call, not here
+            warnings.simplefilter("ignore")
+            try:
+                call_meta(spec, overload, meta, kw)
+            except NotImplementedError:
+                pass  # no meta kernel for it: nothing to check by
+    _OUT_CHECKED.add(key)
 
 
 def count(name: str) -> None:

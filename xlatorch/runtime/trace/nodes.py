@@ -90,12 +90,19 @@ def _host_tensor(a: tuple) -> torch.Tensor:
     return torch.tensor([s.value for s in a], dtype=a[0].aval[1] if a else torch.float64)
 
 
+def meta_args(spec: OpSpec, vals: tuple) -> list:
+    """A node's converted arguments as PyTorch's meta kernels take them, in schema order."""
+    return [_host_tensor(a) if k is HOST_SCALARS else _to_meta(a) for a, k in zip(vals, spec.kinds)]
+
+
 def _infer(spec: OpSpec, vals: tuple) -> Info:
-    meta = [_host_tensor(a) if k is HOST_SCALARS else _to_meta(a) for a, k in zip(vals, spec.kinds)]
+    meta = meta_args(spec, vals)
     if spec.index_dtype is not None:
         _check_index_dtype(spec.index_dtype, meta)
     res = call_meta(spec, spec.meta_overload, meta)
     res = [res] if isinstance(res, torch.Tensor) else list(res)
+    if spec.meta_overload is spec.overload and isinstance(vals[0], VALUE_TYPES) and _in_place(spec.overload):
+        _check_in_place(spec, vals)
     if spec.mutates:  # the functional op's results, e.g. (Tensor[], Tensor): one flat list
         res = [x for r in res for x in (r if isinstance(r, (list, tuple)) else (r,))]
     # None: an output PyTorch leaves undefined (e.g. a gradient masked out by output_mask).
@@ -103,11 +110,59 @@ def _infer(spec: OpSpec, vals: tuple) -> Info:
     return info_of(spec, meta, avals)
 
 
-def call_meta(spec: OpSpec, op, meta):
+def _in_place(op) -> bool:
+    """Whether ``op`` writes its first argument (``add_``), and only that."""
+    args = op._schema.arguments
+    return bool(args) and args[0].is_write and not any(a.is_write for a in args[1:])
+
+
+@functools.cache
+def _functional(op):
+    """The functional twin of in-place ``op``, taking the same arguments (``aten.add.Tensor`` for
+    ``aten.add_.Tensor``, ``aten.pow.Tensor_Tensor`` for ``aten.pow_.Tensor``); None if there
+    is none, or if it is a view op (``squeeze_``'s twin: the in-place op changes the shape)."""
+    packet = getattr(torch.ops.aten, op._schema.name.split("::")[-1].rstrip("_"), None)
+    if packet is None:
+        return None
+    want = [(a.name, str(a.type)) for a in op._schema.arguments]
+    for name in packet.overloads():
+        twin = getattr(packet, name)
+        s = twin._schema
+        if [(a.name, str(a.type)) for a in s.arguments] == want and not s.is_mutable:
+            return None if any(r.alias_info is not None for r in s.returns) else twin
+    return None
+
+
+def _check_in_place(spec: OpSpec, vals: tuple) -> None:
+    """CPU's rules for an in-place op, which PyTorch's meta kernels skip for some ops: the
+    result keeps ``self``'s shape (``a.eq_(b)`` with ``a`` of [5, 1] and ``b`` of [5, 5] wrote
+    a [5, 5] value into ``a``) and its type casts safely to ``self``'s dtype (TensorIterator's
+    check: not a float into an integer tensor, a complex into a real one, a number into a bool
+    one; ``int32.mul_(float32)`` wrote truncated values). Judged by the functional twin's meta
+    kernel, once per signature."""
+    shape, dtype = vals[0].aval
+    twin = _functional(spec.overload)
+    if twin is None:
+        return
+    try:
+        want = call_meta(spec, twin, meta_args(spec, vals))
+    except Exception:  # noqa: BLE001 - the twin's own rules are not the in-place op's: judged by the meta above
+        return
+    if not isinstance(want, torch.Tensor):
+        return
+    if tuple(want.shape) != shape:
+        raise RuntimeError(f"output with shape {list(shape)} doesn't match the broadcast shape {list(want.shape)}")
+    if want.dtype != dtype and not torch.can_cast(want.dtype, dtype):
+        raise RuntimeError(
+            f"result type {dtype_name(want.dtype)} can't be cast to the desired output type {dtype_name(dtype)}"
+        )
+
+
+def call_meta(spec: OpSpec, op, meta, kwargs=None):
     """``op`` (one of ``spec``'s overloads) called with ``meta``, its arguments in schema order
     as meta tensors (or fewer: the rest default); keyword-only ones by name, a generator
-    left out, a device made ``meta``."""
-    args, kwargs = [], {}
+    left out, a device made ``meta``; ``kwargs`` (an out= overload's outs) added."""
+    args, kwargs = [], dict(kwargs or {})
     for n, m, ko, k in zip(spec.arg_names, meta, spec.kwarg_only, spec.kinds):
         if k is GENERATOR:
             continue
@@ -131,8 +186,13 @@ _SCALAR_TYPE = {
 _LEGACY = ("Byte", "Char", "Short", "Int", "Long", "Half", "Float", "Double")
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """c10's name of ``dtype``, as CPU's messages print it ("Float")."""
+    return _SCALAR_TYPE.get(dtype) or str(dtype).removeprefix("torch.").capitalize()
+
+
 def _dtype_names(dtype: torch.dtype) -> dict:
-    name = _SCALAR_TYPE.get(dtype) or str(dtype).removeprefix("torch.").capitalize()
+    name = dtype_name(dtype)
     return {"scalar_type": name, "tensor_type": f"torch.{name}Tensor" if name in _LEGACY else f"CPU{name}Type"}
 
 
