@@ -94,6 +94,7 @@ class _Spec:
     def __init__(self, **kw):
         self.mutates = ()
         self.copies = False
+        self.distinct_out = False
         self.__dict__.update(kw)
 
 
@@ -161,7 +162,7 @@ def build(entries):
                                promote_args="None", view=False, scatter="None", meta="_scatter_meta",
                                check="None", check_integral=False, index_dtype="None"))  # fmt: skip
         specs.append(_Spec(var=var, name=e.name, overload=_aten(e.name), view=s.view, scatter=scatter_var,
-                           meta=meta, copies=e.copies, **common))  # fmt: skip
+                           meta=meta, copies=e.copies, distinct_out=e.distinct_out, **common))  # fmt: skip
         entry_shim = "call_inplace" if s.inplace else "call"
         if e.dispatch == "shim":
             shims.append(dict(fn=fn, aten=_aten(e.name), params=_params(fargs),

@@ -14,12 +14,13 @@ from codegen.schema import Schema
 KEYS = {
     "lower", "helper", "decompose", "fallback", "promote", "promote_args", "static", "random", "scatter",
     "variants", "dispatch", "test", "note", "check", "check_if", "index_dtype", "host_scalars", "copies",
+    "distinct_out",
 }  # fmt: skip
 # How an entry is executed: exactly one of these fields, except for dispatch runtime/metadata.
 RULES = ("lower", "helper", "decompose", "fallback")
 DISPATCH = {"shim", "runtime", "metadata"}
 TEST_KEYS = {"opinfo", "atol", "rtol", "grad_atol", "grad_rtol", "dtypes", "xfail", "compare"}
-TEST_TAGS = {"float32", "bfloat16", "int64", "bool", "grad", "inplace", "out", "all"}
+TEST_TAGS = {"float32", "bfloat16", "int64", "bool", "grad", "inplace", "out", "errors", "all"}
 CHECK_IF = {"integral"}
 INDEX_DTYPE_KEYS = {"arg", "dtypes", "error"}  # and optionally "empty_ok"
 # The exceptions an index_dtype error may raise, and the dtype names its message may use.
@@ -65,6 +66,9 @@ class Entry:
     # reshape, not a view): the host, holding that argument, holds the result too
     # (runtime/plan/prechecks.py decides a step's checks from it).
     copies: bool = False
+    # Its out= tensor may not share memory with an input at all, as CPU's kernel refuses (cat,
+    # gather); an elementwise op's may be an input itself (runtime/trace/dispatch.call_out)
+    distinct_out: bool = False
 
     @property
     def status(self) -> str:
@@ -212,6 +216,8 @@ def load(path: str, schemas: dict) -> list[Entry]:
         if not isinstance(e.copies, bool) or (e.copies and (s.view or not s.args or s.args[0].kind != "TENSOR")):
             raise RegistryError(f"ops.yaml entry '{name}': copies is true or false, and only for a non-view op "
                                 f"whose first argument is a tensor")  # fmt: skip
+        if not isinstance(e.distinct_out, bool):
+            raise RegistryError(f"ops.yaml entry '{name}': distinct_out is true or false")
         if e.scatter is not None:
             if not s.view:
                 raise RegistryError(f"ops.yaml entry '{name}': 'scatter' is only for view ops")

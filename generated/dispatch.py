@@ -264,6 +264,7 @@ S_normal_Tensor_Tensor = OpSpec(
 S_multinomial = OpSpec(
     "multinomial.default", aten.multinomial.default, E.multinomial, ('self', 'num_samples', 'replacement', 'generator', 'seed'), (TENSOR, STATIC, STATIC, STATIC, GENERATOR,), (False, False, False, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    index_dtype=(((0,), (torch.float16, torch.bfloat16, torch.float32, torch.float64), RuntimeError, 'multinomial only supports floating-point dtypes for input, got: {scalar_type}', False),),
 )
 S_view__scatter = OpSpec(
     "view.default.scatter", None, E.view__scatter, ('self', 'src', 'size', 'idx'), (TENSOR, TENSOR, STATIC, STATIC,), (False, False, False, False), ONE,
@@ -534,6 +535,7 @@ S_view_as_complex_copy = OpSpec(
 S_cat = OpSpec(
     "cat.default", aten.cat.default, E.cat, ('tensors', 'dim'), (TENSOR_LIST, STATIC,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    distinct_out=True,
 )
 S_stack = OpSpec(
     "stack.default", aten.stack.default, E.stack, ('tensors', 'dim'), (TENSOR_LIST, STATIC,), (False, False), ONE,
@@ -566,12 +568,14 @@ S_index_select = OpSpec(
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.index_select__check, check_integral=False, check_reads=('L.checks.select_range(self, dim, index)', (0, 1, 2), False),
     index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'index_select(): Expected dtype int32 or int64 for index', False),),
+    distinct_out=True,
 )
 S_gather = OpSpec(
     "gather.default", aten.gather.default, E.gather, ('self', 'dim', 'index', 'sparse_grad'), (TENSOR, STATIC, TENSOR, STATIC,), (False, False, False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.gather__check, check_integral=False, check_reads=('L.checks.along_dim(self, dim, index)', (0, 1, 2), False),
     index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'gather(): Expected dtype int32/int64 for index', True),),
+    distinct_out=True,
 )
 S_embedding = OpSpec(
     "embedding.default", aten.embedding.default, E.embedding, ('weight', 'indices', 'padding_idx', 'scale_grad_by_freq', 'sparse'), (TENSOR, TENSOR, STATIC, STATIC, STATIC,), (False, False, False, False, False), ONE,
@@ -758,10 +762,12 @@ S_index_fill__int_Tensor = OpSpec(
 S_masked_scatter = OpSpec(
     "masked_scatter.default", aten.masked_scatter.default, E.masked_scatter, ('self', 'mask', 'source'), (TENSOR, TENSOR, TENSOR,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    index_dtype=(((1,), (torch.bool,), RuntimeError, 'masked_scatter_ only supports boolean masks, but got mask with dtype {scalar_type}', False),),
 )
 S_masked_scatter_ = OpSpec(
     "masked_scatter_.default", aten.masked_scatter_.default, E.masked_scatter, ('self', 'mask', 'source'), (TENSOR, TENSOR, TENSOR,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    index_dtype=(((1,), (torch.bool,), RuntimeError, 'masked_scatter_ only supports boolean masks, but got mask with dtype {scalar_type}', False),),
 )
 S_masked_scatter_backward = OpSpec(
     "masked_scatter_backward.default", aten.masked_scatter_backward.default, E.masked_scatter_backward, ('grad_output', 'mask', 'sizes'), (TENSOR, TENSOR, STATIC,), (False, False, False), ONE,
@@ -772,6 +778,7 @@ S_take = OpSpec(
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.take__check, check_integral=False, check_reads=('L.checks.flat(self, index)', (0, 1), False),
     index_dtype=(((1,), (torch.int64,), RuntimeError, 'take(): Expected a long tensor for index, but got {scalar_type}', False),),
+    distinct_out=True,
 )
 S_put = OpSpec(
     "put.default", aten.put.default, E.put, ('self', 'index', 'source', 'accumulate'), (TENSOR, TENSOR, TENSOR, STATIC,), (False, False, False, False), ONE,
@@ -828,6 +835,7 @@ S_topk = OpSpec(
 S_kthvalue = OpSpec(
     "kthvalue.default", aten.kthvalue.default, E.kthvalue, ('self', 'k', 'dim', 'keepdim'), (TENSOR, STATIC, STATIC, STATIC,), (False, False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    distinct_out=True,
 )
 S_median = OpSpec(
     "median.default", aten.median.default, E.median, ('self',), (TENSOR,), (False,), ONE,

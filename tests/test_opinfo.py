@@ -108,6 +108,7 @@ FWD_CASES, GRAD_CASES, INPLACE_CASES = _cases()
 INPLACE_INT_CASES = sorted(
     k for k, (op, _) in _plan().items() if op.inplace_variant is not None and torch.int64 in op.supported_dtypes("cpu")
 )
+ERROR_CASES = sorted(k for k, (op, _) in _plan().items() if op.error_inputs_func is not None)
 OUT_CASES = sorted(
     k for k, (op, _) in _plan().items() if op.supports_out and torch.float32 in op.supported_dtypes("cpu")
 )
@@ -180,17 +181,25 @@ def _setup(key, tag, request):
     return op, entries, atol, rtol
 
 
-def _to_xla(x):
+def _to_xla(x, moved=None):
     """A sample's tensor on the device; a view (the OpInfos' non-contiguous samples) stays a
-    view with CPU's layout: its base moved, and ``as_strided`` of it."""
+    view with CPU's layout: its base moved, and ``as_strided`` of it. ``moved`` (CPU tensor's
+    id -> its device copy) keeps tensors that share memory on CPU sharing it on the device
+    (an error input's out= that is its input)."""
     if isinstance(x, torch.Tensor):
+        moved = {} if moved is None else moved
         base = x._base
         plain = not (x.is_conj() or x.is_neg())
         if base is not None and base.dtype == x.dtype and base.layout == torch.strided and plain:
+            if id(base) not in moved:
+                moved[id(base)] = (base, base.detach().to("xla"))
             with torch.no_grad():
-                t = base.detach().to("xla").as_strided(x.shape, x.stride(), x.storage_offset())
+                t = moved[id(base)][1].as_strided(x.shape, x.stride(), x.storage_offset())
+        elif id(x) in moved:
+            return moved[id(x)][1]
         else:
             t = x.detach().to("xla")
+            moved[id(x)] = (x, t)  # keeps x alive: its id is not reused while the sample moves
         return t.requires_grad_() if x.requires_grad else t
     return x
 
@@ -199,7 +208,8 @@ class _Moved:
     """A sample's input, args and kwargs with every tensor moved to the xla device."""
 
     def __init__(self, s):
-        self.input, self.args, self.kwargs = tree_map(_to_xla, (s.input, s.args, s.kwargs))
+        moved: dict = {}
+        self.input, self.args, self.kwargs = tree_map(lambda x: _to_xla(x, moved), (s.input, s.args, s.kwargs))
         if "device" in self.kwargs:  # factories: made on the device
             self.kwargs = dict(self.kwargs, device="xla")
         # A factory sample that names no device (torch.linspace(1, 3, 1)) makes its result on
@@ -419,6 +429,31 @@ def test_out_of_another_dtype_refuses_what_cpu_refuses(key, request):
             _refuses(lambda s=s, w=want: _call_out(op, _Moved(s), w), e, f"{key} out=int64 sample {i}")
         else:
             _call_out(op, _Moved(s), want)
+
+
+@pytest.mark.parametrize("key", ERROR_CASES)
+def test_error_inputs_raise_as_on_cpu(key, request):
+    """The OpInfo's error inputs (arguments CPU refuses: a wrong dtype, shape or dimension, an
+    out= overlapping an input): each that raises on CPU raises on the device too, when the op
+    is called or when its result is read (an out-of-range index is checked on the device)."""
+    op, _, _, _ = _setup(key, "errors", request)
+    missed = []
+    for i, e in enumerate(op.error_inputs("cpu")):
+        s = e.sample_input
+        try:
+            op(s.input, *s.args, **s.kwargs)
+            continue  # CPU takes it (an error input of another device)
+        except Exception as cpu_error:  # noqa: BLE001 - any error CPU raises
+            error = cpu_error
+        try:
+            xs = _Moved(s)
+            tensors = [t for t in tree_flatten(op(xs.input, *xs.args, **xs.kwargs))[0] if isinstance(t, torch.Tensor)]
+            for t in tensors:
+                t.cpu()
+        except Exception:  # noqa: BLE001, S112 - refused, as on CPU
+            continue
+        missed.append(f"error input {i}: CPU raised {type(error).__name__}: {str(error)[:200]}")
+    assert not missed, "\n".join(missed)
 
 
 def _call_out(op, xs, want):

@@ -173,6 +173,14 @@ _REFUSED = {
     "add(out=int)": lambda d: torch.add(_f32(d), _f32(d), out=_i32(d)),
     "abs(out=int)": lambda d: torch.abs(_f32(d), out=_i32(d)),
     "mm(out=int)": lambda d: torch.mm(_f32(d)[None], _f32(d)[:, None], out=_i32(d)[:1, None]),
+    # ... and writes into memory an input shares in part, or an expanded view
+    "y[1:].add_(y[:-1])": lambda d: (lambda y: y[1:].add_(y[:-1]))(_f32(d)),
+    "y.mul_(y[0])": lambda d: (lambda y: y.mul_(y[0]))(_f32(d)),
+    "m.add_(m.t())": lambda d: (lambda m: m.add_(m.t()))(torch.ones(3, 3, device=d)),
+    "add(y[:-1], out=y[1:])": lambda d: (lambda y: torch.add(y[:-1], 1, out=y[1:]))(_f32(d)),
+    "expanded.add_(1)": lambda d: _f32(d)[:1].expand(3).add_(1),
+    "as_strided stride 0 .mul_(2)": lambda d: _f32(d).as_strided((3,), (0,)).mul_(2),
+    "index_select(y, out=y)": lambda d: (lambda y: torch.index_select(y, 0, _i32(d) - 1, out=y))(_f32(d)),
 }  # fmt: skip
 
 # ... and the writes CPU takes, which must still run, with CPU's values
@@ -187,6 +195,11 @@ _TAKEN = {
     "lt(out=float)": lambda d: torch.lt(_f32(d), 0, out=torch.zeros(3, device=d)),
     "eq(out=int)": lambda d: torch.eq(_f32(d), _f32(d), out=_i32(d)),
     "mul(out=half)": lambda d: torch.mul(_f32(d), _f32(d), out=torch.zeros(3, dtype=torch.half, device=d)),
+    "y.add_(y)": lambda d: (lambda y: y.add_(y))(_f32(d)),
+    "y[::2].add_(y[1::2])": lambda d: (lambda y: y[::2].add_(y[1::2]))(torch.arange(6.0, device=d)),
+    "add(y, out=y)": lambda d: (lambda y: torch.add(y, 1, out=y))(_f32(d)),
+    "mm(m, out=m)": lambda d: (lambda m: torch.mm(m, torch.eye(2, device=d), out=m))(torch.ones(2, 2, device=d)),
+    "cumsum(y, out=y)": lambda d: (lambda y: torch.cumsum(y, 0, out=y))(_f32(d)),
 }  # fmt: skip
 
 
@@ -199,9 +212,9 @@ def _foreach_add_one(x):
 def test_a_write_cpu_refuses_raises_on_the_device(name):
     with pytest.raises(RuntimeError) as cpu:
         _REFUSED[name]("cpu")
-    with pytest.raises(RuntimeError, match="cast|size change|broadcast shape|expected|Expected") as xla:
+    with pytest.raises(RuntimeError, match="cast|size change|broadcast shape|expected|Expected|memory location") as xla:
         _REFUSED[name]("xla")
-    if "broadcast shape" in str(cpu.value):  # TensorIterator's message, word for word
+    if "broadcast shape" in str(cpu.value) or "memory location" in str(cpu.value):  # CPU's message, word for word
         assert str(xla.value) == str(cpu.value)
 
 

@@ -69,13 +69,13 @@ class OpSpec:
     __slots__ = (
         "name", "overload", "emit", "arg_names", "kinds", "kwarg_only", "returns",
         "promote", "promote_idx", "view", "scatter", "cache", "meta_overload", "check", "check_integral", "check_reads",
-        "counter", "mutates", "born", "index_dtype", "prepare", "copies",
+        "counter", "mutates", "born", "index_dtype", "prepare", "copies", "distinct_out",
     )  # fmt: skip
 
     def __init__(self, name, overload, emit, arg_names, kinds, kwarg_only, returns,
                  promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
                  check=None, check_integral=False, mutates=(), index_dtype=None, copies=False,
-                 check_reads=None):  # fmt: skip
+                 check_reads=None, distinct_out=False):  # fmt: skip
         self.name = name
         self.overload = overload
         self.emit = emit
@@ -89,6 +89,8 @@ class OpSpec:
         self.view = view
         # ops.yaml ``copies``: its result holds its first argument's elements when the dtype stays
         self.copies = copies
+        # ops.yaml ``distinct_out``: its out= tensor may not share memory with an input
+        self.distinct_out = distinct_out
         self.scatter = scatter
         self.cache: dict = {}
         # The overload whose meta kernel gives this spec's avals (an in-place variant

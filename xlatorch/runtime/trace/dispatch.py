@@ -454,6 +454,10 @@ def call_inplace(spec: OpSpec, args: tuple):
         return None
     if type(self) is not XlaTensor:
         raise _not_xla(spec, self)
+    if spec.promote is not None:  # an elementwise op (TensorIterator on CPU) reading what it writes
+        for a in args:
+            if type(a) is XlaTensor and a._st is self._st and strides.overlap(self, a) == strides.PARTIAL:
+                raise RuntimeError(strides.PARTIAL_OVERLAP)
     n = _node(spec, *_prepare(spec, args))  # its shape and dtype are checked with its signature (nodes.py)
     write(self, n.outs[0])
     return self
@@ -493,6 +497,14 @@ def call_out(spec: OpSpec, args: tuple, outs: tuple, returns: bool = True):
     for t in outs:
         if type(t) is not XlaTensor:
             raise _not_xla(spec, t)
+        if strides.self_overlapping(t):  # before a resize too, as on CPU
+            raise RuntimeError(strides.SELF_OVERLAP)
+        for a in args:  # an input that is part of the out= (or all of it: ops.yaml ``distinct_out``)
+            for x in a if type(a) is list or type(a) is tuple else (a,):
+                if type(x) is XlaTensor and x._st is t._st:
+                    how = strides.overlap(t, x)
+                    if how == strides.PARTIAL or (how == strides.FULL and spec.distinct_out):
+                        raise RuntimeError(strides.PARTIAL_OVERLAP)
     vals, sig = _prepare(spec, args)
     _check_out(spec, vals, sig, outs)
     n = _node(spec, vals, sig)

@@ -28,7 +28,8 @@ from torch._prims_common import make_contiguous_strides_for as _contiguous
 
 from xlatorch.runtime.trace.nodes import call_meta, replay_on_cpu
 
-__all__ = ["GEOMETRY", "geometry", "through_storage", "result_layout", "layout_like", "dense", "STORAGE_LAYOUT"]
+__all__ = ["GEOMETRY", "geometry", "through_storage", "result_layout", "layout_like", "dense", "STORAGE_LAYOUT",
+           "self_overlapping", "overlap", "NO", "FULL", "PARTIAL"]  # fmt: skip
 
 # (Info of the view's signature, the base's ``_geo``, output index) -> (strides, offset), or
 # None for a contiguous view from offset 0 (the default a new tensor gets). Cleared when full
@@ -114,6 +115,50 @@ def _no_overlap(size, stride) -> bool:
             return False
         extent += st * (n - 1)
     return True
+
+
+def _layout(t) -> tuple:
+    """``t``'s (strides, storage offset): its ``_geo``, or contiguous from 0."""
+    geo = t._geo
+    return geo if geo is not None else (_contiguous(t.shape), 0)
+
+
+def self_overlapping(t) -> bool:
+    """Whether more than one element of ``t`` is one memory location (an expanded view): CPU
+    refuses to write into such a tensor (``has_internal_overlap``: a stride 0 over a size > 1)."""
+    geo = t._geo
+    return geo is not None and any(st == 0 and n > 1 for n, st in zip(t.shape, geo[0]))
+
+
+NO, FULL, PARTIAL = range(3)
+
+
+def overlap(a, b) -> int:
+    """How two device tensors share memory, as CPU decides it (``get_overlap_status``): ``FULL``
+    (the same elements in the same order), ``PARTIAL`` (some), or ``NO`` (none; also for
+    tensors that are not dense, which CPU lets through)."""
+    if a is b:
+        return FULL
+    if a._st is not b._st or a.numel() == 0 or b.numel() == 0:
+        return NO
+    (sa, oa), (sb, ob) = _layout(a), _layout(b)
+    if not (dense(a.shape, sa) and _no_overlap(a.shape, sa) and dense(b.shape, sb) and _no_overlap(b.shape, sb)):
+        return NO
+    a0, b0 = oa * a.element_size(), ob * b.element_size()
+    a1, b1 = a0 + a.numel() * a.element_size(), b0 + b.numel() * b.element_size()
+    if (a0, a1) == (b0, b1):
+        return PARTIAL if tuple(sa) != tuple(sb) or a.dtype != b.dtype else FULL
+    return PARTIAL if a0 < b1 and b0 < a1 else NO
+
+
+SELF_OVERLAP = (
+    "unsupported operation: more than one element of the written-to tensor refers to a single memory location. "
+    "Please clone() the tensor before performing the operation."
+)
+PARTIAL_OVERLAP = (
+    "unsupported operation: some elements of the input tensor and the written-to tensor refer to a single memory "
+    "location. Please clone() the tensor before performing the operation."
+)
 
 
 # (Info of an op's signature, each argument's ``_geo``) -> the layout CPU gives its result

@@ -36,7 +36,7 @@ from xlatorch.runtime.ir.failed import FailedValueError, cause, failed_value
 from xlatorch.runtime.ir.ops import SPECS
 from xlatorch.runtime.ir.values import Data, Out
 from xlatorch.runtime.trace.nodes import apply_scatter, apply_view, convert_value, node
-from xlatorch.runtime.trace.strides import STORAGE_LAYOUT, dense, through_storage
+from xlatorch.runtime.trace.strides import SELF_OVERLAP, STORAGE_LAYOUT, dense, self_overlapping, through_storage
 
 __all__ = [
     "XlaTensor",
@@ -530,6 +530,8 @@ def write(t: XlaTensor, v) -> None:
     if vw is None:
         st.set(v)
         return
+    if self_overlapping(t):
+        raise RuntimeError(SELF_OVERLAP)
     root = st.value
     flat = through_storage(st, root.aval[0], root.aval[1], vw)
     if flat is not None:  # a chain with a step that may overlap: one scatter into the storage's elements
