@@ -264,6 +264,7 @@ S_normal_Tensor_Tensor = OpSpec(
 S_multinomial = OpSpec(
     "multinomial.default", aten.multinomial.default, E.multinomial, ('self', 'num_samples', 'replacement', 'generator', 'seed'), (TENSOR, STATIC, STATIC, STATIC, GENERATOR,), (False, False, False, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    check=E.multinomial__check, check_integral=False, check_reads=('L.checks.multinomial(self, num_samples, replacement)', (0, 1, 2), False),
     index_dtype=(((0,), (torch.float16, torch.bfloat16, torch.float32, torch.float64), RuntimeError, 'multinomial only supports floating-point dtypes for input, got: {scalar_type}', False),),
 )
 S_view__scatter = OpSpec(

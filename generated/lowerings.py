@@ -263,6 +263,10 @@ def multinomial(out, self, num_samples, replacement, generator, seed):
     return L.pointwise.multinomial(seed, self, num_samples, replacement)
 
 
+def multinomial__check(out, self, num_samples, replacement, generator, seed):
+    return L.checks.multinomial(self, num_samples, replacement)
+
+
 def view(out, self, size):
     return self.reshape(out.shape)
 

@@ -224,3 +224,26 @@ def test_a_write_cpu_takes_runs_on_the_device_as_on_cpu(name):
     got = _TAKEN[name]("xla")
     assert got.dtype == want.dtype and got.shape == want.shape
     torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "probs, n, replacement",
+    [
+        ([[0.5, math.nan]], 2, True),
+        ([[0.5, -1.0]], 2, True),
+        ([[0.5, math.inf]], 2, True),
+        ([[0.0, 0.0]], 2, True),
+        ([[0.5, math.inf]], 1, False),
+        ([[0.2, math.nan]], 1, False),
+        ([[0.0, 0.0], [1.0, 1.0]], 1, False),
+        ([[0.2, 0.8]], 0, True),
+    ],
+)
+def test_multinomial_refuses_what_cpu_refuses(probs, n, replacement):
+    """NaN, infinite or negative probabilities, a row summing to zero, no draws: CPU raises
+    (its message chosen by the same order of checks); the device drew from them silently."""
+    with pytest.raises(RuntimeError) as cpu:
+        torch.multinomial(torch.tensor(probs), n, replacement)
+    with pytest.raises(RuntimeError) as xla:
+        torch.multinomial(torch.tensor(probs, device="xla"), n, replacement).cpu()
+    assert str(xla.value).startswith(str(cpu.value)), (xla.value, cpu.value)

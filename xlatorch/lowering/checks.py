@@ -23,7 +23,7 @@ import numpy as np
 
 __all__ = ["in_range", "always", "index_range", "select_range", "along_dim", "index_add_range", "advanced",
            "targets", "bag", "divisor", "negative_power", "index_out_of_range", "flat", "segments",
-           "lu_pivots"]  # fmt: skip
+           "lu_pivots", "multinomial"]  # fmt: skip
 
 
 def _xp(x):
@@ -221,3 +221,31 @@ def lu_pivots(LU_data, LU_pivots, unpack_pivots: bool):
     msg = ("pivots passed to lu_unpack must be between 1 and LU.size(-2) inclusive.Did you properly pass the "
            "result of lu_factor?")  # fmt: skip
     return in_range(LU_pivots, 1, LU_data.shape[-2] + 1, RuntimeError, msg)
+
+
+def multinomial(self, num_samples: int, replacement: bool):
+    """``multinomial``: CPU's checks of the draw count and of the probabilities' values, in its
+    order and with its messages (without replacement or for one draw: the whole tensor's range,
+    then each row's sum; with replacement: each entry, then each row's sum). The device would
+    draw from NaN or negative probabilities without a word."""
+    if num_samples <= 0:
+        return always(RuntimeError, "cannot sample n_sample <= 0 samples")
+    if self.shape[-1] > 1 << 24:
+        return always(RuntimeError, "number of categories cannot exceed 2^24")
+    if self.size == 0:
+        return None
+    xp = _xp(self)
+    p = xp.asarray(self).astype(np.float32)
+    sums = xp.sum(p, axis=-1)
+    zero = "invalid multinomial distribution (sum of probabilities <= 0)"
+    if not replacement or num_samples == 1:
+        valid = (xp.max(p) < np.inf) & (xp.min(p) >= 0)  # a NaN fails both
+        msg = "probability tensor contains either `inf`, `nan` or element < 0"
+        return [(~valid, 0, 0, RuntimeError, msg), (xp.any(sums == 0), 0, 0, RuntimeError, zero)]
+    return [
+        (xp.any(~(p >= 0)), 0, 0, RuntimeError,  # CPU's test: a NaN fails it first
+         "invalid multinomial distribution (encountering probability entry < 0)"),
+        (xp.any(~xp.isfinite(p)), 0, 0, RuntimeError,
+         "invalid multinomial distribution (encountering probability entry = infinity or NaN)"),
+        (xp.any(sums <= 0), 0, 0, RuntimeError, zero),
+    ]  # fmt: skip
