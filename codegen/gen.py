@@ -95,6 +95,7 @@ class _Spec:
         self.mutates = ()
         self.copies = False
         self.distinct_out = False
+        self.out_overload = None
         self.__dict__.update(kw)
 
 
@@ -161,8 +162,9 @@ def build(entries):
                                kwarg_only=tuple([False] * (len(fargs) + 2)), returns="ONE", promote="None",
                                promote_args="None", view=False, scatter="None", meta="_scatter_meta",
                                check="None", check_integral=False, index_dtype="None"))  # fmt: skip
-        specs.append(_Spec(var=var, name=e.name, overload=_aten(e.name), view=s.view, scatter=scatter_var,
-                           meta=meta, copies=e.copies, distinct_out=e.distinct_out, **common))  # fmt: skip
+        main = _Spec(var=var, name=e.name, overload=_aten(e.name), view=s.view, scatter=scatter_var,
+                     meta=meta, copies=e.copies, distinct_out=e.distinct_out, **common)  # fmt: skip
+        specs.append(main)
         entry_shim = "call_inplace" if s.inplace else "call"
         if e.dispatch == "shim":
             shims.append(dict(fn=fn, aten=_aten(e.name), params=_params(fargs),
@@ -185,6 +187,7 @@ def build(entries):
             if [a.name for a in os_.args if not a.is_out] == [a.name for a in fargs]:
                 outs = [a for a in os_.args if a.is_out]
                 ofn = _ident(out)
+                main.out_overload = _aten(out)  # its meta kernel judges the out= tensors (trace/dispatch.py)
                 if len(outs) == 1 and outs[0].type.endswith("[]"):  # `Tensor(a!)[] out`, returning ()
                     body = f"call_out({var}, {call_args}, tuple({outs[0].py}), returns=False)"
                 else:

@@ -143,6 +143,7 @@ S_clone = OpSpec(
     "clone.default", aten.clone.default, E.clone, ('self', 'memory_format'), (TENSOR, STATIC,), (False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     copies=True,
+    out_overload=aten.clone.out,
 )
 S__to_copy = OpSpec(
     "_to_copy.default", aten._to_copy.default, E._to_copy, ('self', 'dtype', 'layout', 'device', 'pin_memory', 'non_blocking', 'memory_format'), (TENSOR, STATIC, STATIC, STATIC, STATIC, STATIC, STATIC,), (False, True, True, True, True, True, True), ONE,
@@ -172,10 +173,12 @@ S_bernoulli__float = OpSpec(
 S_native_dropout = OpSpec(
     "native_dropout.default", aten.native_dropout.default, E.native_dropout, ('input', 'p', 'train', 'seed'), (TENSOR, SCALAR, STATIC, GENERATOR,), (False, False, False, True), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.native_dropout.out,
 )
 S_native_dropout_backward = OpSpec(
     "native_dropout_backward.default", aten.native_dropout_backward.default, E.native_dropout_backward, ('grad_output', 'mask', 'scale'), (TENSOR, TENSOR, SCALAR,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.native_dropout_backward.out,
 )
 S_rand = OpSpec(
     "rand.default", aten.rand.default, E.rand, ('size', 'dtype', 'layout', 'device', 'pin_memory', 'seed'), (STATIC, STATIC, STATIC, STATIC, STATIC, GENERATOR,), (False, True, True, True, True, True), ONE,
@@ -248,24 +251,29 @@ S_cauchy_ = OpSpec(
 S_bernoulli = OpSpec(
     "bernoulli.default", aten.bernoulli.default, E.bernoulli, ('self', 'generator', 'seed'), (TENSOR, STATIC, GENERATOR,), (False, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.bernoulli.out,
 )
 S_normal_Tensor_float = OpSpec(
     "normal.Tensor_float", aten.normal.Tensor_float, E.normal_Tensor_float, ('mean', 'std', 'generator', 'seed'), (TENSOR, SCALAR, STATIC, GENERATOR,), (False, False, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.normal.Tensor_float_out,
 )
 S_normal_float_Tensor = OpSpec(
     "normal.float_Tensor", aten.normal.float_Tensor, E.normal_float_Tensor, ('mean', 'std', 'generator', 'seed'), (SCALAR, TENSOR, STATIC, GENERATOR,), (False, False, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.normal.float_Tensor_out,
 )
 S_normal_Tensor_Tensor = OpSpec(
     "normal.Tensor_Tensor", aten.normal.Tensor_Tensor, E.normal_Tensor_Tensor, ('mean', 'std', 'generator', 'seed'), (TENSOR, TENSOR, STATIC, GENERATOR,), (False, False, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.normal.Tensor_Tensor_out,
 )
 S_multinomial = OpSpec(
     "multinomial.default", aten.multinomial.default, E.multinomial, ('self', 'num_samples', 'replacement', 'generator', 'seed'), (TENSOR, STATIC, STATIC, STATIC, GENERATOR,), (False, False, False, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.multinomial__check, check_integral=False, check_reads=('L.checks.multinomial(self, num_samples, replacement)', (0, 1, 2), False),
     index_dtype=(((0,), (torch.float16, torch.bfloat16, torch.float32, torch.float64), RuntimeError, 'multinomial only supports floating-point dtypes for input, got: {scalar_type}', False),),
+    out_overload=aten.multinomial.out,
 )
 S_view__scatter = OpSpec(
     "view.default.scatter", None, E.view__scatter, ('self', 'src', 'size', 'idx'), (TENSOR, TENSOR, STATIC, STATIC,), (False, False, False, False), ONE,
@@ -279,6 +287,7 @@ S__unsafe_view = OpSpec(
     "_unsafe_view.default", aten._unsafe_view.default, E._unsafe_view, ('self', 'size'), (TENSOR, STATIC,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     copies=True,
+    out_overload=aten._unsafe_view.out,
 )
 S_unsqueeze__scatter = OpSpec(
     "unsqueeze.default.scatter", None, E.unsqueeze__scatter, ('self', 'src', 'dim', 'idx'), (TENSOR, TENSOR, STATIC, STATIC,), (False, False, False, False), ONE,
@@ -419,54 +428,67 @@ S_diagonal = OpSpec(
 S_slice_scatter = OpSpec(
     "slice_scatter.default", aten.slice_scatter.default, E.slice_scatter, ('self', 'src', 'dim', 'start', 'end', 'step'), (TENSOR, TENSOR, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.slice_scatter.out,
 )
 S_select_scatter = OpSpec(
     "select_scatter.default", aten.select_scatter.default, E.select_scatter, ('self', 'src', 'dim', 'index'), (TENSOR, TENSOR, STATIC, STATIC,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.select_scatter.out,
 )
 S_view_copy = OpSpec(
     "view_copy.default", aten.view_copy.default, E.view_copy, ('self', 'size'), (TENSOR, STATIC,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.view_copy.out,
 )
 S_view_copy_dtype = OpSpec(
     "view_copy.dtype", aten.view_copy.dtype, E.view_copy_dtype, ('self', 'dtype'), (TENSOR, STATIC,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.view_copy.dtype_out,
 )
 S__reshape_alias_copy = OpSpec(
     "_reshape_alias_copy.default", aten._reshape_alias_copy.default, E._reshape_alias_copy, ('self', 'size', 'stride'), (TENSOR, STATIC, STATIC,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._reshape_alias_copy.out,
 )
 S_unsqueeze_copy = OpSpec(
     "unsqueeze_copy.default", aten.unsqueeze_copy.default, E.unsqueeze_copy, ('self', 'dim'), (TENSOR, STATIC,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.unsqueeze_copy.out,
 )
 S_squeeze_copy = OpSpec(
     "squeeze_copy.default", aten.squeeze_copy.default, E.squeeze_copy, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.squeeze_copy.out,
 )
 S_squeeze_copy_dim = OpSpec(
     "squeeze_copy.dim", aten.squeeze_copy.dim, E.squeeze_copy_dim, ('self', 'dim'), (TENSOR, STATIC,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.squeeze_copy.dim_out,
 )
 S_squeeze_copy_dims = OpSpec(
     "squeeze_copy.dims", aten.squeeze_copy.dims, E.squeeze_copy_dims, ('self', 'dim'), (TENSOR, STATIC,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.squeeze_copy.dims_out,
 )
 S_t_copy = OpSpec(
     "t_copy.default", aten.t_copy.default, E.t_copy, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.t_copy.out,
 )
 S_transpose_copy_int = OpSpec(
     "transpose_copy.int", aten.transpose_copy.int, E.transpose_copy_int, ('self', 'dim0', 'dim1'), (TENSOR, STATIC, STATIC,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.transpose_copy.int_out,
 )
 S_permute_copy = OpSpec(
     "permute_copy.default", aten.permute_copy.default, E.permute_copy, ('self', 'dims'), (TENSOR, STATIC,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.permute_copy.out,
 )
 S_expand_copy = OpSpec(
     "expand_copy.default", aten.expand_copy.default, E.expand_copy, ('self', 'size', 'implicit'), (TENSOR, STATIC, STATIC,), (False, False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.expand_copy.out,
 )
 S_as_strided_copy = OpSpec(
     "as_strided_copy.default", aten.as_strided_copy.default, E.as_strided_copy, ('self', 'size', 'stride', 'storage_offset'), (TENSOR, STATIC, STATIC, STATIC,), (False, False, False, False), ONE,
@@ -475,76 +497,94 @@ S_as_strided_copy = OpSpec(
 S_narrow_copy = OpSpec(
     "narrow_copy.default", aten.narrow_copy.default, E.narrow_copy, ('self', 'dim', 'start', 'length'), (TENSOR, STATIC, STATIC, STATIC,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.narrow_copy.out,
 )
 S_slice_copy_Tensor = OpSpec(
     "slice_copy.Tensor", aten.slice_copy.Tensor, E.slice_copy_Tensor, ('self', 'dim', 'start', 'end', 'step'), (TENSOR, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.slice_copy.Tensor_out,
 )
 S_select_copy_int = OpSpec(
     "select_copy.int", aten.select_copy.int, E.select_copy_int, ('self', 'dim', 'index'), (TENSOR, STATIC, STATIC,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.select_copy.int_out,
 )
 S_split_copy_Tensor = OpSpec(
     "split_copy.Tensor", aten.split_copy.Tensor, E.split_copy_Tensor, ('self', 'split_size', 'dim'), (TENSOR, STATIC, STATIC,), (False, False, False), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.split_copy.Tensor_out,
 )
 S_split_with_sizes_copy = OpSpec(
     "split_with_sizes_copy.default", aten.split_with_sizes_copy.default, E.split_with_sizes_copy, ('self', 'split_sizes', 'dim'), (TENSOR, STATIC, STATIC,), (False, False, False), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.split_with_sizes_copy.out,
 )
 S_unbind_copy_int = OpSpec(
     "unbind_copy.int", aten.unbind_copy.int, E.unbind_copy_int, ('self', 'dim'), (TENSOR, STATIC,), (False, False), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.unbind_copy.int_out,
 )
 S_unfold_copy = OpSpec(
     "unfold_copy.default", aten.unfold_copy.default, E.unfold_copy, ('self', 'dimension', 'size', 'step'), (TENSOR, STATIC, STATIC, STATIC,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.unfold_copy.out,
 )
 S_diagonal_copy = OpSpec(
     "diagonal_copy.default", aten.diagonal_copy.default, E.diagonal_copy, ('self', 'offset', 'dim1', 'dim2'), (TENSOR, STATIC, STATIC, STATIC,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.diagonal_copy.out,
 )
 S_alias_copy = OpSpec(
     "alias_copy.default", aten.alias_copy.default, E.alias_copy, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.alias_copy.out,
 )
 S_detach_copy = OpSpec(
     "detach_copy.default", aten.detach_copy.default, E.detach_copy, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.detach_copy.out,
 )
 S_lift_fresh_copy = OpSpec(
     "lift_fresh_copy.default", aten.lift_fresh_copy.default, E.lift_fresh_copy, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     copies=True,
+    out_overload=aten.lift_fresh_copy.out,
 )
 S__neg_view_copy = OpSpec(
     "_neg_view_copy.default", aten._neg_view_copy.default, E._neg_view_copy, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._neg_view_copy.out,
 )
 S__conj_copy = OpSpec(
     "_conj_copy.default", aten._conj_copy.default, E._conj_copy, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._conj_copy.out,
 )
 S_view_as_real_copy = OpSpec(
     "view_as_real_copy.default", aten.view_as_real_copy.default, E.view_as_real_copy, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.view_as_real_copy.out,
 )
 S_view_as_complex_copy = OpSpec(
     "view_as_complex_copy.default", aten.view_as_complex_copy.default, E.view_as_complex_copy, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.view_as_complex_copy.out,
 )
 S_cat = OpSpec(
     "cat.default", aten.cat.default, E.cat, ('tensors', 'dim'), (TENSOR_LIST, STATIC,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     distinct_out=True,
+    out_overload=aten.cat.out,
 )
 S_stack = OpSpec(
     "stack.default", aten.stack.default, E.stack, ('tensors', 'dim'), (TENSOR_LIST, STATIC,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.stack.out,
 )
 S_tril = OpSpec(
     "tril.default", aten.tril.default, E.tril, ('self', 'diagonal'), (TENSOR, STATIC,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.tril.out,
 )
 S_tril_ = OpSpec(
     "tril_.default", aten.tril_.default, E.tril, ('self', 'diagonal'), (TENSOR, STATIC,), (False, False), ONE,
@@ -553,6 +593,7 @@ S_tril_ = OpSpec(
 S_triu = OpSpec(
     "triu.default", aten.triu.default, E.triu, ('self', 'diagonal'), (TENSOR, STATIC,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.triu.out,
 )
 S_triu_ = OpSpec(
     "triu_.default", aten.triu_.default, E.triu, ('self', 'diagonal'), (TENSOR, STATIC,), (False, False), ONE,
@@ -563,6 +604,7 @@ S_index_Tensor = OpSpec(
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.index_Tensor__check, check_integral=False, check_reads=('L.checks.advanced(self, indices)', (0, 1), False),
     index_dtype=(((1,), (torch.int64, torch.int32, torch.uint8, torch.bool), IndexError, 'tensors used as indices must be long, int, byte or bool tensors', False),),
+    out_overload=aten.index.Tensor_out,
 )
 S_index_select = OpSpec(
     "index_select.default", aten.index_select.default, E.index_select, ('self', 'dim', 'index'), (TENSOR, STATIC, TENSOR,), (False, False, False), ONE,
@@ -570,6 +612,7 @@ S_index_select = OpSpec(
     check=E.index_select__check, check_integral=False, check_reads=('L.checks.select_range(self, dim, index)', (0, 1, 2), False),
     index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'index_select(): Expected dtype int32 or int64 for index', False),),
     distinct_out=True,
+    out_overload=aten.index_select.out,
 )
 S_gather = OpSpec(
     "gather.default", aten.gather.default, E.gather, ('self', 'dim', 'index', 'sparse_grad'), (TENSOR, STATIC, TENSOR, STATIC,), (False, False, False, True), ONE,
@@ -577,26 +620,31 @@ S_gather = OpSpec(
     check=E.gather__check, check_integral=False, check_reads=('L.checks.along_dim(self, dim, index)', (0, 1, 2), False),
     index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'gather(): Expected dtype int32/int64 for index', True),),
     distinct_out=True,
+    out_overload=aten.gather.out,
 )
 S_embedding = OpSpec(
     "embedding.default", aten.embedding.default, E.embedding, ('weight', 'indices', 'padding_idx', 'scale_grad_by_freq', 'sparse'), (TENSOR, TENSOR, STATIC, STATIC, STATIC,), (False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.embedding__check, check_integral=False, check_reads=('L.checks.select_range(weight, 0, indices)', (0, 1), False),
     index_dtype=(((1,), (torch.int64, torch.int32), RuntimeError, "Expected tensor for argument #1 'indices' to have one of the following scalar types: Long, Int; but got {tensor_type} instead (while checking arguments for embedding)", False),),
+    out_overload=aten.embedding.out,
 )
 S_embedding_dense_backward = OpSpec(
     "embedding_dense_backward.default", aten.embedding_dense_backward.default, E.embedding_dense_backward, ('grad_output', 'indices', 'num_weights', 'padding_idx', 'scale_grad_by_freq'), (TENSOR, TENSOR, STATIC, STATIC, STATIC,), (False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.embedding_dense_backward__check, check_integral=False, check_reads=('L.checks.index_out_of_range(indices, num_weights, out)', (1, 2), True),
     index_dtype=(((1,), (torch.int64, torch.int32), RuntimeError, "Expected tensor for argument #2 'indices' to have one of the following scalar types: Long, Int; but got {tensor_type} instead (while checking arguments for embedding_backward)", False),),
+    out_overload=aten.embedding_dense_backward.out,
 )
 S_where_self = OpSpec(
     "where.self", aten.where.self, E.where_self, ('condition', 'self', 'other'), (TENSOR, TENSOR, TENSOR,), (False, False, False), ONE,
     promote='default', promote_args=['self', 'other'], view=False, scatter=None, meta_overload=None,
+    out_overload=aten.where.self_out,
 )
 S_masked_fill_Scalar = OpSpec(
     "masked_fill.Scalar", aten.masked_fill.Scalar, E.masked_fill_Scalar, ('self', 'mask', 'value'), (TENSOR, TENSOR, SCALAR,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.masked_fill.Scalar_out,
 )
 S_masked_fill__Scalar = OpSpec(
     "masked_fill_.Scalar", aten.masked_fill_.Scalar, E.masked_fill_Scalar, ('self', 'mask', 'value'), (TENSOR, TENSOR, SCALAR,), (False, False, False), ONE,
@@ -605,6 +653,7 @@ S_masked_fill__Scalar = OpSpec(
 S_masked_fill_Tensor = OpSpec(
     "masked_fill.Tensor", aten.masked_fill.Tensor, E.masked_fill_Tensor, ('self', 'mask', 'value'), (TENSOR, TENSOR, TENSOR,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.masked_fill.Tensor_out,
 )
 S_masked_fill__Tensor = OpSpec(
     "masked_fill_.Tensor", aten.masked_fill_.Tensor, E.masked_fill_Tensor, ('self', 'mask', 'value'), (TENSOR, TENSOR, TENSOR,), (False, False, False), ONE,
@@ -615,6 +664,7 @@ S_scatter_src = OpSpec(
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.scatter_src__check, check_integral=False, check_reads=('L.checks.along_dim(self, dim, index)', (0, 1, 2), False),
     index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'scatter(): Expected dtype int32/int64 for index', True),),
+    out_overload=aten.scatter.src_out,
 )
 S_scatter__src = OpSpec(
     "scatter_.src", aten.scatter_.src, E.scatter_src, ('self', 'dim', 'index', 'src'), (TENSOR, STATIC, TENSOR, TENSOR,), (False, False, False, False), ONE,
@@ -627,6 +677,7 @@ S_scatter_value = OpSpec(
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.scatter_value__check, check_integral=False, check_reads=('L.checks.along_dim(self, dim, index)', (0, 1, 2), False),
     index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'scatter(): Expected dtype int32/int64 for index', True),),
+    out_overload=aten.scatter.value_out,
 )
 S_scatter__value = OpSpec(
     "scatter_.value", aten.scatter_.value, E.scatter_value, ('self', 'dim', 'index', 'value'), (TENSOR, STATIC, TENSOR, SCALAR,), (False, False, False, False), ONE,
@@ -639,6 +690,7 @@ S_scatter_reduce = OpSpec(
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.scatter_reduce__check, check_integral=False, check_reads=('L.checks.along_dim(self, dim, index)', (0, 1, 2), False),
     index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'scatter(): Expected dtype int32/int64 for index', True),),
+    out_overload=aten.scatter.reduce_out,
 )
 S_scatter__reduce = OpSpec(
     "scatter_.reduce", aten.scatter_.reduce, E.scatter_reduce, ('self', 'dim', 'index', 'src', 'reduce'), (TENSOR, STATIC, TENSOR, TENSOR, STATIC,), (False, False, False, False, True), ONE,
@@ -651,6 +703,7 @@ S_scatter_value_reduce = OpSpec(
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.scatter_value_reduce__check, check_integral=False, check_reads=('L.checks.along_dim(self, dim, index)', (0, 1, 2), False),
     index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'scatter(): Expected dtype int32/int64 for index', True),),
+    out_overload=aten.scatter.value_reduce_out,
 )
 S_scatter__value_reduce = OpSpec(
     "scatter_.value_reduce", aten.scatter_.value_reduce, E.scatter_value_reduce, ('self', 'dim', 'index', 'value', 'reduce'), (TENSOR, STATIC, TENSOR, SCALAR, STATIC,), (False, False, False, False, True), ONE,
@@ -663,6 +716,7 @@ S_scatter_add = OpSpec(
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.scatter_add__check, check_integral=False, check_reads=('L.checks.along_dim(self, dim, index)', (0, 1, 2), False),
     index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'scatter(): Expected dtype int32/int64 for index', True),),
+    out_overload=aten.scatter_add.out,
 )
 S_scatter_add_ = OpSpec(
     "scatter_add_.default", aten.scatter_add_.default, E.scatter_add, ('self', 'dim', 'index', 'src'), (TENSOR, STATIC, TENSOR, TENSOR,), (False, False, False, False), ONE,
@@ -675,6 +729,7 @@ S_scatter_reduce_two = OpSpec(
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.scatter_reduce_two__check, check_integral=False, check_reads=('L.checks.along_dim(self, dim, index)', (0, 1, 2), False),
     index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'scatter(): Expected dtype int32/int64 for index', True),),
+    out_overload=aten.scatter_reduce.two_out,
 )
 S_scatter_reduce__two = OpSpec(
     "scatter_reduce_.two", aten.scatter_reduce_.two, E.scatter_reduce_two, ('self', 'dim', 'index', 'src', 'reduce', 'include_self'), (TENSOR, STATIC, TENSOR, TENSOR, STATIC, STATIC,), (False, False, False, False, False, True), ONE,
@@ -687,6 +742,7 @@ S_index_put = OpSpec(
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.index_put__check, check_integral=False, check_reads=('L.checks.advanced(self, indices)', (0, 1), False),
     index_dtype=(((1,), (torch.int64, torch.int32, torch.uint8, torch.bool), IndexError, 'tensors used as indices must be long, int, byte or bool tensors', False),),
+    out_overload=aten.index_put.out,
 )
 S_index_put_ = OpSpec(
     "index_put_.default", aten.index_put_.default, E.index_put, ('self', 'indices', 'values', 'accumulate'), (TENSOR, TENSOR_LIST, TENSOR, STATIC,), (False, False, False, False), ONE,
@@ -705,6 +761,7 @@ S_index_add = OpSpec(
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.index_add__check, check_integral=False, check_reads=('L.checks.index_add_range(self, dim, index)', (0, 1, 2), False),
     index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'index_add_(): Expected dtype int32/int64 for index but got: {scalar_type}', False),),
+    out_overload=aten.index_add.out,
 )
 S_index_add_ = OpSpec(
     "index_add_.default", aten.index_add_.default, E.index_add, ('self', 'dim', 'index', 'source', 'alpha'), (TENSOR, STATIC, TENSOR, TENSOR, SCALAR,), (False, False, False, False, True), ONE,
@@ -717,6 +774,7 @@ S_index_reduce = OpSpec(
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.index_reduce__check, check_integral=False, check_reads=('L.checks.index_range(self, dim, index)', (0, 1, 2), False),
     index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'index_reduce_(): Expected dtype int32/int64 for index but got: {scalar_type}', False),),
+    out_overload=aten.index_reduce.out,
 )
 S_index_reduce_ = OpSpec(
     "index_reduce_.default", aten.index_reduce_.default, E.index_reduce, ('self', 'dim', 'index', 'source', 'reduce', 'include_self'), (TENSOR, STATIC, TENSOR, TENSOR, STATIC, STATIC,), (False, False, False, False, False, True), ONE,
@@ -729,6 +787,7 @@ S_index_copy = OpSpec(
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.index_copy__check, check_integral=False, check_reads=("L.checks.along_dim(self, dim, index, IndexError, prefix='index_copy_(): ', slices=True)", (0, 1, 2), False),
     index_dtype=(((2,), (torch.int64,), RuntimeError, 'index_copy_(): Expected a long tensor for index, but got {scalar_type}', False),),
+    out_overload=aten.index_copy.out,
 )
 S_index_copy_ = OpSpec(
     "index_copy_.default", aten.index_copy_.default, E.index_copy, ('self', 'dim', 'index', 'source'), (TENSOR, STATIC, TENSOR, TENSOR,), (False, False, False, False), ONE,
@@ -741,6 +800,7 @@ S_index_fill_int_Scalar = OpSpec(
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.index_fill_int_Scalar__check, check_integral=False, check_reads=('L.checks.along_dim(self, dim, index, IndexError, negative=True, slices=True)', (0, 1, 2), False),
     index_dtype=(((2,), (torch.int64,), IndexError, 'index_fill_(): Expected dtype int64 for index.', False),),
+    out_overload=aten.index_fill.int_Scalar_out,
 )
 S_index_fill__int_Scalar = OpSpec(
     "index_fill_.int_Scalar", aten.index_fill_.int_Scalar, E.index_fill_int_Scalar, ('self', 'dim', 'index', 'value'), (TENSOR, STATIC, TENSOR, SCALAR,), (False, False, False, False), ONE,
@@ -753,6 +813,7 @@ S_index_fill_int_Tensor = OpSpec(
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.index_fill_int_Tensor__check, check_integral=False, check_reads=('L.checks.along_dim(self, dim, index, IndexError, negative=True, slices=True)', (0, 1, 2), False),
     index_dtype=(((2,), (torch.int64,), IndexError, 'index_fill_(): Expected dtype int64 for index.', False),),
+    out_overload=aten.index_fill.int_Tensor_out,
 )
 S_index_fill__int_Tensor = OpSpec(
     "index_fill_.int_Tensor", aten.index_fill_.int_Tensor, E.index_fill_int_Tensor, ('self', 'dim', 'index', 'value'), (TENSOR, STATIC, TENSOR, TENSOR,), (False, False, False, False), ONE,
@@ -764,6 +825,7 @@ S_masked_scatter = OpSpec(
     "masked_scatter.default", aten.masked_scatter.default, E.masked_scatter, ('self', 'mask', 'source'), (TENSOR, TENSOR, TENSOR,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     index_dtype=(((1,), (torch.bool,), RuntimeError, 'masked_scatter_ only supports boolean masks, but got mask with dtype {scalar_type}', False),),
+    out_overload=aten.masked_scatter.out,
 )
 S_masked_scatter_ = OpSpec(
     "masked_scatter_.default", aten.masked_scatter_.default, E.masked_scatter, ('self', 'mask', 'source'), (TENSOR, TENSOR, TENSOR,), (False, False, False), ONE,
@@ -780,12 +842,14 @@ S_take = OpSpec(
     check=E.take__check, check_integral=False, check_reads=('L.checks.flat(self, index)', (0, 1), False),
     index_dtype=(((1,), (torch.int64,), RuntimeError, 'take(): Expected a long tensor for index, but got {scalar_type}', False),),
     distinct_out=True,
+    out_overload=aten.take.out,
 )
 S_put = OpSpec(
     "put.default", aten.put.default, E.put, ('self', 'index', 'source', 'accumulate'), (TENSOR, TENSOR, TENSOR, STATIC,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.put__check, check_integral=False, check_reads=("L.checks.flat(self, index, empty='put_(): Tried to put elements into an empty tensor')", (0, 1), False),
     index_dtype=(((1,), (torch.int64,), RuntimeError, 'put_(): Expected a long tensor for index, but got {scalar_type}', False),),
+    out_overload=aten.put.out,
 )
 S_put_ = OpSpec(
     "put_.default", aten.put_.default, E.put, ('self', 'index', 'source', 'accumulate'), (TENSOR, TENSOR, TENSOR, STATIC,), (False, False, False, False), ONE,
@@ -804,10 +868,12 @@ S_as_strided = OpSpec(
 S_as_strided_scatter = OpSpec(
     "as_strided_scatter.default", aten.as_strided_scatter.default, E.as_strided_scatter, ('self', 'src', 'size', 'stride', 'storage_offset'), (TENSOR, TENSOR, STATIC, STATIC, STATIC,), (False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.as_strided_scatter.out,
 )
 S_diagonal_scatter = OpSpec(
     "diagonal_scatter.default", aten.diagonal_scatter.default, E.diagonal_scatter, ('self', 'src', 'offset', 'dim1', 'dim2'), (TENSOR, TENSOR, STATIC, STATIC, STATIC,), (False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.diagonal_scatter.out,
 )
 S_nonzero = OpSpec(
     "nonzero.default", aten.nonzero.default, E.nonzero, ('self',), (TENSOR,), (False,), ONE,
@@ -816,6 +882,7 @@ S_nonzero = OpSpec(
 S_nonzero_static = OpSpec(
     "nonzero_static.default", aten.nonzero_static.default, E.nonzero_static, ('self', 'size', 'fill_value'), (TENSOR, STATIC, STATIC,), (False, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.nonzero_static.out,
 )
 S_masked_select = OpSpec(
     "masked_select.default", aten.masked_select.default, E.masked_select, ('self', 'mask'), (TENSOR, TENSOR,), (False, False), ONE,
@@ -824,71 +891,88 @@ S_masked_select = OpSpec(
 S_sort = OpSpec(
     "sort.default", aten.sort.default, E.sort, ('self', 'dim', 'descending'), (TENSOR, STATIC, STATIC,), (False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.sort.values,
 )
 S_sort_stable = OpSpec(
     "sort.stable", aten.sort.stable, E.sort_stable, ('self', 'stable', 'dim', 'descending'), (TENSOR, STATIC, STATIC, STATIC,), (False, True, True, True), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.sort.values_stable,
 )
 S_topk = OpSpec(
     "topk.default", aten.topk.default, E.topk, ('self', 'k', 'dim', 'largest', 'sorted'), (TENSOR, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.topk.values,
 )
 S_kthvalue = OpSpec(
     "kthvalue.default", aten.kthvalue.default, E.kthvalue, ('self', 'k', 'dim', 'keepdim'), (TENSOR, STATIC, STATIC, STATIC,), (False, False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     distinct_out=True,
+    out_overload=aten.kthvalue.values,
 )
 S_median = OpSpec(
     "median.default", aten.median.default, E.median, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.median.out,
 )
 S_median_dim = OpSpec(
     "median.dim", aten.median.dim, E.median_dim, ('self', 'dim', 'keepdim'), (TENSOR, STATIC, STATIC,), (False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.median.dim_values,
 )
 S_nanmedian = OpSpec(
     "nanmedian.default", aten.nanmedian.default, E.nanmedian, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.nanmedian.out,
 )
 S_nanmedian_dim = OpSpec(
     "nanmedian.dim", aten.nanmedian.dim, E.nanmedian_dim, ('self', 'dim', 'keepdim'), (TENSOR, STATIC, STATIC,), (False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.nanmedian.dim_values,
 )
 S_mode = OpSpec(
     "mode.default", aten.mode.default, E.mode, ('self', 'dim', 'keepdim'), (TENSOR, STATIC, STATIC,), (False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.mode.values,
 )
 S_searchsorted_Tensor = OpSpec(
     "searchsorted.Tensor", aten.searchsorted.Tensor, E.searchsorted_Tensor, ('sorted_sequence', 'self', 'out_int32', 'right', 'side', 'sorter'), (TENSOR, TENSOR, STATIC, STATIC, STATIC, OPT_TENSOR,), (False, False, True, True, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.searchsorted.Tensor_out,
 )
 S_searchsorted_Scalar = OpSpec(
     "searchsorted.Scalar", aten.searchsorted.Scalar, E.searchsorted_Scalar, ('sorted_sequence', 'self', 'out_int32', 'right', 'side', 'sorter'), (TENSOR, SCALAR, STATIC, STATIC, STATIC, OPT_TENSOR,), (False, False, True, True, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.searchsorted.Scalar_out,
 )
 S_bucketize_Tensor = OpSpec(
     "bucketize.Tensor", aten.bucketize.Tensor, E.bucketize_Tensor, ('self', 'boundaries', 'out_int32', 'right'), (TENSOR, TENSOR, STATIC, STATIC,), (False, False, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.bucketize.Tensor_out,
 )
 S_bucketize_Scalar = OpSpec(
     "bucketize.Scalar", aten.bucketize.Scalar, E.bucketize_Scalar, ('self', 'boundaries', 'out_int32', 'right'), (SCALAR, TENSOR, STATIC, STATIC,), (False, False, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.bucketize.Scalar_out,
 )
 S_isin_Tensor_Tensor = OpSpec(
     "isin.Tensor_Tensor", aten.isin.Tensor_Tensor, E.isin_Tensor_Tensor, ('elements', 'test_elements', 'assume_unique', 'invert'), (TENSOR, TENSOR, STATIC, STATIC,), (False, False, True, True), ONE,
     promote='always_bool', promote_args=['elements', 'test_elements'], view=False, scatter=None, meta_overload=None,
+    out_overload=aten.isin.Tensor_Tensor_out,
 )
 S_isin_Tensor_Scalar = OpSpec(
     "isin.Tensor_Scalar", aten.isin.Tensor_Scalar, E.isin_Tensor_Scalar, ('elements', 'test_element', 'assume_unique', 'invert'), (TENSOR, SCALAR, STATIC, STATIC,), (False, False, True, True), ONE,
     promote='always_bool', promote_args=['elements', 'test_element'], view=False, scatter=None, meta_overload=None,
+    out_overload=aten.isin.Tensor_Scalar_out,
 )
 S_isin_Scalar_Tensor = OpSpec(
     "isin.Scalar_Tensor", aten.isin.Scalar_Tensor, E.isin_Scalar_Tensor, ('element', 'test_elements', 'assume_unique', 'invert'), (SCALAR, TENSOR, STATIC, STATIC,), (False, False, True, True), ONE,
     promote='always_bool', promote_args=['element', 'test_elements'], view=False, scatter=None, meta_overload=None,
+    out_overload=aten.isin.Scalar_Tensor_out,
 )
 S_add_Tensor = OpSpec(
     "add.Tensor", aten.add.Tensor, E.add_Tensor, ('self', 'other', 'alpha'), (TENSOR, TENSOR, SCALAR,), (False, False, True), ONE,
     promote='default', promote_args=['self', 'other'], view=False, scatter=None, meta_overload=None,
+    out_overload=aten.add.out,
 )
 S_add__Tensor = OpSpec(
     "add_.Tensor", aten.add_.Tensor, E.add_Tensor, ('self', 'other', 'alpha'), (TENSOR, TENSOR, SCALAR,), (False, False, True), ONE,
@@ -897,6 +981,7 @@ S_add__Tensor = OpSpec(
 S_add_Scalar = OpSpec(
     "add.Scalar", aten.add.Scalar, E.add_Scalar, ('self', 'other', 'alpha'), (TENSOR, SCALAR, SCALAR,), (False, False, False), ONE,
     promote='default', promote_args=['self', 'other'], view=False, scatter=None, meta_overload=None,
+    out_overload=aten.add.Scalar_out,
 )
 S_add__Scalar = OpSpec(
     "add_.Scalar", aten.add_.Scalar, E.add_Scalar, ('self', 'other', 'alpha'), (TENSOR, SCALAR, SCALAR,), (False, False, False), ONE,
@@ -905,6 +990,7 @@ S_add__Scalar = OpSpec(
 S_sub_Tensor = OpSpec(
     "sub.Tensor", aten.sub.Tensor, E.sub_Tensor, ('self', 'other', 'alpha'), (TENSOR, TENSOR, SCALAR,), (False, False, True), ONE,
     promote='default', promote_args=['self', 'other'], view=False, scatter=None, meta_overload=None,
+    out_overload=aten.sub.out,
 )
 S_sub__Tensor = OpSpec(
     "sub_.Tensor", aten.sub_.Tensor, E.sub_Tensor, ('self', 'other', 'alpha'), (TENSOR, TENSOR, SCALAR,), (False, False, True), ONE,
@@ -913,6 +999,7 @@ S_sub__Tensor = OpSpec(
 S_sub_Scalar = OpSpec(
     "sub.Scalar", aten.sub.Scalar, E.sub_Scalar, ('self', 'other', 'alpha'), (TENSOR, SCALAR, SCALAR,), (False, False, False), ONE,
     promote='default', promote_args=['self', 'other'], view=False, scatter=None, meta_overload=None,
+    out_overload=aten.sub.Scalar_out,
 )
 S_sub__Scalar = OpSpec(
     "sub_.Scalar", aten.sub_.Scalar, E.sub_Scalar, ('self', 'other', 'alpha'), (TENSOR, SCALAR, SCALAR,), (False, False, False), ONE,
@@ -921,14 +1008,17 @@ S_sub__Scalar = OpSpec(
 S_rsub_Tensor = OpSpec(
     "rsub.Tensor", aten.rsub.Tensor, E.rsub_Tensor, ('self', 'other', 'alpha'), (TENSOR, TENSOR, SCALAR,), (False, False, True), ONE,
     promote='default', promote_args=['self', 'other'], view=False, scatter=None, meta_overload=None,
+    out_overload=aten.rsub.Tensor_out,
 )
 S_rsub_Scalar = OpSpec(
     "rsub.Scalar", aten.rsub.Scalar, E.rsub_Scalar, ('self', 'other', 'alpha'), (TENSOR, SCALAR, SCALAR,), (False, False, False), ONE,
     promote='default', promote_args=['self', 'other'], view=False, scatter=None, meta_overload=None,
+    out_overload=aten.rsub.Scalar_out,
 )
 S_mul_Tensor = OpSpec(
     "mul.Tensor", aten.mul.Tensor, E.mul_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.mul.out,
 )
 S_mul__Tensor = OpSpec(
     "mul_.Tensor", aten.mul_.Tensor, E.mul_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
@@ -937,6 +1027,7 @@ S_mul__Tensor = OpSpec(
 S_mul_Scalar = OpSpec(
     "mul.Scalar", aten.mul.Scalar, E.mul_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.mul.Scalar_out,
 )
 S_mul__Scalar = OpSpec(
     "mul_.Scalar", aten.mul_.Scalar, E.mul_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
@@ -945,6 +1036,7 @@ S_mul__Scalar = OpSpec(
 S_div_Tensor = OpSpec(
     "div.Tensor", aten.div.Tensor, E.div_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.div.out,
 )
 S_div__Tensor = OpSpec(
     "div_.Tensor", aten.div_.Tensor, E.div_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
@@ -953,6 +1045,7 @@ S_div__Tensor = OpSpec(
 S_div_Scalar = OpSpec(
     "div.Scalar", aten.div.Scalar, E.div_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.div.Scalar_out,
 )
 S_div__Scalar = OpSpec(
     "div_.Scalar", aten.div_.Scalar, E.div_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
@@ -962,6 +1055,7 @@ S_div_Tensor_mode = OpSpec(
     "div.Tensor_mode", aten.div.Tensor_mode, E.div_Tensor_mode, ('self', 'other', 'rounding_mode'), (TENSOR, TENSOR, STATIC,), (False, False, True), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.div_Tensor_mode__check, check_integral=True, check_reads=('None if rounding_mode is None else L.checks.divisor(out, other)', (1, 2), True),
+    out_overload=aten.div.out_mode,
 )
 S_div__Tensor_mode = OpSpec(
     "div_.Tensor_mode", aten.div_.Tensor_mode, E.div_Tensor_mode, ('self', 'other', 'rounding_mode'), (TENSOR, TENSOR, STATIC,), (False, False, True), ONE,
@@ -971,6 +1065,7 @@ S_div__Tensor_mode = OpSpec(
 S_neg = OpSpec(
     "neg.default", aten.neg.default, E.neg, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.neg.out,
 )
 S_neg_ = OpSpec(
     "neg_.default", aten.neg_.default, E.neg, ('self',), (TENSOR,), (False,), ONE,
@@ -979,6 +1074,7 @@ S_neg_ = OpSpec(
 S_abs = OpSpec(
     "abs.default", aten.abs.default, E.abs, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.abs.out,
 )
 S_abs_ = OpSpec(
     "abs_.default", aten.abs_.default, E.abs, ('self',), (TENSOR,), (False,), ONE,
@@ -987,6 +1083,7 @@ S_abs_ = OpSpec(
 S_exp = OpSpec(
     "exp.default", aten.exp.default, E.exp, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.exp.out,
 )
 S_exp_ = OpSpec(
     "exp_.default", aten.exp_.default, E.exp, ('self',), (TENSOR,), (False,), ONE,
@@ -995,6 +1092,7 @@ S_exp_ = OpSpec(
 S_log = OpSpec(
     "log.default", aten.log.default, E.log, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.log.out,
 )
 S_log_ = OpSpec(
     "log_.default", aten.log_.default, E.log, ('self',), (TENSOR,), (False,), ONE,
@@ -1003,6 +1101,7 @@ S_log_ = OpSpec(
 S_sqrt = OpSpec(
     "sqrt.default", aten.sqrt.default, E.sqrt, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.sqrt.out,
 )
 S_sqrt_ = OpSpec(
     "sqrt_.default", aten.sqrt_.default, E.sqrt, ('self',), (TENSOR,), (False,), ONE,
@@ -1011,6 +1110,7 @@ S_sqrt_ = OpSpec(
 S_rsqrt = OpSpec(
     "rsqrt.default", aten.rsqrt.default, E.rsqrt, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.rsqrt.out,
 )
 S_rsqrt_ = OpSpec(
     "rsqrt_.default", aten.rsqrt_.default, E.rsqrt, ('self',), (TENSOR,), (False,), ONE,
@@ -1019,6 +1119,7 @@ S_rsqrt_ = OpSpec(
 S_reciprocal = OpSpec(
     "reciprocal.default", aten.reciprocal.default, E.reciprocal, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.reciprocal.out,
 )
 S_reciprocal_ = OpSpec(
     "reciprocal_.default", aten.reciprocal_.default, E.reciprocal, ('self',), (TENSOR,), (False,), ONE,
@@ -1027,6 +1128,7 @@ S_reciprocal_ = OpSpec(
 S_tanh = OpSpec(
     "tanh.default", aten.tanh.default, E.tanh, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.tanh.out,
 )
 S_tanh_ = OpSpec(
     "tanh_.default", aten.tanh_.default, E.tanh, ('self',), (TENSOR,), (False,), ONE,
@@ -1035,6 +1137,7 @@ S_tanh_ = OpSpec(
 S_sigmoid = OpSpec(
     "sigmoid.default", aten.sigmoid.default, E.sigmoid, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.sigmoid.out,
 )
 S_sigmoid_ = OpSpec(
     "sigmoid_.default", aten.sigmoid_.default, E.sigmoid, ('self',), (TENSOR,), (False,), ONE,
@@ -1043,6 +1146,7 @@ S_sigmoid_ = OpSpec(
 S_sin = OpSpec(
     "sin.default", aten.sin.default, E.sin, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.sin.out,
 )
 S_sin_ = OpSpec(
     "sin_.default", aten.sin_.default, E.sin, ('self',), (TENSOR,), (False,), ONE,
@@ -1051,6 +1155,7 @@ S_sin_ = OpSpec(
 S_cos = OpSpec(
     "cos.default", aten.cos.default, E.cos, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.cos.out,
 )
 S_cos_ = OpSpec(
     "cos_.default", aten.cos_.default, E.cos, ('self',), (TENSOR,), (False,), ONE,
@@ -1059,6 +1164,7 @@ S_cos_ = OpSpec(
 S_erf = OpSpec(
     "erf.default", aten.erf.default, E.erf, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.erf.out,
 )
 S_erf_ = OpSpec(
     "erf_.default", aten.erf_.default, E.erf, ('self',), (TENSOR,), (False,), ONE,
@@ -1068,6 +1174,7 @@ S_pow_Tensor_Scalar = OpSpec(
     "pow.Tensor_Scalar", aten.pow.Tensor_Scalar, E.pow_Tensor_Scalar, ('self', 'exponent'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.pow_Tensor_Scalar__check, check_integral=True, check_reads=('L.checks.negative_power(exponent)', (1,), False),
+    out_overload=aten.pow.Tensor_Scalar_out,
 )
 S_pow__Scalar = OpSpec(
     "pow_.Scalar", aten.pow_.Scalar, E.pow_Tensor_Scalar, ('self', 'exponent'), (TENSOR, SCALAR,), (False, False), ONE,
@@ -1077,6 +1184,7 @@ S_pow__Scalar = OpSpec(
 S_pow_Tensor_Tensor = OpSpec(
     "pow.Tensor_Tensor", aten.pow.Tensor_Tensor, E.pow_Tensor_Tensor, ('self', 'exponent'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.pow.Tensor_Tensor_out,
 )
 S_pow__Tensor = OpSpec(
     "pow_.Tensor", aten.pow_.Tensor, E.pow_Tensor_Tensor, ('self', 'exponent'), (TENSOR, TENSOR,), (False, False), ONE,
@@ -1085,18 +1193,22 @@ S_pow__Tensor = OpSpec(
 S_pow_Scalar = OpSpec(
     "pow.Scalar", aten.pow.Scalar, E.pow_Scalar, ('self', 'exponent'), (SCALAR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.pow.Scalar_out,
 )
 S_maximum = OpSpec(
     "maximum.default", aten.maximum.default, E.maximum, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.maximum.out,
 )
 S_minimum = OpSpec(
     "minimum.default", aten.minimum.default, E.minimum, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.minimum.out,
 )
 S_clamp = OpSpec(
     "clamp.default", aten.clamp.default, E.clamp, ('self', 'min', 'max'), (TENSOR, SCALAR, SCALAR,), (False, False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.clamp.out,
 )
 S_clamp_ = OpSpec(
     "clamp_.default", aten.clamp_.default, E.clamp, ('self', 'min', 'max'), (TENSOR, SCALAR, SCALAR,), (False, False, False), ONE,
@@ -1105,6 +1217,7 @@ S_clamp_ = OpSpec(
 S_clamp_min = OpSpec(
     "clamp_min.default", aten.clamp_min.default, E.clamp_min, ('self', 'min'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.clamp_min.out,
 )
 S_clamp_min_ = OpSpec(
     "clamp_min_.default", aten.clamp_min_.default, E.clamp_min, ('self', 'min'), (TENSOR, SCALAR,), (False, False), ONE,
@@ -1113,6 +1226,7 @@ S_clamp_min_ = OpSpec(
 S_clamp_max = OpSpec(
     "clamp_max.default", aten.clamp_max.default, E.clamp_max, ('self', 'max'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.clamp_max.out,
 )
 S_clamp_max_ = OpSpec(
     "clamp_max_.default", aten.clamp_max_.default, E.clamp_max, ('self', 'max'), (TENSOR, SCALAR,), (False, False), ONE,
@@ -1121,6 +1235,7 @@ S_clamp_max_ = OpSpec(
 S_lerp_Scalar = OpSpec(
     "lerp.Scalar", aten.lerp.Scalar, E.lerp_Scalar, ('self', 'end', 'weight'), (TENSOR, TENSOR, SCALAR,), (False, False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.lerp.Scalar_out,
 )
 S_lerp__Scalar = OpSpec(
     "lerp_.Scalar", aten.lerp_.Scalar, E.lerp_Scalar, ('self', 'end', 'weight'), (TENSOR, TENSOR, SCALAR,), (False, False, False), ONE,
@@ -1129,6 +1244,7 @@ S_lerp__Scalar = OpSpec(
 S_lerp_Tensor = OpSpec(
     "lerp.Tensor", aten.lerp.Tensor, E.lerp_Tensor, ('self', 'end', 'weight'), (TENSOR, TENSOR, TENSOR,), (False, False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.lerp.Tensor_out,
 )
 S_lerp__Tensor = OpSpec(
     "lerp_.Tensor", aten.lerp_.Tensor, E.lerp_Tensor, ('self', 'end', 'weight'), (TENSOR, TENSOR, TENSOR,), (False, False, False), ONE,
@@ -1137,6 +1253,7 @@ S_lerp__Tensor = OpSpec(
 S_addcmul = OpSpec(
     "addcmul.default", aten.addcmul.default, E.addcmul, ('self', 'tensor1', 'tensor2', 'value'), (TENSOR, TENSOR, TENSOR, SCALAR,), (False, False, False, True), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.addcmul.out,
 )
 S_addcmul_ = OpSpec(
     "addcmul_.default", aten.addcmul_.default, E.addcmul, ('self', 'tensor1', 'tensor2', 'value'), (TENSOR, TENSOR, TENSOR, SCALAR,), (False, False, False, True), ONE,
@@ -1145,6 +1262,7 @@ S_addcmul_ = OpSpec(
 S_addcdiv = OpSpec(
     "addcdiv.default", aten.addcdiv.default, E.addcdiv, ('self', 'tensor1', 'tensor2', 'value'), (TENSOR, TENSOR, TENSOR, SCALAR,), (False, False, False, True), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.addcdiv.out,
 )
 S_addcdiv_ = OpSpec(
     "addcdiv_.default", aten.addcdiv_.default, E.addcdiv, ('self', 'tensor1', 'tensor2', 'value'), (TENSOR, TENSOR, TENSOR, SCALAR,), (False, False, False, True), ONE,
@@ -1153,6 +1271,7 @@ S_addcdiv_ = OpSpec(
 S_eq_Tensor = OpSpec(
     "eq.Tensor", aten.eq.Tensor, E.eq_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='always_bool', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.eq.Tensor_out,
 )
 S_eq__Tensor = OpSpec(
     "eq_.Tensor", aten.eq_.Tensor, E.eq_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
@@ -1161,6 +1280,7 @@ S_eq__Tensor = OpSpec(
 S_eq_Scalar = OpSpec(
     "eq.Scalar", aten.eq.Scalar, E.eq_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='always_bool', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.eq.Scalar_out,
 )
 S_eq__Scalar = OpSpec(
     "eq_.Scalar", aten.eq_.Scalar, E.eq_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
@@ -1169,6 +1289,7 @@ S_eq__Scalar = OpSpec(
 S_ne_Tensor = OpSpec(
     "ne.Tensor", aten.ne.Tensor, E.ne_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='always_bool', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.ne.Tensor_out,
 )
 S_ne__Tensor = OpSpec(
     "ne_.Tensor", aten.ne_.Tensor, E.ne_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
@@ -1177,6 +1298,7 @@ S_ne__Tensor = OpSpec(
 S_ne_Scalar = OpSpec(
     "ne.Scalar", aten.ne.Scalar, E.ne_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='always_bool', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.ne.Scalar_out,
 )
 S_ne__Scalar = OpSpec(
     "ne_.Scalar", aten.ne_.Scalar, E.ne_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
@@ -1185,6 +1307,7 @@ S_ne__Scalar = OpSpec(
 S_lt_Tensor = OpSpec(
     "lt.Tensor", aten.lt.Tensor, E.lt_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='always_bool', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.lt.Tensor_out,
 )
 S_lt__Tensor = OpSpec(
     "lt_.Tensor", aten.lt_.Tensor, E.lt_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
@@ -1193,6 +1316,7 @@ S_lt__Tensor = OpSpec(
 S_lt_Scalar = OpSpec(
     "lt.Scalar", aten.lt.Scalar, E.lt_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='always_bool', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.lt.Scalar_out,
 )
 S_lt__Scalar = OpSpec(
     "lt_.Scalar", aten.lt_.Scalar, E.lt_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
@@ -1201,6 +1325,7 @@ S_lt__Scalar = OpSpec(
 S_le_Tensor = OpSpec(
     "le.Tensor", aten.le.Tensor, E.le_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='always_bool', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.le.Tensor_out,
 )
 S_le__Tensor = OpSpec(
     "le_.Tensor", aten.le_.Tensor, E.le_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
@@ -1209,6 +1334,7 @@ S_le__Tensor = OpSpec(
 S_le_Scalar = OpSpec(
     "le.Scalar", aten.le.Scalar, E.le_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='always_bool', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.le.Scalar_out,
 )
 S_le__Scalar = OpSpec(
     "le_.Scalar", aten.le_.Scalar, E.le_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
@@ -1217,6 +1343,7 @@ S_le__Scalar = OpSpec(
 S_gt_Tensor = OpSpec(
     "gt.Tensor", aten.gt.Tensor, E.gt_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='always_bool', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.gt.Tensor_out,
 )
 S_gt__Tensor = OpSpec(
     "gt_.Tensor", aten.gt_.Tensor, E.gt_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
@@ -1225,6 +1352,7 @@ S_gt__Tensor = OpSpec(
 S_gt_Scalar = OpSpec(
     "gt.Scalar", aten.gt.Scalar, E.gt_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='always_bool', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.gt.Scalar_out,
 )
 S_gt__Scalar = OpSpec(
     "gt_.Scalar", aten.gt_.Scalar, E.gt_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
@@ -1233,6 +1361,7 @@ S_gt__Scalar = OpSpec(
 S_ge_Tensor = OpSpec(
     "ge.Tensor", aten.ge.Tensor, E.ge_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='always_bool', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.ge.Tensor_out,
 )
 S_ge__Tensor = OpSpec(
     "ge_.Tensor", aten.ge_.Tensor, E.ge_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
@@ -1241,6 +1370,7 @@ S_ge__Tensor = OpSpec(
 S_ge_Scalar = OpSpec(
     "ge.Scalar", aten.ge.Scalar, E.ge_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='always_bool', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.ge.Scalar_out,
 )
 S_ge__Scalar = OpSpec(
     "ge_.Scalar", aten.ge_.Scalar, E.ge_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
@@ -1249,6 +1379,7 @@ S_ge__Scalar = OpSpec(
 S_logical_not = OpSpec(
     "logical_not.default", aten.logical_not.default, E.logical_not, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.logical_not.out,
 )
 S_logical_not_ = OpSpec(
     "logical_not_.default", aten.logical_not_.default, E.logical_not, ('self',), (TENSOR,), (False,), ONE,
@@ -1257,6 +1388,7 @@ S_logical_not_ = OpSpec(
 S_logical_and = OpSpec(
     "logical_and.default", aten.logical_and.default, E.logical_and, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.logical_and.out,
 )
 S_logical_and_ = OpSpec(
     "logical_and_.default", aten.logical_and_.default, E.logical_and, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
@@ -1265,6 +1397,7 @@ S_logical_and_ = OpSpec(
 S_logical_or = OpSpec(
     "logical_or.default", aten.logical_or.default, E.logical_or, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.logical_or.out,
 )
 S_logical_or_ = OpSpec(
     "logical_or_.default", aten.logical_or_.default, E.logical_or, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
@@ -1273,6 +1406,7 @@ S_logical_or_ = OpSpec(
 S_relu = OpSpec(
     "relu.default", aten.relu.default, E.relu, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.relu.out,
 )
 S_relu_ = OpSpec(
     "relu_.default", aten.relu_.default, E.relu, ('self',), (TENSOR,), (False,), ONE,
@@ -1281,10 +1415,12 @@ S_relu_ = OpSpec(
 S_threshold_backward = OpSpec(
     "threshold_backward.default", aten.threshold_backward.default, E.threshold_backward, ('grad_output', 'self', 'threshold'), (TENSOR, TENSOR, SCALAR,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.threshold_backward.grad_input,
 )
 S_gelu = OpSpec(
     "gelu.default", aten.gelu.default, E.gelu, ('self', 'approximate'), (TENSOR, STATIC,), (False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.gelu.out,
 )
 S_gelu_ = OpSpec(
     "gelu_.default", aten.gelu_.default, E.gelu, ('self', 'approximate'), (TENSOR, STATIC,), (False, True), ONE,
@@ -1293,18 +1429,22 @@ S_gelu_ = OpSpec(
 S_gelu_backward = OpSpec(
     "gelu_backward.default", aten.gelu_backward.default, E.gelu_backward, ('grad_output', 'self', 'approximate'), (TENSOR, TENSOR, STATIC,), (False, False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.gelu_backward.grad_input,
 )
 S_tanh_backward = OpSpec(
     "tanh_backward.default", aten.tanh_backward.default, E.tanh_backward, ('grad_output', 'output'), (TENSOR, TENSOR,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.tanh_backward.grad_input,
 )
 S_sigmoid_backward = OpSpec(
     "sigmoid_backward.default", aten.sigmoid_backward.default, E.sigmoid_backward, ('grad_output', 'output'), (TENSOR, TENSOR,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.sigmoid_backward.grad_input,
 )
 S_acos = OpSpec(
     "acos.default", aten.acos.default, E.acos, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.acos.out,
 )
 S_acos_ = OpSpec(
     "acos_.default", aten.acos_.default, E.acos, ('self',), (TENSOR,), (False,), ONE,
@@ -1313,6 +1453,7 @@ S_acos_ = OpSpec(
 S_acosh = OpSpec(
     "acosh.default", aten.acosh.default, E.acosh, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.acosh.out,
 )
 S_acosh_ = OpSpec(
     "acosh_.default", aten.acosh_.default, E.acosh, ('self',), (TENSOR,), (False,), ONE,
@@ -1321,6 +1462,7 @@ S_acosh_ = OpSpec(
 S_asin = OpSpec(
     "asin.default", aten.asin.default, E.asin, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.asin.out,
 )
 S_asin_ = OpSpec(
     "asin_.default", aten.asin_.default, E.asin, ('self',), (TENSOR,), (False,), ONE,
@@ -1329,6 +1471,7 @@ S_asin_ = OpSpec(
 S_asinh = OpSpec(
     "asinh.default", aten.asinh.default, E.asinh, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.asinh.out,
 )
 S_asinh_ = OpSpec(
     "asinh_.default", aten.asinh_.default, E.asinh, ('self',), (TENSOR,), (False,), ONE,
@@ -1337,6 +1480,7 @@ S_asinh_ = OpSpec(
 S_atan = OpSpec(
     "atan.default", aten.atan.default, E.atan, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.atan.out,
 )
 S_atan_ = OpSpec(
     "atan_.default", aten.atan_.default, E.atan, ('self',), (TENSOR,), (False,), ONE,
@@ -1345,6 +1489,7 @@ S_atan_ = OpSpec(
 S_atanh = OpSpec(
     "atanh.default", aten.atanh.default, E.atanh, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.atanh.out,
 )
 S_atanh_ = OpSpec(
     "atanh_.default", aten.atanh_.default, E.atanh, ('self',), (TENSOR,), (False,), ONE,
@@ -1353,6 +1498,7 @@ S_atanh_ = OpSpec(
 S_atan2 = OpSpec(
     "atan2.default", aten.atan2.default, E.atan2, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.atan2.out,
 )
 S_atan2_ = OpSpec(
     "atan2_.default", aten.atan2_.default, E.atan2, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
@@ -1361,6 +1507,7 @@ S_atan2_ = OpSpec(
 S_cosh = OpSpec(
     "cosh.default", aten.cosh.default, E.cosh, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.cosh.out,
 )
 S_cosh_ = OpSpec(
     "cosh_.default", aten.cosh_.default, E.cosh, ('self',), (TENSOR,), (False,), ONE,
@@ -1369,6 +1516,7 @@ S_cosh_ = OpSpec(
 S_sinh = OpSpec(
     "sinh.default", aten.sinh.default, E.sinh, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.sinh.out,
 )
 S_sinh_ = OpSpec(
     "sinh_.default", aten.sinh_.default, E.sinh, ('self',), (TENSOR,), (False,), ONE,
@@ -1377,6 +1525,7 @@ S_sinh_ = OpSpec(
 S_tan = OpSpec(
     "tan.default", aten.tan.default, E.tan, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.tan.out,
 )
 S_tan_ = OpSpec(
     "tan_.default", aten.tan_.default, E.tan, ('self',), (TENSOR,), (False,), ONE,
@@ -1385,6 +1534,7 @@ S_tan_ = OpSpec(
 S_expm1 = OpSpec(
     "expm1.default", aten.expm1.default, E.expm1, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.expm1.out,
 )
 S_expm1_ = OpSpec(
     "expm1_.default", aten.expm1_.default, E.expm1, ('self',), (TENSOR,), (False,), ONE,
@@ -1393,6 +1543,7 @@ S_expm1_ = OpSpec(
 S_exp2 = OpSpec(
     "exp2.default", aten.exp2.default, E.exp2, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.exp2.out,
 )
 S_exp2_ = OpSpec(
     "exp2_.default", aten.exp2_.default, E.exp2, ('self',), (TENSOR,), (False,), ONE,
@@ -1401,6 +1552,7 @@ S_exp2_ = OpSpec(
 S_log10 = OpSpec(
     "log10.default", aten.log10.default, E.log10, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.log10.out,
 )
 S_log10_ = OpSpec(
     "log10_.default", aten.log10_.default, E.log10, ('self',), (TENSOR,), (False,), ONE,
@@ -1409,6 +1561,7 @@ S_log10_ = OpSpec(
 S_log1p = OpSpec(
     "log1p.default", aten.log1p.default, E.log1p, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.log1p.out,
 )
 S_log1p_ = OpSpec(
     "log1p_.default", aten.log1p_.default, E.log1p, ('self',), (TENSOR,), (False,), ONE,
@@ -1417,6 +1570,7 @@ S_log1p_ = OpSpec(
 S_log2 = OpSpec(
     "log2.default", aten.log2.default, E.log2, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.log2.out,
 )
 S_log2_ = OpSpec(
     "log2_.default", aten.log2_.default, E.log2, ('self',), (TENSOR,), (False,), ONE,
@@ -1425,6 +1579,7 @@ S_log2_ = OpSpec(
 S_sinc = OpSpec(
     "sinc.default", aten.sinc.default, E.sinc, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.sinc.out,
 )
 S_sinc_ = OpSpec(
     "sinc_.default", aten.sinc_.default, E.sinc, ('self',), (TENSOR,), (False,), ONE,
@@ -1433,6 +1588,7 @@ S_sinc_ = OpSpec(
 S_deg2rad = OpSpec(
     "deg2rad.default", aten.deg2rad.default, E.deg2rad, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.deg2rad.out,
 )
 S_deg2rad_ = OpSpec(
     "deg2rad_.default", aten.deg2rad_.default, E.deg2rad, ('self',), (TENSOR,), (False,), ONE,
@@ -1441,6 +1597,7 @@ S_deg2rad_ = OpSpec(
 S_rad2deg = OpSpec(
     "rad2deg.default", aten.rad2deg.default, E.rad2deg, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.rad2deg.out,
 )
 S_rad2deg_ = OpSpec(
     "rad2deg_.default", aten.rad2deg_.default, E.rad2deg, ('self',), (TENSOR,), (False,), ONE,
@@ -1449,6 +1606,7 @@ S_rad2deg_ = OpSpec(
 S_erfc = OpSpec(
     "erfc.default", aten.erfc.default, E.erfc, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.erfc.out,
 )
 S_erfc_ = OpSpec(
     "erfc_.default", aten.erfc_.default, E.erfc, ('self',), (TENSOR,), (False,), ONE,
@@ -1457,6 +1615,7 @@ S_erfc_ = OpSpec(
 S_erfinv = OpSpec(
     "erfinv.default", aten.erfinv.default, E.erfinv, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.erfinv.out,
 )
 S_erfinv_ = OpSpec(
     "erfinv_.default", aten.erfinv_.default, E.erfinv, ('self',), (TENSOR,), (False,), ONE,
@@ -1465,6 +1624,7 @@ S_erfinv_ = OpSpec(
 S_lgamma = OpSpec(
     "lgamma.default", aten.lgamma.default, E.lgamma, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.lgamma.out,
 )
 S_lgamma_ = OpSpec(
     "lgamma_.default", aten.lgamma_.default, E.lgamma, ('self',), (TENSOR,), (False,), ONE,
@@ -1473,6 +1633,7 @@ S_lgamma_ = OpSpec(
 S_digamma = OpSpec(
     "digamma.default", aten.digamma.default, E.digamma, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.digamma.out,
 )
 S_digamma_ = OpSpec(
     "digamma_.default", aten.digamma_.default, E.digamma, ('self',), (TENSOR,), (False,), ONE,
@@ -1481,10 +1642,12 @@ S_digamma_ = OpSpec(
 S_polygamma = OpSpec(
     "polygamma.default", aten.polygamma.default, E.polygamma, ('n', 'self'), (STATIC, TENSOR,), (False, False), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.polygamma.out,
 )
 S_i0 = OpSpec(
     "i0.default", aten.i0.default, E.i0, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.i0.out,
 )
 S_i0_ = OpSpec(
     "i0_.default", aten.i0_.default, E.i0, ('self',), (TENSOR,), (False,), ONE,
@@ -1493,30 +1656,37 @@ S_i0_ = OpSpec(
 S_special_i0e = OpSpec(
     "special_i0e.default", aten.special_i0e.default, E.special_i0e, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.special_i0e.out,
 )
 S_special_i1 = OpSpec(
     "special_i1.default", aten.special_i1.default, E.special_i1, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.special_i1.out,
 )
 S_special_i1e = OpSpec(
     "special_i1e.default", aten.special_i1e.default, E.special_i1e, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.special_i1e.out,
 )
 S_special_ndtri = OpSpec(
     "special_ndtri.default", aten.special_ndtri.default, E.special_ndtri, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.special_ndtri.out,
 )
 S_special_log_ndtr = OpSpec(
     "special_log_ndtr.default", aten.special_log_ndtr.default, E.special_log_ndtr, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.special_log_ndtr.out,
 )
 S_special_entr = OpSpec(
     "special_entr.default", aten.special_entr.default, E.special_entr, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.special_entr.out,
 )
 S_logit = OpSpec(
     "logit.default", aten.logit.default, E.logit, ('self', 'eps'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.logit.out,
 )
 S_logit_ = OpSpec(
     "logit_.default", aten.logit_.default, E.logit, ('self', 'eps'), (TENSOR, SCALAR,), (False, False), ONE,
@@ -1525,10 +1695,12 @@ S_logit_ = OpSpec(
 S_logit_backward = OpSpec(
     "logit_backward.default", aten.logit_backward.default, E.logit_backward, ('grad_output', 'self', 'eps'), (TENSOR, TENSOR, SCALAR,), (False, False, False), ONE,
     promote='default', promote_args=['grad_output', 'self'], view=False, scatter=None, meta_overload=None,
+    out_overload=aten.logit_backward.grad_input,
 )
 S_ceil = OpSpec(
     "ceil.default", aten.ceil.default, E.ceil, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.ceil.out,
 )
 S_ceil_ = OpSpec(
     "ceil_.default", aten.ceil_.default, E.ceil, ('self',), (TENSOR,), (False,), ONE,
@@ -1537,6 +1709,7 @@ S_ceil_ = OpSpec(
 S_floor = OpSpec(
     "floor.default", aten.floor.default, E.floor, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.floor.out,
 )
 S_floor_ = OpSpec(
     "floor_.default", aten.floor_.default, E.floor, ('self',), (TENSOR,), (False,), ONE,
@@ -1545,6 +1718,7 @@ S_floor_ = OpSpec(
 S_trunc = OpSpec(
     "trunc.default", aten.trunc.default, E.trunc, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.trunc.out,
 )
 S_trunc_ = OpSpec(
     "trunc_.default", aten.trunc_.default, E.trunc, ('self',), (TENSOR,), (False,), ONE,
@@ -1553,6 +1727,7 @@ S_trunc_ = OpSpec(
 S_round = OpSpec(
     "round.default", aten.round.default, E.round, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.round.out,
 )
 S_round_ = OpSpec(
     "round_.default", aten.round_.default, E.round, ('self',), (TENSOR,), (False,), ONE,
@@ -1561,6 +1736,7 @@ S_round_ = OpSpec(
 S_round_decimals = OpSpec(
     "round.decimals", aten.round.decimals, E.round_decimals, ('self', 'decimals'), (TENSOR, STATIC,), (False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.round.decimals_out,
 )
 S_round__decimals = OpSpec(
     "round_.decimals", aten.round_.decimals, E.round_decimals, ('self', 'decimals'), (TENSOR, STATIC,), (False, True), ONE,
@@ -1569,6 +1745,7 @@ S_round__decimals = OpSpec(
 S_frac = OpSpec(
     "frac.default", aten.frac.default, E.frac, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.frac.out,
 )
 S_frac_ = OpSpec(
     "frac_.default", aten.frac_.default, E.frac, ('self',), (TENSOR,), (False,), ONE,
@@ -1577,6 +1754,7 @@ S_frac_ = OpSpec(
 S_sign = OpSpec(
     "sign.default", aten.sign.default, E.sign, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.sign.out,
 )
 S_sign_ = OpSpec(
     "sign_.default", aten.sign_.default, E.sign, ('self',), (TENSOR,), (False,), ONE,
@@ -1585,6 +1763,7 @@ S_sign_ = OpSpec(
 S_sgn = OpSpec(
     "sgn.default", aten.sgn.default, E.sgn, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.sgn.out,
 )
 S_sgn_ = OpSpec(
     "sgn_.default", aten.sgn_.default, E.sgn, ('self',), (TENSOR,), (False,), ONE,
@@ -1593,26 +1772,32 @@ S_sgn_ = OpSpec(
 S_signbit = OpSpec(
     "signbit.default", aten.signbit.default, E.signbit, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.signbit.out,
 )
 S_isinf = OpSpec(
     "isinf.default", aten.isinf.default, E.isinf, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.isinf.out,
 )
 S_isnan = OpSpec(
     "isnan.default", aten.isnan.default, E.isnan, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.isnan.out,
 )
 S_isposinf = OpSpec(
     "isposinf.default", aten.isposinf.default, E.isposinf, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.isposinf.out,
 )
 S_isneginf = OpSpec(
     "isneginf.default", aten.isneginf.default, E.isneginf, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.isneginf.out,
 )
 S_nan_to_num = OpSpec(
     "nan_to_num.default", aten.nan_to_num.default, E.nan_to_num, ('self', 'nan', 'posinf', 'neginf'), (TENSOR, SCALAR, SCALAR, SCALAR,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.nan_to_num.out,
 )
 S_nan_to_num_ = OpSpec(
     "nan_to_num_.default", aten.nan_to_num_.default, E.nan_to_num, ('self', 'nan', 'posinf', 'neginf'), (TENSOR, SCALAR, SCALAR, SCALAR,), (False, False, False, False), ONE,
@@ -1621,6 +1806,7 @@ S_nan_to_num_ = OpSpec(
 S_logical_xor = OpSpec(
     "logical_xor.default", aten.logical_xor.default, E.logical_xor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.logical_xor.out,
 )
 S_logical_xor_ = OpSpec(
     "logical_xor_.default", aten.logical_xor_.default, E.logical_xor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
@@ -1629,6 +1815,7 @@ S_logical_xor_ = OpSpec(
 S_bitwise_not = OpSpec(
     "bitwise_not.default", aten.bitwise_not.default, E.bitwise_not, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.bitwise_not.out,
 )
 S_bitwise_not_ = OpSpec(
     "bitwise_not_.default", aten.bitwise_not_.default, E.bitwise_not, ('self',), (TENSOR,), (False,), ONE,
@@ -1637,6 +1824,7 @@ S_bitwise_not_ = OpSpec(
 S_bitwise_and_Tensor = OpSpec(
     "bitwise_and.Tensor", aten.bitwise_and.Tensor, E.bitwise_and_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.bitwise_and.Tensor_out,
 )
 S_bitwise_and__Tensor = OpSpec(
     "bitwise_and_.Tensor", aten.bitwise_and_.Tensor, E.bitwise_and_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
@@ -1645,6 +1833,7 @@ S_bitwise_and__Tensor = OpSpec(
 S_bitwise_and_Scalar = OpSpec(
     "bitwise_and.Scalar", aten.bitwise_and.Scalar, E.bitwise_and_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.bitwise_and.Scalar_out,
 )
 S_bitwise_and__Scalar = OpSpec(
     "bitwise_and_.Scalar", aten.bitwise_and_.Scalar, E.bitwise_and_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
@@ -1653,6 +1842,7 @@ S_bitwise_and__Scalar = OpSpec(
 S_bitwise_or_Tensor = OpSpec(
     "bitwise_or.Tensor", aten.bitwise_or.Tensor, E.bitwise_or_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.bitwise_or.Tensor_out,
 )
 S_bitwise_or__Tensor = OpSpec(
     "bitwise_or_.Tensor", aten.bitwise_or_.Tensor, E.bitwise_or_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
@@ -1661,6 +1851,7 @@ S_bitwise_or__Tensor = OpSpec(
 S_bitwise_or_Scalar = OpSpec(
     "bitwise_or.Scalar", aten.bitwise_or.Scalar, E.bitwise_or_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.bitwise_or.Scalar_out,
 )
 S_bitwise_or__Scalar = OpSpec(
     "bitwise_or_.Scalar", aten.bitwise_or_.Scalar, E.bitwise_or_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
@@ -1669,6 +1860,7 @@ S_bitwise_or__Scalar = OpSpec(
 S_bitwise_xor_Tensor = OpSpec(
     "bitwise_xor.Tensor", aten.bitwise_xor.Tensor, E.bitwise_xor_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.bitwise_xor.Tensor_out,
 )
 S_bitwise_xor__Tensor = OpSpec(
     "bitwise_xor_.Tensor", aten.bitwise_xor_.Tensor, E.bitwise_xor_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
@@ -1677,6 +1869,7 @@ S_bitwise_xor__Tensor = OpSpec(
 S_bitwise_xor_Scalar = OpSpec(
     "bitwise_xor.Scalar", aten.bitwise_xor.Scalar, E.bitwise_xor_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.bitwise_xor.Scalar_out,
 )
 S_bitwise_xor__Scalar = OpSpec(
     "bitwise_xor_.Scalar", aten.bitwise_xor_.Scalar, E.bitwise_xor_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
@@ -1685,6 +1878,7 @@ S_bitwise_xor__Scalar = OpSpec(
 S_bitwise_left_shift_Tensor = OpSpec(
     "bitwise_left_shift.Tensor", aten.bitwise_left_shift.Tensor, E.bitwise_left_shift_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.bitwise_left_shift.Tensor_out,
 )
 S_bitwise_left_shift__Tensor = OpSpec(
     "bitwise_left_shift_.Tensor", aten.bitwise_left_shift_.Tensor, E.bitwise_left_shift_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
@@ -1693,6 +1887,7 @@ S_bitwise_left_shift__Tensor = OpSpec(
 S_bitwise_left_shift_Tensor_Scalar = OpSpec(
     "bitwise_left_shift.Tensor_Scalar", aten.bitwise_left_shift.Tensor_Scalar, E.bitwise_left_shift_Tensor_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.bitwise_left_shift.Tensor_Scalar_out,
 )
 S_bitwise_left_shift__Tensor_Scalar = OpSpec(
     "bitwise_left_shift_.Tensor_Scalar", aten.bitwise_left_shift_.Tensor_Scalar, E.bitwise_left_shift_Tensor_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
@@ -1701,6 +1896,7 @@ S_bitwise_left_shift__Tensor_Scalar = OpSpec(
 S_bitwise_right_shift_Tensor = OpSpec(
     "bitwise_right_shift.Tensor", aten.bitwise_right_shift.Tensor, E.bitwise_right_shift_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.bitwise_right_shift.Tensor_out,
 )
 S_bitwise_right_shift__Tensor = OpSpec(
     "bitwise_right_shift_.Tensor", aten.bitwise_right_shift_.Tensor, E.bitwise_right_shift_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
@@ -1709,6 +1905,7 @@ S_bitwise_right_shift__Tensor = OpSpec(
 S_bitwise_right_shift_Tensor_Scalar = OpSpec(
     "bitwise_right_shift.Tensor_Scalar", aten.bitwise_right_shift.Tensor_Scalar, E.bitwise_right_shift_Tensor_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.bitwise_right_shift.Tensor_Scalar_out,
 )
 S_bitwise_right_shift__Tensor_Scalar = OpSpec(
     "bitwise_right_shift_.Tensor_Scalar", aten.bitwise_right_shift_.Tensor_Scalar, E.bitwise_right_shift_Tensor_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
@@ -1718,6 +1915,7 @@ S_fmod_Tensor = OpSpec(
     "fmod.Tensor", aten.fmod.Tensor, E.fmod_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.fmod_Tensor__check, check_integral=True, check_reads=('L.checks.divisor(out, other)', (1,), True),
+    out_overload=aten.fmod.Tensor_out,
 )
 S_fmod__Tensor = OpSpec(
     "fmod_.Tensor", aten.fmod_.Tensor, E.fmod_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
@@ -1728,6 +1926,7 @@ S_fmod_Scalar = OpSpec(
     "fmod.Scalar", aten.fmod.Scalar, E.fmod_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.fmod_Scalar__check, check_integral=True, check_reads=('L.checks.divisor(out, other)', (1,), True),
+    out_overload=aten.fmod.Scalar_out,
 )
 S_fmod__Scalar = OpSpec(
     "fmod_.Scalar", aten.fmod_.Scalar, E.fmod_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
@@ -1738,6 +1937,7 @@ S_remainder_Tensor = OpSpec(
     "remainder.Tensor", aten.remainder.Tensor, E.remainder_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.remainder_Tensor__check, check_integral=True, check_reads=('L.checks.divisor(out, other)', (1,), True),
+    out_overload=aten.remainder.Tensor_out,
 )
 S_remainder__Tensor = OpSpec(
     "remainder_.Tensor", aten.remainder_.Tensor, E.remainder_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
@@ -1748,6 +1948,7 @@ S_remainder_Scalar = OpSpec(
     "remainder.Scalar", aten.remainder.Scalar, E.remainder_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.remainder_Scalar__check, check_integral=True, check_reads=('L.checks.divisor(out, other)', (1,), True),
+    out_overload=aten.remainder.Scalar_out,
 )
 S_remainder__Scalar = OpSpec(
     "remainder_.Scalar", aten.remainder_.Scalar, E.remainder_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
@@ -1758,11 +1959,13 @@ S_remainder_Scalar_Tensor = OpSpec(
     "remainder.Scalar_Tensor", aten.remainder.Scalar_Tensor, E.remainder_Scalar_Tensor, ('self', 'other'), (SCALAR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.remainder_Scalar_Tensor__check, check_integral=True, check_reads=('L.checks.divisor(out, other)', (1,), True),
+    out_overload=aten.remainder.Scalar_Tensor_out,
 )
 S_div_Scalar_mode = OpSpec(
     "div.Scalar_mode", aten.div.Scalar_mode, E.div_Scalar_mode, ('self', 'other', 'rounding_mode'), (TENSOR, SCALAR, STATIC,), (False, False, True), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.div_Scalar_mode__check, check_integral=True, check_reads=('None if rounding_mode is None else L.checks.divisor(out, other)', (1, 2), True),
+    out_overload=aten.div.Scalar_mode_out,
 )
 S_div__Scalar_mode = OpSpec(
     "div_.Scalar_mode", aten.div_.Scalar_mode, E.div_Scalar_mode, ('self', 'other', 'rounding_mode'), (TENSOR, SCALAR, STATIC,), (False, False, True), ONE,
@@ -1773,6 +1976,7 @@ S_floor_divide = OpSpec(
     "floor_divide.default", aten.floor_divide.default, E.floor_divide, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.floor_divide__check, check_integral=True, check_reads=('L.checks.divisor(out, other)', (1,), True),
+    out_overload=aten.floor_divide.out,
 )
 S_floor_divide__Tensor = OpSpec(
     "floor_divide_.Tensor", aten.floor_divide_.Tensor, E.floor_divide, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
@@ -1783,6 +1987,7 @@ S_floor_divide_Scalar = OpSpec(
     "floor_divide.Scalar", aten.floor_divide.Scalar, E.floor_divide_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.floor_divide_Scalar__check, check_integral=True, check_reads=('L.checks.divisor(out, other)', (1,), True),
+    out_overload=aten.floor_divide.Scalar_out,
 )
 S_floor_divide__Scalar = OpSpec(
     "floor_divide_.Scalar", aten.floor_divide_.Scalar, E.floor_divide_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
@@ -1792,6 +1997,7 @@ S_floor_divide__Scalar = OpSpec(
 S_hypot = OpSpec(
     "hypot.default", aten.hypot.default, E.hypot, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.hypot.out,
 )
 S_hypot_ = OpSpec(
     "hypot_.default", aten.hypot_.default, E.hypot, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
@@ -1800,6 +2006,7 @@ S_hypot_ = OpSpec(
 S_copysign_Tensor = OpSpec(
     "copysign.Tensor", aten.copysign.Tensor, E.copysign_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.copysign.out,
 )
 S_copysign__Tensor = OpSpec(
     "copysign_.Tensor", aten.copysign_.Tensor, E.copysign_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
@@ -1808,6 +2015,7 @@ S_copysign__Tensor = OpSpec(
 S_copysign_Scalar = OpSpec(
     "copysign.Scalar", aten.copysign.Scalar, E.copysign_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.copysign.Scalar_out,
 )
 S_copysign__Scalar = OpSpec(
     "copysign_.Scalar", aten.copysign_.Scalar, E.copysign_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
@@ -1816,6 +2024,7 @@ S_copysign__Scalar = OpSpec(
 S_nextafter = OpSpec(
     "nextafter.default", aten.nextafter.default, E.nextafter, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.nextafter.out,
 )
 S_nextafter_ = OpSpec(
     "nextafter_.default", aten.nextafter_.default, E.nextafter, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
@@ -1824,6 +2033,7 @@ S_nextafter_ = OpSpec(
 S_heaviside = OpSpec(
     "heaviside.default", aten.heaviside.default, E.heaviside, ('self', 'values'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.heaviside.out,
 )
 S_heaviside_ = OpSpec(
     "heaviside_.default", aten.heaviside_.default, E.heaviside, ('self', 'values'), (TENSOR, TENSOR,), (False, False), ONE,
@@ -1832,6 +2042,7 @@ S_heaviside_ = OpSpec(
 S_xlogy_Tensor = OpSpec(
     "xlogy.Tensor", aten.xlogy.Tensor, E.xlogy_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.xlogy.OutTensor,
 )
 S_xlogy__Tensor = OpSpec(
     "xlogy_.Tensor", aten.xlogy_.Tensor, E.xlogy_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
@@ -1840,10 +2051,12 @@ S_xlogy__Tensor = OpSpec(
 S_xlogy_Scalar_Self = OpSpec(
     "xlogy.Scalar_Self", aten.xlogy.Scalar_Self, E.xlogy_Scalar_Self, ('self', 'other'), (SCALAR, TENSOR,), (False, False), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.xlogy.OutScalar_Self,
 )
 S_xlogy_Scalar_Other = OpSpec(
     "xlogy.Scalar_Other", aten.xlogy.Scalar_Other, E.xlogy_Scalar_Other, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.xlogy.OutScalar_Other,
 )
 S_xlogy__Scalar_Other = OpSpec(
     "xlogy_.Scalar_Other", aten.xlogy_.Scalar_Other, E.xlogy_Scalar_Other, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
@@ -1852,26 +2065,32 @@ S_xlogy__Scalar_Other = OpSpec(
 S_special_xlog1py = OpSpec(
     "special_xlog1py.default", aten.special_xlog1py.default, E.special_xlog1py, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.special_xlog1py.out,
 )
 S_logaddexp = OpSpec(
     "logaddexp.default", aten.logaddexp.default, E.logaddexp, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.logaddexp.out,
 )
 S_logaddexp2 = OpSpec(
     "logaddexp2.default", aten.logaddexp2.default, E.logaddexp2, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.logaddexp2.out,
 )
 S_fmax = OpSpec(
     "fmax.default", aten.fmax.default, E.fmax, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.fmax.out,
 )
 S_fmin = OpSpec(
     "fmin.default", aten.fmin.default, E.fmin, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.fmin.out,
 )
 S_clamp_Tensor = OpSpec(
     "clamp.Tensor", aten.clamp.Tensor, E.clamp_Tensor, ('self', 'min', 'max'), (TENSOR, OPT_TENSOR, OPT_TENSOR,), (False, False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.clamp.Tensor_out,
 )
 S_clamp__Tensor = OpSpec(
     "clamp_.Tensor", aten.clamp_.Tensor, E.clamp_Tensor, ('self', 'min', 'max'), (TENSOR, OPT_TENSOR, OPT_TENSOR,), (False, False, False), ONE,
@@ -1880,6 +2099,7 @@ S_clamp__Tensor = OpSpec(
 S_clamp_min_Tensor = OpSpec(
     "clamp_min.Tensor", aten.clamp_min.Tensor, E.clamp_min_Tensor, ('self', 'min'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.clamp_min.Tensor_out,
 )
 S_clamp_min__Tensor = OpSpec(
     "clamp_min_.Tensor", aten.clamp_min_.Tensor, E.clamp_min_Tensor, ('self', 'min'), (TENSOR, TENSOR,), (False, False), ONE,
@@ -1888,6 +2108,7 @@ S_clamp_min__Tensor = OpSpec(
 S_clamp_max_Tensor = OpSpec(
     "clamp_max.Tensor", aten.clamp_max.Tensor, E.clamp_max_Tensor, ('self', 'max'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.clamp_max.Tensor_out,
 )
 S_clamp_max__Tensor = OpSpec(
     "clamp_max_.Tensor", aten.clamp_max_.Tensor, E.clamp_max_Tensor, ('self', 'max'), (TENSOR, TENSOR,), (False, False), ONE,
@@ -1904,6 +2125,7 @@ S_fill_Tensor = OpSpec(
 S_hardtanh = OpSpec(
     "hardtanh.default", aten.hardtanh.default, E.hardtanh, ('self', 'min_val', 'max_val'), (TENSOR, SCALAR, SCALAR,), (False, False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.hardtanh.out,
 )
 S_hardtanh_ = OpSpec(
     "hardtanh_.default", aten.hardtanh_.default, E.hardtanh, ('self', 'min_val', 'max_val'), (TENSOR, SCALAR, SCALAR,), (False, False, False), ONE,
@@ -1912,10 +2134,12 @@ S_hardtanh_ = OpSpec(
 S_hardtanh_backward = OpSpec(
     "hardtanh_backward.default", aten.hardtanh_backward.default, E.hardtanh_backward, ('grad_output', 'self', 'min_val', 'max_val'), (TENSOR, TENSOR, SCALAR, SCALAR,), (False, False, False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.hardtanh_backward.grad_input,
 )
 S_elu = OpSpec(
     "elu.default", aten.elu.default, E.elu, ('self', 'alpha', 'scale', 'input_scale'), (TENSOR, SCALAR, SCALAR, SCALAR,), (False, False, False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.elu.out,
 )
 S_elu_ = OpSpec(
     "elu_.default", aten.elu_.default, E.elu, ('self', 'alpha', 'scale', 'input_scale'), (TENSOR, SCALAR, SCALAR, SCALAR,), (False, False, False, False), ONE,
@@ -1924,10 +2148,12 @@ S_elu_ = OpSpec(
 S_elu_backward = OpSpec(
     "elu_backward.default", aten.elu_backward.default, E.elu_backward, ('grad_output', 'alpha', 'scale', 'input_scale', 'is_result', 'self_or_result'), (TENSOR, SCALAR, SCALAR, SCALAR, STATIC, TENSOR,), (False, False, False, False, False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.elu_backward.grad_input,
 )
 S_celu = OpSpec(
     "celu.default", aten.celu.default, E.celu, ('self', 'alpha'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.celu.out,
 )
 S_celu_ = OpSpec(
     "celu_.default", aten.celu_.default, E.celu, ('self', 'alpha'), (TENSOR, SCALAR,), (False, False), ONE,
@@ -1936,6 +2162,7 @@ S_celu_ = OpSpec(
 S_leaky_relu = OpSpec(
     "leaky_relu.default", aten.leaky_relu.default, E.leaky_relu, ('self', 'negative_slope'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.leaky_relu.out,
 )
 S_leaky_relu_ = OpSpec(
     "leaky_relu_.default", aten.leaky_relu_.default, E.leaky_relu, ('self', 'negative_slope'), (TENSOR, SCALAR,), (False, False), ONE,
@@ -1944,10 +2171,12 @@ S_leaky_relu_ = OpSpec(
 S_leaky_relu_backward = OpSpec(
     "leaky_relu_backward.default", aten.leaky_relu_backward.default, E.leaky_relu_backward, ('grad_output', 'self', 'negative_slope', 'self_is_result'), (TENSOR, TENSOR, SCALAR, STATIC,), (False, False, False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.leaky_relu_backward.grad_input,
 )
 S_threshold = OpSpec(
     "threshold.default", aten.threshold.default, E.threshold, ('self', 'threshold', 'value'), (TENSOR, SCALAR, SCALAR,), (False, False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.threshold.out,
 )
 S_threshold_ = OpSpec(
     "threshold_.default", aten.threshold_.default, E.threshold, ('self', 'threshold', 'value'), (TENSOR, SCALAR, SCALAR,), (False, False, False), ONE,
@@ -1956,6 +2185,7 @@ S_threshold_ = OpSpec(
 S_silu = OpSpec(
     "silu.default", aten.silu.default, E.silu, ('self',), (TENSOR,), (False,), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.silu.out,
 )
 S_silu_ = OpSpec(
     "silu_.default", aten.silu_.default, E.silu, ('self',), (TENSOR,), (False,), ONE,
@@ -1964,10 +2194,12 @@ S_silu_ = OpSpec(
 S_silu_backward = OpSpec(
     "silu_backward.default", aten.silu_backward.default, E.silu_backward, ('grad_output', 'self'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.silu_backward.grad_input,
 )
 S_mish = OpSpec(
     "mish.default", aten.mish.default, E.mish, ('self',), (TENSOR,), (False,), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.mish.out,
 )
 S_mish_ = OpSpec(
     "mish_.default", aten.mish_.default, E.mish, ('self',), (TENSOR,), (False,), ONE,
@@ -1980,14 +2212,17 @@ S_mish_backward = OpSpec(
 S_softplus = OpSpec(
     "softplus.default", aten.softplus.default, E.softplus, ('self', 'beta', 'threshold'), (TENSOR, SCALAR, SCALAR,), (False, False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.softplus.out,
 )
 S_softplus_backward = OpSpec(
     "softplus_backward.default", aten.softplus_backward.default, E.softplus_backward, ('grad_output', 'self', 'beta', 'threshold'), (TENSOR, TENSOR, SCALAR, SCALAR,), (False, False, False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.softplus_backward.grad_input,
 )
 S_hardswish = OpSpec(
     "hardswish.default", aten.hardswish.default, E.hardswish, ('self',), (TENSOR,), (False,), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.hardswish.out,
 )
 S_hardswish_ = OpSpec(
     "hardswish_.default", aten.hardswish_.default, E.hardswish, ('self',), (TENSOR,), (False,), ONE,
@@ -1996,10 +2231,12 @@ S_hardswish_ = OpSpec(
 S_hardswish_backward = OpSpec(
     "hardswish_backward.default", aten.hardswish_backward.default, E.hardswish_backward, ('grad_output', 'self'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.hardswish_backward.out,
 )
 S_hardsigmoid = OpSpec(
     "hardsigmoid.default", aten.hardsigmoid.default, E.hardsigmoid, ('self',), (TENSOR,), (False,), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.hardsigmoid.out,
 )
 S_hardsigmoid_ = OpSpec(
     "hardsigmoid_.default", aten.hardsigmoid_.default, E.hardsigmoid, ('self',), (TENSOR,), (False,), ONE,
@@ -2008,38 +2245,47 @@ S_hardsigmoid_ = OpSpec(
 S_hardsigmoid_backward = OpSpec(
     "hardsigmoid_backward.default", aten.hardsigmoid_backward.default, E.hardsigmoid_backward, ('grad_output', 'self'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.hardsigmoid_backward.grad_input,
 )
 S_hardshrink = OpSpec(
     "hardshrink.default", aten.hardshrink.default, E.hardshrink, ('self', 'lambd'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.hardshrink.out,
 )
 S_hardshrink_backward = OpSpec(
     "hardshrink_backward.default", aten.hardshrink_backward.default, E.hardshrink_backward, ('grad_out', 'self', 'lambd'), (TENSOR, TENSOR, SCALAR,), (False, False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.hardshrink_backward.grad_input,
 )
 S_softshrink = OpSpec(
     "softshrink.default", aten.softshrink.default, E.softshrink, ('self', 'lambd'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.softshrink.out,
 )
 S_softshrink_backward = OpSpec(
     "softshrink_backward.default", aten.softshrink_backward.default, E.softshrink_backward, ('grad_output', 'self', 'lambd'), (TENSOR, TENSOR, SCALAR,), (False, False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.softshrink_backward.grad_input,
 )
 S_log_sigmoid_forward = OpSpec(
     "log_sigmoid_forward.default", aten.log_sigmoid_forward.default, E.log_sigmoid_forward, ('self',), (TENSOR,), (False,), TUPLE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.log_sigmoid_forward.output,
 )
 S_log_sigmoid_backward = OpSpec(
     "log_sigmoid_backward.default", aten.log_sigmoid_backward.default, E.log_sigmoid_backward, ('grad_output', 'self', 'buffer'), (TENSOR, TENSOR, TENSOR,), (False, False, False), ONE,
     promote='default', promote_args=['grad_output', 'self'], view=False, scatter=None, meta_overload=None,
+    out_overload=aten.log_sigmoid_backward.grad_input,
 )
 S_glu = OpSpec(
     "glu.default", aten.glu.default, E.glu, ('self', 'dim'), (TENSOR, STATIC,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.glu.out,
 )
 S_glu_backward = OpSpec(
     "glu_backward.default", aten.glu_backward.default, E.glu_backward, ('grad_output', 'self', 'dim'), (TENSOR, TENSOR, STATIC,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.glu_backward.grad_input,
 )
 S__prelu_kernel = OpSpec(
     "_prelu_kernel.default", aten._prelu_kernel.default, E._prelu_kernel, ('self', 'weight'), (TENSOR, TENSOR,), (False, False), ONE,
@@ -2056,146 +2302,182 @@ S__efficientzerotensor = OpSpec(
 S_flip = OpSpec(
     "flip.default", aten.flip.default, E.flip, ('self', 'dims'), (TENSOR, STATIC,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.flip.out,
 )
 S_repeat = OpSpec(
     "repeat.default", aten.repeat.default, E.repeat, ('self', 'repeats'), (TENSOR, STATIC,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.repeat.out,
 )
 S_roll = OpSpec(
     "roll.default", aten.roll.default, E.roll, ('self', 'shifts', 'dims'), (TENSOR, STATIC, STATIC,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.roll.out,
 )
 S_rot90 = OpSpec(
     "rot90.default", aten.rot90.default, E.rot90, ('self', 'k', 'dims'), (TENSOR, STATIC, STATIC,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.rot90.out,
 )
 S_constant_pad_nd = OpSpec(
     "constant_pad_nd.default", aten.constant_pad_nd.default, E.constant_pad_nd, ('self', 'pad', 'value'), (TENSOR, STATIC, SCALAR,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.constant_pad_nd.out,
 )
 S_sum = OpSpec(
     "sum.default", aten.sum.default, E.sum, ('self', 'dtype'), (TENSOR, STATIC,), (False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.sum.out,
 )
 S_sum_dim_IntList = OpSpec(
     "sum.dim_IntList", aten.sum.dim_IntList, E.sum_dim_IntList, ('self', 'dim', 'keepdim', 'dtype'), (TENSOR, STATIC, STATIC, STATIC,), (False, False, False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.sum.IntList_out,
 )
 S_mean = OpSpec(
     "mean.default", aten.mean.default, E.mean, ('self', 'dtype'), (TENSOR, STATIC,), (False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.mean.dtype_out,
 )
 S_mean_dim = OpSpec(
     "mean.dim", aten.mean.dim, E.mean_dim, ('self', 'dim', 'keepdim', 'dtype'), (TENSOR, STATIC, STATIC, STATIC,), (False, False, False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.mean.out,
 )
 S_amax = OpSpec(
     "amax.default", aten.amax.default, E.amax, ('self', 'dim', 'keepdim'), (TENSOR, STATIC, STATIC,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.amax.out,
 )
 S_amin = OpSpec(
     "amin.default", aten.amin.default, E.amin, ('self', 'dim', 'keepdim'), (TENSOR, STATIC, STATIC,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.amin.out,
 )
 S_max = OpSpec(
     "max.default", aten.max.default, E.max, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.max.unary_out,
 )
 S_min = OpSpec(
     "min.default", aten.min.default, E.min, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.min.unary_out,
 )
 S_max_dim = OpSpec(
     "max.dim", aten.max.dim, E.max_dim, ('self', 'dim', 'keepdim'), (TENSOR, STATIC, STATIC,), (False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.max.dim_max,
 )
 S_min_dim = OpSpec(
     "min.dim", aten.min.dim, E.min_dim, ('self', 'dim', 'keepdim'), (TENSOR, STATIC, STATIC,), (False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.min.dim_min,
 )
 S_argmax = OpSpec(
     "argmax.default", aten.argmax.default, E.argmax, ('self', 'dim', 'keepdim'), (TENSOR, STATIC, STATIC,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.argmax.out,
 )
 S_argmin = OpSpec(
     "argmin.default", aten.argmin.default, E.argmin, ('self', 'dim', 'keepdim'), (TENSOR, STATIC, STATIC,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.argmin.out,
 )
 S_var_correction = OpSpec(
     "var.correction", aten.var.correction, E.var_correction, ('self', 'dim', 'correction', 'keepdim'), (TENSOR, STATIC, STATIC, STATIC,), (False, False, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.var.correction_out,
 )
 S_all = OpSpec(
     "all.default", aten.all.default, E.all, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.all.all_out,
 )
 S_any = OpSpec(
     "any.default", aten.any.default, E.any, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.any.all_out,
 )
 S_any_dim = OpSpec(
     "any.dim", aten.any.dim, E.any_dim, ('self', 'dim', 'keepdim'), (TENSOR, STATIC, STATIC,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.any.out,
 )
 S_any_dims = OpSpec(
     "any.dims", aten.any.dims, E.any_dims, ('self', 'dim', 'keepdim'), (TENSOR, STATIC, STATIC,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.any.dims_out,
 )
 S_all_dim = OpSpec(
     "all.dim", aten.all.dim, E.all_dim, ('self', 'dim', 'keepdim'), (TENSOR, STATIC, STATIC,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.all.out,
 )
 S_all_dims = OpSpec(
     "all.dims", aten.all.dims, E.all_dims, ('self', 'dim', 'keepdim'), (TENSOR, STATIC, STATIC,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.all.dims_out,
 )
 S_prod = OpSpec(
     "prod.default", aten.prod.default, E.prod, ('self', 'dtype'), (TENSOR, STATIC,), (False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.prod.out,
 )
 S_prod_dim_int = OpSpec(
     "prod.dim_int", aten.prod.dim_int, E.prod_dim_int, ('self', 'dim', 'keepdim', 'dtype'), (TENSOR, STATIC, STATIC, STATIC,), (False, False, False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.prod.int_out,
 )
 S_var_dim = OpSpec(
     "var.dim", aten.var.dim, E.var_dim, ('self', 'dim', 'unbiased', 'keepdim'), (TENSOR, STATIC, STATIC, STATIC,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.var.out,
 )
 S_std_correction = OpSpec(
     "std.correction", aten.std.correction, E.std_correction, ('self', 'dim', 'correction', 'keepdim'), (TENSOR, STATIC, STATIC, STATIC,), (False, False, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.std.correction_out,
 )
 S_var_mean_correction = OpSpec(
     "var_mean.correction", aten.var_mean.correction, E.var_mean_correction, ('self', 'dim', 'correction', 'keepdim'), (TENSOR, STATIC, STATIC, STATIC,), (False, False, True, True), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.var_mean.correction_out,
 )
 S_std_mean_correction = OpSpec(
     "std_mean.correction", aten.std_mean.correction, E.std_mean_correction, ('self', 'dim', 'correction', 'keepdim'), (TENSOR, STATIC, STATIC, STATIC,), (False, False, True, True), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.std_mean.correction_out,
 )
 S_nansum = OpSpec(
     "nansum.default", aten.nansum.default, E.nansum, ('self', 'dim', 'keepdim', 'dtype'), (TENSOR, STATIC, STATIC, STATIC,), (False, False, False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.nansum.out,
 )
 S_count_nonzero = OpSpec(
     "count_nonzero.default", aten.count_nonzero.default, E.count_nonzero, ('self', 'dim'), (TENSOR, STATIC,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.count_nonzero.out,
 )
 S_count_nonzero_dim_IntList = OpSpec(
     "count_nonzero.dim_IntList", aten.count_nonzero.dim_IntList, E.count_nonzero_dim_IntList, ('self', 'dim'), (TENSOR, STATIC,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.count_nonzero.dim_IntList_out,
 )
 S_aminmax = OpSpec(
     "aminmax.default", aten.aminmax.default, E.aminmax, ('self', 'dim', 'keepdim'), (TENSOR, STATIC, STATIC,), (False, True, True), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.aminmax.out,
 )
 S_logsumexp = OpSpec(
     "logsumexp.default", aten.logsumexp.default, E.logsumexp, ('self', 'dim', 'keepdim'), (TENSOR, STATIC, STATIC,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.logsumexp.out,
 )
 S_cumsum = OpSpec(
     "cumsum.default", aten.cumsum.default, E.cumsum, ('self', 'dim', 'dtype'), (TENSOR, STATIC, STATIC,), (False, False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.cumsum.out,
 )
 S_cumsum_ = OpSpec(
     "cumsum_.default", aten.cumsum_.default, E.cumsum, ('self', 'dim', 'dtype'), (TENSOR, STATIC, STATIC,), (False, False, True), ONE,
@@ -2204,6 +2486,7 @@ S_cumsum_ = OpSpec(
 S_cumprod = OpSpec(
     "cumprod.default", aten.cumprod.default, E.cumprod, ('self', 'dim', 'dtype'), (TENSOR, STATIC, STATIC,), (False, False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.cumprod.out,
 )
 S_cumprod_ = OpSpec(
     "cumprod_.default", aten.cumprod_.default, E.cumprod, ('self', 'dim', 'dtype'), (TENSOR, STATIC, STATIC,), (False, False, True), ONE,
@@ -2212,44 +2495,54 @@ S_cumprod_ = OpSpec(
 S_logcumsumexp = OpSpec(
     "logcumsumexp.default", aten.logcumsumexp.default, E.logcumsumexp, ('self', 'dim'), (TENSOR, STATIC,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.logcumsumexp.out,
 )
 S_segment_reduce = OpSpec(
     "segment_reduce.default", aten.segment_reduce.default, E.segment_reduce, ('data', 'reduce', 'lengths', 'indices', 'offsets', 'axis', 'unsafe', 'initial'), (TENSOR, STATIC, OPT_TENSOR, OPT_TENSOR, OPT_TENSOR, STATIC, STATIC, SCALAR,), (False, False, True, True, True, True, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.segment_reduce__check, check_integral=False, check_reads=('L.checks.segments(data, lengths, offsets, unsafe)', (0, 2, 4, 6), False),
     index_dtype=(((2,), (torch.int64, torch.int32), NotImplementedError, '"_segment_reduce_lengths_cpu_kernel1" not implemented for \'{scalar_type}\'', False), ((4,), (torch.int64, torch.int32), NotImplementedError, '"_segment_reduce_offsets_cpu_kernel1" not implemented for \'{scalar_type}\'', False)),
+    out_overload=aten.segment_reduce.out,
 )
 S__segment_reduce_backward = OpSpec(
     "_segment_reduce_backward.default", aten._segment_reduce_backward.default, E._segment_reduce_backward, ('grad', 'output', 'data', 'reduce', 'lengths', 'offsets', 'axis', 'initial'), (TENSOR, TENSOR, TENSOR, STATIC, OPT_TENSOR, OPT_TENSOR, STATIC, SCALAR,), (False, False, False, False, True, True, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._segment_reduce_backward.out,
 )
 S_cummax = OpSpec(
     "cummax.default", aten.cummax.default, E.cummax, ('self', 'dim'), (TENSOR, STATIC,), (False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.cummax.out,
 )
 S_cummin = OpSpec(
     "cummin.default", aten.cummin.default, E.cummin, ('self', 'dim'), (TENSOR, STATIC,), (False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.cummin.out,
 )
 S_mm = OpSpec(
     "mm.default", aten.mm.default, E.mm, ('self', 'mat2'), (TENSOR, TENSOR,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.mm.out,
 )
 S_bmm = OpSpec(
     "bmm.default", aten.bmm.default, E.bmm, ('self', 'mat2'), (TENSOR, TENSOR,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.bmm.out,
 )
 S_mv = OpSpec(
     "mv.default", aten.mv.default, E.mv, ('self', 'vec'), (TENSOR, TENSOR,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.mv.out,
 )
 S_dot = OpSpec(
     "dot.default", aten.dot.default, E.dot, ('self', 'tensor'), (TENSOR, TENSOR,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.dot.out,
 )
 S_addmm = OpSpec(
     "addmm.default", aten.addmm.default, E.addmm, ('self', 'mat1', 'mat2', 'beta', 'alpha'), (TENSOR, TENSOR, TENSOR, SCALAR, SCALAR,), (False, False, False, True, True), ONE,
     promote='default', promote_args=['self', 'mat1', 'mat2'], view=False, scatter=None, meta_overload=None,
+    out_overload=aten.addmm.out,
 )
 S_addmm_ = OpSpec(
     "addmm_.default", aten.addmm_.default, E.addmm, ('self', 'mat1', 'mat2', 'beta', 'alpha'), (TENSOR, TENSOR, TENSOR, SCALAR, SCALAR,), (False, False, False, True, True), ONE,
@@ -2258,6 +2551,7 @@ S_addmm_ = OpSpec(
 S_baddbmm = OpSpec(
     "baddbmm.default", aten.baddbmm.default, E.baddbmm, ('self', 'batch1', 'batch2', 'beta', 'alpha'), (TENSOR, TENSOR, TENSOR, SCALAR, SCALAR,), (False, False, False, True, True), ONE,
     promote='default', promote_args=['self', 'batch1', 'batch2'], view=False, scatter=None, meta_overload=None,
+    out_overload=aten.baddbmm.out,
 )
 S_baddbmm_ = OpSpec(
     "baddbmm_.default", aten.baddbmm_.default, E.baddbmm, ('self', 'batch1', 'batch2', 'beta', 'alpha'), (TENSOR, TENSOR, TENSOR, SCALAR, SCALAR,), (False, False, False, True, True), ONE,
@@ -2266,6 +2560,7 @@ S_baddbmm_ = OpSpec(
 S_addbmm = OpSpec(
     "addbmm.default", aten.addbmm.default, E.addbmm, ('self', 'batch1', 'batch2', 'beta', 'alpha'), (TENSOR, TENSOR, TENSOR, SCALAR, SCALAR,), (False, False, False, True, True), ONE,
     promote='default', promote_args=['self', 'batch1', 'batch2'], view=False, scatter=None, meta_overload=None,
+    out_overload=aten.addbmm.out,
 )
 S_addbmm_ = OpSpec(
     "addbmm_.default", aten.addbmm_.default, E.addbmm, ('self', 'batch1', 'batch2', 'beta', 'alpha'), (TENSOR, TENSOR, TENSOR, SCALAR, SCALAR,), (False, False, False, True, True), ONE,
@@ -2274,6 +2569,7 @@ S_addbmm_ = OpSpec(
 S_addmv = OpSpec(
     "addmv.default", aten.addmv.default, E.addmv, ('self', 'mat', 'vec', 'beta', 'alpha'), (TENSOR, TENSOR, TENSOR, SCALAR, SCALAR,), (False, False, False, True, True), ONE,
     promote='default', promote_args=['self', 'mat', 'vec'], view=False, scatter=None, meta_overload=None,
+    out_overload=aten.addmv.out,
 )
 S_addmv_ = OpSpec(
     "addmv_.default", aten.addmv_.default, E.addmv, ('self', 'mat', 'vec', 'beta', 'alpha'), (TENSOR, TENSOR, TENSOR, SCALAR, SCALAR,), (False, False, False, True, True), ONE,
@@ -2282,6 +2578,7 @@ S_addmv_ = OpSpec(
 S_addr = OpSpec(
     "addr.default", aten.addr.default, E.addr, ('self', 'vec1', 'vec2', 'beta', 'alpha'), (TENSOR, TENSOR, TENSOR, SCALAR, SCALAR,), (False, False, False, True, True), ONE,
     promote='default', promote_args=['self', 'vec1', 'vec2'], view=False, scatter=None, meta_overload=None,
+    out_overload=aten.addr.out,
 )
 S_addr_ = OpSpec(
     "addr_.default", aten.addr_.default, E.addr, ('self', 'vec1', 'vec2', 'beta', 'alpha'), (TENSOR, TENSOR, TENSOR, SCALAR, SCALAR,), (False, False, False, True, True), ONE,
@@ -2290,95 +2587,118 @@ S_addr_ = OpSpec(
 S_linalg_vector_norm = OpSpec(
     "linalg_vector_norm.default", aten.linalg_vector_norm.default, E.linalg_vector_norm, ('self', 'ord', 'dim', 'keepdim', 'dtype'), (TENSOR, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.linalg_vector_norm.out,
 )
 S__linalg_det = OpSpec(
     "_linalg_det.default", aten._linalg_det.default, E._linalg_det, ('A',), (TENSOR,), (False,), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._linalg_det.result,
 )
 S__linalg_slogdet = OpSpec(
     "_linalg_slogdet.default", aten._linalg_slogdet.default, E._linalg_slogdet, ('A',), (TENSOR,), (False,), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._linalg_slogdet.sign,
 )
 S_linalg_lu_factor_ex = OpSpec(
     "linalg_lu_factor_ex.default", aten.linalg_lu_factor_ex.default, E.linalg_lu_factor_ex, ('A', 'pivot', 'check_errors'), (TENSOR, STATIC, STATIC,), (False, True, True), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.linalg_lu_factor_ex.out,
 )
 S_linalg_lu_solve = OpSpec(
     "linalg_lu_solve.default", aten.linalg_lu_solve.default, E.linalg_lu_solve, ('LU', 'pivots', 'B', 'left', 'adjoint'), (TENSOR, TENSOR, TENSOR, STATIC, STATIC,), (False, False, False, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.linalg_lu_solve.out,
 )
 S_linalg_solve_triangular = OpSpec(
     "linalg_solve_triangular.default", aten.linalg_solve_triangular.default, E.linalg_solve_triangular, ('self', 'B', 'upper', 'left', 'unitriangular'), (TENSOR, TENSOR, STATIC, STATIC, STATIC,), (False, False, True, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.linalg_solve_triangular.out,
 )
 S_triangular_solve = OpSpec(
     "triangular_solve.default", aten.triangular_solve.default, E.triangular_solve, ('self', 'A', 'upper', 'transpose', 'unitriangular'), (TENSOR, TENSOR, STATIC, STATIC, STATIC,), (False, False, False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.triangular_solve.X,
 )
 S_linalg_cholesky_ex = OpSpec(
     "linalg_cholesky_ex.default", aten.linalg_cholesky_ex.default, E.linalg_cholesky_ex, ('self', 'upper', 'check_errors'), (TENSOR, STATIC, STATIC,), (False, True, True), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.linalg_cholesky_ex.L,
 )
 S_cholesky_solve = OpSpec(
     "cholesky_solve.default", aten.cholesky_solve.default, E.cholesky_solve, ('self', 'input2', 'upper'), (TENSOR, TENSOR, STATIC,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.cholesky_solve.out,
 )
 S_cholesky_inverse = OpSpec(
     "cholesky_inverse.default", aten.cholesky_inverse.default, E.cholesky_inverse, ('self', 'upper'), (TENSOR, STATIC,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.cholesky_inverse.out,
 )
 S_linalg_qr = OpSpec(
     "linalg_qr.default", aten.linalg_qr.default, E.linalg_qr, ('A', 'mode'), (TENSOR, STATIC,), (False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.linalg_qr.out,
 )
 S_linalg_inv_ex = OpSpec(
     "linalg_inv_ex.default", aten.linalg_inv_ex.default, E.linalg_inv_ex, ('A', 'check_errors'), (TENSOR, STATIC,), (False, True), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.linalg_inv_ex.inverse,
 )
 S__linalg_solve_ex = OpSpec(
     "_linalg_solve_ex.default", aten._linalg_solve_ex.default, E._linalg_solve_ex, ('A', 'B', 'left', 'check_errors'), (TENSOR, TENSOR, STATIC, STATIC,), (False, False, True, True), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._linalg_solve_ex.result,
 )
 S__linalg_eigh = OpSpec(
     "_linalg_eigh.default", aten._linalg_eigh.default, E._linalg_eigh, ('A', 'UPLO', 'compute_v'), (TENSOR, STATIC, STATIC,), (False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._linalg_eigh.eigenvalues,
 )
 S__linalg_svd = OpSpec(
     "_linalg_svd.default", aten._linalg_svd.default, E._linalg_svd, ('A', 'full_matrices', 'compute_uv', 'driver'), (TENSOR, STATIC, STATIC, STATIC,), (False, False, False, True), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._linalg_svd.U,
 )
 S_linalg_cross = OpSpec(
     "linalg_cross.default", aten.linalg_cross.default, E.linalg_cross, ('self', 'other', 'dim'), (TENSOR, TENSOR, STATIC,), (False, False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.linalg_cross.out,
 )
 S_linalg_pinv_atol_rtol_tensor = OpSpec(
     "linalg_pinv.atol_rtol_tensor", aten.linalg_pinv.atol_rtol_tensor, E.linalg_pinv_atol_rtol_tensor, ('self', 'atol', 'rtol', 'hermitian'), (TENSOR, OPT_TENSOR, OPT_TENSOR, STATIC,), (False, True, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.linalg_pinv.atol_rtol_tensor_out,
 )
 S_lu_unpack = OpSpec(
     "lu_unpack.default", aten.lu_unpack.default, E.lu_unpack, ('LU_data', 'LU_pivots', 'unpack_data', 'unpack_pivots'), (TENSOR, TENSOR, STATIC, STATIC,), (False, False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.lu_unpack__check, check_integral=False, check_reads=('L.checks.lu_pivots(LU_data, LU_pivots, unpack_pivots)', (0, 1, 3), False),
+    out_overload=aten.lu_unpack.out,
 )
 S__trilinear = OpSpec(
     "_trilinear.default", aten._trilinear.default, E._trilinear, ('i1', 'i2', 'i3', 'expand1', 'expand2', 'expand3', 'sumdim', 'unroll_dim'), (TENSOR, TENSOR, TENSOR, STATIC, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._trilinear.out,
 )
 S_diag_embed = OpSpec(
     "diag_embed.default", aten.diag_embed.default, E.diag_embed, ('self', 'offset', 'dim1', 'dim2'), (TENSOR, STATIC, STATIC, STATIC,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.diag_embed.out,
 )
 S__fft_r2c = OpSpec(
     "_fft_r2c.default", aten._fft_r2c.default, E._fft_r2c, ('self', 'dim', 'normalization', 'onesided'), (TENSOR, STATIC, STATIC, STATIC,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._fft_r2c.out,
 )
 S__fft_c2c = OpSpec(
     "_fft_c2c.default", aten._fft_c2c.default, E._fft_c2c, ('self', 'dim', 'normalization', 'forward'), (TENSOR, STATIC, STATIC, STATIC,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._fft_c2c.out,
 )
 S__fft_c2r = OpSpec(
     "_fft_c2r.default", aten._fft_c2r.default, E._fft_c2r, ('self', 'dim', 'normalization', 'last_dim_size'), (TENSOR, STATIC, STATIC, STATIC,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._fft_c2r.out,
 )
 S__conj__scatter = OpSpec(
     "_conj.default.scatter", None, E._conj__scatter, ('self', 'src', 'idx'), (TENSOR, TENSOR, STATIC,), (False, False, False), ONE,
@@ -2391,6 +2711,7 @@ S__conj = OpSpec(
 S__conj_physical = OpSpec(
     "_conj_physical.default", aten._conj_physical.default, E._conj_physical, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._conj_physical.out,
 )
 S_view_as_real__scatter = OpSpec(
     "view_as_real.default.scatter", None, E.view_as_real__scatter, ('self', 'src', 'idx'), (TENSOR, TENSOR, STATIC,), (False, False, False), ONE,
@@ -2403,6 +2724,7 @@ S_view_as_real = OpSpec(
 S_polar = OpSpec(
     "polar.default", aten.polar.default, E.polar, ('abs', 'angle'), (TENSOR, TENSOR,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.polar.out,
 )
 S_view_as_complex__scatter = OpSpec(
     "view_as_complex.default.scatter", None, E.view_as_complex__scatter, ('self', 'src', 'idx'), (TENSOR, TENSOR, STATIC,), (False, False, False), ONE,
@@ -2415,47 +2737,57 @@ S_view_as_complex = OpSpec(
 S_convolution = OpSpec(
     "convolution.default", aten.convolution.default, E.convolution, ('input', 'weight', 'bias', 'stride', 'padding', 'dilation', 'transposed', 'output_padding', 'groups'), (TENSOR, TENSOR, OPT_TENSOR, STATIC, STATIC, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.convolution.out,
 )
 S_convolution_backward = OpSpec(
     "convolution_backward.default", aten.convolution_backward.default, E.convolution_backward, ('grad_output', 'input', 'weight', 'bias_sizes', 'stride', 'padding', 'dilation', 'transposed', 'output_padding', 'groups', 'output_mask'), (TENSOR, TENSOR, TENSOR, STATIC, STATIC, STATIC, STATIC, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False, False, False, False, False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.convolution_backward.out,
 )
 S_max_pool2d_with_indices = OpSpec(
     "max_pool2d_with_indices.default", aten.max_pool2d_with_indices.default, E.max_pool2d_with_indices, ('self', 'kernel_size', 'stride', 'padding', 'dilation', 'ceil_mode'), (TENSOR, STATIC, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.max_pool2d_with_indices.out,
 )
 S_max_pool2d_with_indices_backward = OpSpec(
     "max_pool2d_with_indices_backward.default", aten.max_pool2d_with_indices_backward.default, E.max_pool2d_with_indices_backward, ('grad_output', 'self', 'kernel_size', 'stride', 'padding', 'dilation', 'ceil_mode', 'indices'), (TENSOR, TENSOR, STATIC, STATIC, STATIC, STATIC, STATIC, TENSOR,), (False, False, False, False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     index_dtype=(((7,), (torch.int64,), RuntimeError, 'expected scalar type Long but found {scalar_type}', False),),
+    out_overload=aten.max_pool2d_with_indices_backward.grad_input,
 )
 S__log_softmax = OpSpec(
     "_log_softmax.default", aten._log_softmax.default, E._log_softmax, ('self', 'dim', 'half_to_float'), (TENSOR, STATIC, STATIC,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._log_softmax.out,
 )
 S__log_softmax_backward_data = OpSpec(
     "_log_softmax_backward_data.default", aten._log_softmax_backward_data.default, E._log_softmax_backward_data, ('grad_output', 'output', 'dim', 'input_dtype'), (TENSOR, TENSOR, STATIC, STATIC,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._log_softmax_backward_data.out,
 )
 S__softmax = OpSpec(
     "_softmax.default", aten._softmax.default, E._softmax, ('self', 'dim', 'half_to_float'), (TENSOR, STATIC, STATIC,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._softmax.out,
 )
 S__softmax_backward_data = OpSpec(
     "_softmax_backward_data.default", aten._softmax_backward_data.default, E._softmax_backward_data, ('grad_output', 'output', 'dim', 'input_dtype'), (TENSOR, TENSOR, STATIC, STATIC,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._softmax_backward_data.out,
 )
 S_nll_loss_forward = OpSpec(
     "nll_loss_forward.default", aten.nll_loss_forward.default, E.nll_loss_forward, ('self', 'target', 'weight', 'reduction', 'ignore_index'), (TENSOR, TENSOR, OPT_TENSOR, STATIC, STATIC,), (False, False, False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.nll_loss_forward__check, check_integral=False, check_reads=('L.checks.targets(self, target, ignore_index)', (0, 1, 4), False),
     index_dtype=(((1,), (torch.int64, torch.uint8), RuntimeError, 'expected target dtype to be Long or Byte, but got {scalar_type}', False),),
+    out_overload=aten.nll_loss_forward.output,
 )
 S_nll_loss_backward = OpSpec(
     "nll_loss_backward.default", aten.nll_loss_backward.default, E.nll_loss_backward, ('grad_output', 'self', 'target', 'weight', 'reduction', 'ignore_index', 'total_weight'), (TENSOR, TENSOR, TENSOR, OPT_TENSOR, STATIC, STATIC, TENSOR,), (False, False, False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.nll_loss_backward__check, check_integral=False, check_reads=('L.checks.targets(self, target, ignore_index)', (1, 2, 5), False),
     index_dtype=(((2,), (torch.int64, torch.uint8), RuntimeError, 'expected scalar type Long but found {scalar_type}', False),),
+    out_overload=aten.nll_loss_backward.grad_input,
 )
 S__thnn_fused_lstm_cell = OpSpec(
     "_thnn_fused_lstm_cell.default", aten._thnn_fused_lstm_cell.default, E._thnn_fused_lstm_cell, ('input_gates', 'hidden_gates', 'cx', 'input_bias', 'hidden_bias'), (TENSOR, TENSOR, TENSOR, OPT_TENSOR, OPT_TENSOR,), (False, False, False, False, False), TUPLE,
@@ -2476,209 +2808,259 @@ S__thnn_fused_gru_cell_backward = OpSpec(
 S_native_layer_norm = OpSpec(
     "native_layer_norm.default", aten.native_layer_norm.default, E.native_layer_norm, ('input', 'normalized_shape', 'weight', 'bias', 'eps'), (TENSOR, STATIC, OPT_TENSOR, OPT_TENSOR, STATIC,), (False, False, False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.native_layer_norm.out,
 )
 S_native_layer_norm_backward = OpSpec(
     "native_layer_norm_backward.default", aten.native_layer_norm_backward.default, E.native_layer_norm_backward, ('grad_out', 'input', 'normalized_shape', 'mean', 'rstd', 'weight', 'bias', 'output_mask'), (TENSOR, TENSOR, STATIC, TENSOR, TENSOR, OPT_TENSOR, OPT_TENSOR, STATIC,), (False, False, False, False, False, False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.native_layer_norm_backward.out,
 )
 S_avg_pool1d = OpSpec(
     "avg_pool1d.default", aten.avg_pool1d.default, E.avg_pool1d, ('self', 'kernel_size', 'stride', 'padding', 'ceil_mode', 'count_include_pad'), (TENSOR, STATIC, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.avg_pool1d.out,
 )
 S_avg_pool2d = OpSpec(
     "avg_pool2d.default", aten.avg_pool2d.default, E.avg_pool2d, ('self', 'kernel_size', 'stride', 'padding', 'ceil_mode', 'count_include_pad', 'divisor_override'), (TENSOR, STATIC, STATIC, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.avg_pool2d.out,
 )
 S_avg_pool2d_backward = OpSpec(
     "avg_pool2d_backward.default", aten.avg_pool2d_backward.default, E.avg_pool2d_backward, ('grad_output', 'self', 'kernel_size', 'stride', 'padding', 'ceil_mode', 'count_include_pad', 'divisor_override'), (TENSOR, TENSOR, STATIC, STATIC, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.avg_pool2d_backward.grad_input,
 )
 S_avg_pool3d = OpSpec(
     "avg_pool3d.default", aten.avg_pool3d.default, E.avg_pool3d, ('self', 'kernel_size', 'stride', 'padding', 'ceil_mode', 'count_include_pad', 'divisor_override'), (TENSOR, STATIC, STATIC, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.avg_pool3d.out,
 )
 S_avg_pool3d_backward = OpSpec(
     "avg_pool3d_backward.default", aten.avg_pool3d_backward.default, E.avg_pool3d_backward, ('grad_output', 'self', 'kernel_size', 'stride', 'padding', 'ceil_mode', 'count_include_pad', 'divisor_override'), (TENSOR, TENSOR, STATIC, STATIC, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.avg_pool3d_backward.grad_input,
 )
 S_adaptive_avg_pool1d = OpSpec(
     "adaptive_avg_pool1d.default", aten.adaptive_avg_pool1d.default, E.adaptive_avg_pool1d, ('self', 'output_size'), (TENSOR, STATIC,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.adaptive_avg_pool1d.out,
 )
 S__adaptive_avg_pool2d = OpSpec(
     "_adaptive_avg_pool2d.default", aten._adaptive_avg_pool2d.default, E._adaptive_avg_pool2d, ('self', 'output_size'), (TENSOR, STATIC,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._adaptive_avg_pool2d.out,
 )
 S__adaptive_avg_pool2d_backward = OpSpec(
     "_adaptive_avg_pool2d_backward.default", aten._adaptive_avg_pool2d_backward.default, E._adaptive_avg_pool2d_backward, ('grad_output', 'self'), (TENSOR, TENSOR,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._adaptive_avg_pool2d_backward.out,
 )
 S__adaptive_avg_pool3d = OpSpec(
     "_adaptive_avg_pool3d.default", aten._adaptive_avg_pool3d.default, E._adaptive_avg_pool3d, ('self', 'output_size'), (TENSOR, STATIC,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._adaptive_avg_pool3d.out,
 )
 S__adaptive_avg_pool3d_backward = OpSpec(
     "_adaptive_avg_pool3d_backward.default", aten._adaptive_avg_pool3d_backward.default, E._adaptive_avg_pool3d_backward, ('grad_output', 'self'), (TENSOR, TENSOR,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._adaptive_avg_pool3d_backward.out,
 )
 S_adaptive_max_pool2d = OpSpec(
     "adaptive_max_pool2d.default", aten.adaptive_max_pool2d.default, E.adaptive_max_pool2d, ('self', 'output_size'), (TENSOR, STATIC,), (False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.adaptive_max_pool2d.out,
 )
 S_adaptive_max_pool2d_backward = OpSpec(
     "adaptive_max_pool2d_backward.default", aten.adaptive_max_pool2d_backward.default, E.adaptive_max_pool2d_backward, ('grad_output', 'self', 'indices'), (TENSOR, TENSOR, TENSOR,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     index_dtype=(((2,), (torch.int64,), RuntimeError, 'expected scalar type Long but found {scalar_type}', False),),
+    out_overload=aten.adaptive_max_pool2d_backward.grad_input,
 )
 S_adaptive_max_pool3d = OpSpec(
     "adaptive_max_pool3d.default", aten.adaptive_max_pool3d.default, E.adaptive_max_pool3d, ('self', 'output_size'), (TENSOR, STATIC,), (False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.adaptive_max_pool3d.out,
 )
 S_adaptive_max_pool3d_backward = OpSpec(
     "adaptive_max_pool3d_backward.default", aten.adaptive_max_pool3d_backward.default, E.adaptive_max_pool3d_backward, ('grad_output', 'self', 'indices'), (TENSOR, TENSOR, TENSOR,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     index_dtype=(((2,), (torch.int64,), RuntimeError, 'expected scalar type Long but found {scalar_type}', False),),
+    out_overload=aten.adaptive_max_pool3d_backward.grad_input,
 )
 S_max_pool3d_with_indices = OpSpec(
     "max_pool3d_with_indices.default", aten.max_pool3d_with_indices.default, E.max_pool3d_with_indices, ('self', 'kernel_size', 'stride', 'padding', 'dilation', 'ceil_mode'), (TENSOR, STATIC, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.max_pool3d_with_indices.out,
 )
 S_max_pool3d_with_indices_backward = OpSpec(
     "max_pool3d_with_indices_backward.default", aten.max_pool3d_with_indices_backward.default, E.max_pool3d_with_indices_backward, ('grad_output', 'self', 'kernel_size', 'stride', 'padding', 'dilation', 'ceil_mode', 'indices'), (TENSOR, TENSOR, STATIC, STATIC, STATIC, STATIC, STATIC, TENSOR,), (False, False, False, False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     index_dtype=(((7,), (torch.int64,), RuntimeError, 'expected scalar type Long but found {scalar_type}', False),),
+    out_overload=aten.max_pool3d_with_indices_backward.grad_input,
 )
 S_native_batch_norm_backward = OpSpec(
     "native_batch_norm_backward.default", aten.native_batch_norm_backward.default, E.native_batch_norm_backward, ('grad_out', 'input', 'weight', 'running_mean', 'running_var', 'save_mean', 'save_invstd', 'train', 'eps', 'output_mask'), (TENSOR, TENSOR, OPT_TENSOR, OPT_TENSOR, OPT_TENSOR, OPT_TENSOR, OPT_TENSOR, STATIC, SCALAR, STATIC,), (False, False, False, False, False, False, False, False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.native_batch_norm_backward.out,
 )
 S__native_batch_norm_legit_no_stats = OpSpec(
     "_native_batch_norm_legit.no_stats", aten._native_batch_norm_legit.no_stats, E._native_batch_norm_legit_no_stats, ('input', 'weight', 'bias', 'training', 'momentum', 'eps'), (TENSOR, OPT_TENSOR, OPT_TENSOR, STATIC, SCALAR, SCALAR,), (False, False, False, False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._native_batch_norm_legit.no_stats_out,
 )
 S__native_batch_norm_legit_no_training = OpSpec(
     "_native_batch_norm_legit_no_training.default", aten._native_batch_norm_legit_no_training.default, E._native_batch_norm_legit_no_training, ('input', 'weight', 'bias', 'running_mean', 'running_var', 'momentum', 'eps'), (TENSOR, OPT_TENSOR, OPT_TENSOR, TENSOR, TENSOR, SCALAR, SCALAR,), (False, False, False, False, False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._native_batch_norm_legit_no_training.out,
 )
 S__native_batch_norm_legit_functional = OpSpec(
     "_native_batch_norm_legit_functional.default", aten._native_batch_norm_legit_functional.default, E._native_batch_norm_legit_functional, ('input', 'weight', 'bias', 'running_mean', 'running_var', 'training', 'momentum', 'eps'), (TENSOR, OPT_TENSOR, OPT_TENSOR, TENSOR, TENSOR, STATIC, SCALAR, SCALAR,), (False, False, False, False, False, False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._native_batch_norm_legit.out,
 )
 S_native_group_norm = OpSpec(
     "native_group_norm.default", aten.native_group_norm.default, E.native_group_norm, ('input', 'weight', 'bias', 'N', 'C', 'HxW', 'group', 'eps'), (TENSOR, OPT_TENSOR, OPT_TENSOR, STATIC, STATIC, STATIC, STATIC, SCALAR,), (False, False, False, False, False, False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.native_group_norm.out,
 )
 S_native_group_norm_backward = OpSpec(
     "native_group_norm_backward.default", aten.native_group_norm_backward.default, E.native_group_norm_backward, ('grad_out', 'input', 'mean', 'rstd', 'weight', 'N', 'C', 'HxW', 'group', 'output_mask'), (TENSOR, TENSOR, TENSOR, TENSOR, OPT_TENSOR, STATIC, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False, False, False, False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.native_group_norm_backward.out,
 )
 S_mse_loss = OpSpec(
     "mse_loss.default", aten.mse_loss.default, E.mse_loss, ('self', 'target', 'reduction'), (TENSOR, TENSOR, STATIC,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.mse_loss.out,
 )
 S_mse_loss_backward = OpSpec(
     "mse_loss_backward.default", aten.mse_loss_backward.default, E.mse_loss_backward, ('grad_output', 'self', 'target', 'reduction'), (TENSOR, TENSOR, TENSOR, STATIC,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.mse_loss_backward.grad_input,
 )
 S_binary_cross_entropy = OpSpec(
     "binary_cross_entropy.default", aten.binary_cross_entropy.default, E.binary_cross_entropy, ('self', 'target', 'weight', 'reduction'), (TENSOR, TENSOR, OPT_TENSOR, STATIC,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.binary_cross_entropy.out,
 )
 S_binary_cross_entropy_backward = OpSpec(
     "binary_cross_entropy_backward.default", aten.binary_cross_entropy_backward.default, E.binary_cross_entropy_backward, ('grad_output', 'self', 'target', 'weight', 'reduction'), (TENSOR, TENSOR, TENSOR, OPT_TENSOR, STATIC,), (False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.binary_cross_entropy_backward.grad_input,
 )
 S_binary_cross_entropy_with_logits = OpSpec(
     "binary_cross_entropy_with_logits.default", aten.binary_cross_entropy_with_logits.default, E.binary_cross_entropy_with_logits, ('self', 'target', 'weight', 'pos_weight', 'reduction'), (TENSOR, TENSOR, OPT_TENSOR, OPT_TENSOR, STATIC,), (False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.binary_cross_entropy_with_logits.out,
 )
 S_smooth_l1_loss = OpSpec(
     "smooth_l1_loss.default", aten.smooth_l1_loss.default, E.smooth_l1_loss, ('self', 'target', 'reduction', 'beta'), (TENSOR, TENSOR, STATIC, SCALAR,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.smooth_l1_loss.out,
 )
 S_smooth_l1_loss_backward = OpSpec(
     "smooth_l1_loss_backward.default", aten.smooth_l1_loss_backward.default, E.smooth_l1_loss_backward, ('grad_output', 'self', 'target', 'reduction', 'beta'), (TENSOR, TENSOR, TENSOR, STATIC, SCALAR,), (False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.smooth_l1_loss_backward.grad_input,
 )
 S_huber_loss = OpSpec(
     "huber_loss.default", aten.huber_loss.default, E.huber_loss, ('self', 'target', 'reduction', 'delta'), (TENSOR, TENSOR, STATIC, SCALAR,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.huber_loss.out,
 )
 S_huber_loss_backward = OpSpec(
     "huber_loss_backward.default", aten.huber_loss_backward.default, E.huber_loss_backward, ('grad_output', 'self', 'target', 'reduction', 'delta'), (TENSOR, TENSOR, TENSOR, STATIC, SCALAR,), (False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.huber_loss_backward.out,
 )
 S_soft_margin_loss = OpSpec(
     "soft_margin_loss.default", aten.soft_margin_loss.default, E.soft_margin_loss, ('self', 'target', 'reduction'), (TENSOR, TENSOR, STATIC,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.soft_margin_loss.out,
 )
 S_soft_margin_loss_backward = OpSpec(
     "soft_margin_loss_backward.default", aten.soft_margin_loss_backward.default, E.soft_margin_loss_backward, ('grad_output', 'self', 'target', 'reduction'), (TENSOR, TENSOR, TENSOR, STATIC,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.soft_margin_loss_backward.grad_input,
 )
 S_nll_loss2d_forward = OpSpec(
     "nll_loss2d_forward.default", aten.nll_loss2d_forward.default, E.nll_loss2d_forward, ('self', 'target', 'weight', 'reduction', 'ignore_index'), (TENSOR, TENSOR, OPT_TENSOR, STATIC, STATIC,), (False, False, False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.nll_loss2d_forward__check, check_integral=False, check_reads=('L.checks.targets(self, target, ignore_index, 1)', (0, 1, 4), False),
     index_dtype=(((1,), (torch.int64, torch.uint8), RuntimeError, 'expected target dtype to be Long or Byte, but got {scalar_type}', False), ((1,), (torch.int64,), RuntimeError, 'expected scalar type Long but found {scalar_type}', False)),
+    out_overload=aten.nll_loss2d_forward.output,
 )
 S_nll_loss2d_backward = OpSpec(
     "nll_loss2d_backward.default", aten.nll_loss2d_backward.default, E.nll_loss2d_backward, ('grad_output', 'self', 'target', 'weight', 'reduction', 'ignore_index', 'total_weight'), (TENSOR, TENSOR, TENSOR, OPT_TENSOR, STATIC, STATIC, TENSOR,), (False, False, False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.nll_loss2d_backward__check, check_integral=False, check_reads=('L.checks.targets(self, target, ignore_index, 1)', (1, 2, 5), False),
     index_dtype=(((2,), (torch.int64, torch.uint8), RuntimeError, 'expected target dtype to be Long or Byte, but got {scalar_type}', False), ((2,), (torch.int64,), RuntimeError, 'expected scalar type Long but found {scalar_type}', False)),
+    out_overload=aten.nll_loss2d_backward.grad_input,
 )
 S_reflection_pad1d = OpSpec(
     "reflection_pad1d.default", aten.reflection_pad1d.default, E.reflection_pad1d, ('self', 'padding'), (TENSOR, STATIC,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.reflection_pad1d.out,
 )
 S_reflection_pad1d_backward = OpSpec(
     "reflection_pad1d_backward.default", aten.reflection_pad1d_backward.default, E.reflection_pad1d_backward, ('grad_output', 'self', 'padding'), (TENSOR, TENSOR, STATIC,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.reflection_pad1d_backward.grad_input,
 )
 S_reflection_pad2d = OpSpec(
     "reflection_pad2d.default", aten.reflection_pad2d.default, E.reflection_pad2d, ('self', 'padding'), (TENSOR, STATIC,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.reflection_pad2d.out,
 )
 S_reflection_pad2d_backward = OpSpec(
     "reflection_pad2d_backward.default", aten.reflection_pad2d_backward.default, E.reflection_pad2d_backward, ('grad_output', 'self', 'padding'), (TENSOR, TENSOR, STATIC,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.reflection_pad2d_backward.grad_input,
 )
 S_reflection_pad3d = OpSpec(
     "reflection_pad3d.default", aten.reflection_pad3d.default, E.reflection_pad3d, ('self', 'padding'), (TENSOR, STATIC,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.reflection_pad3d.out,
 )
 S_reflection_pad3d_backward = OpSpec(
     "reflection_pad3d_backward.default", aten.reflection_pad3d_backward.default, E.reflection_pad3d_backward, ('grad_output', 'self', 'padding'), (TENSOR, TENSOR, STATIC,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.reflection_pad3d_backward.grad_input,
 )
 S_replication_pad1d = OpSpec(
     "replication_pad1d.default", aten.replication_pad1d.default, E.replication_pad1d, ('self', 'padding'), (TENSOR, STATIC,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.replication_pad1d.out,
 )
 S_replication_pad1d_backward = OpSpec(
     "replication_pad1d_backward.default", aten.replication_pad1d_backward.default, E.replication_pad1d_backward, ('grad_output', 'self', 'padding'), (TENSOR, TENSOR, STATIC,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.replication_pad1d_backward.grad_input,
 )
 S_replication_pad2d = OpSpec(
     "replication_pad2d.default", aten.replication_pad2d.default, E.replication_pad2d, ('self', 'padding'), (TENSOR, STATIC,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.replication_pad2d.out,
 )
 S_replication_pad2d_backward = OpSpec(
     "replication_pad2d_backward.default", aten.replication_pad2d_backward.default, E.replication_pad2d_backward, ('grad_output', 'self', 'padding'), (TENSOR, TENSOR, STATIC,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.replication_pad2d_backward.grad_input,
 )
 S_replication_pad3d = OpSpec(
     "replication_pad3d.default", aten.replication_pad3d.default, E.replication_pad3d, ('self', 'padding'), (TENSOR, STATIC,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.replication_pad3d.out,
 )
 S_replication_pad3d_backward = OpSpec(
     "replication_pad3d_backward.default", aten.replication_pad3d_backward.default, E.replication_pad3d_backward, ('grad_output', 'self', 'padding'), (TENSOR, TENSOR, STATIC,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.replication_pad3d_backward.grad_input,
 )
 S_upsample_nearest1d = OpSpec(
     "upsample_nearest1d.default", aten.upsample_nearest1d.default, E.upsample_nearest1d, ('self', 'output_size', 'scales'), (TENSOR, STATIC, STATIC,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.upsample_nearest1d.out,
 )
 S_upsample_nearest1d_vec = OpSpec(
     "upsample_nearest1d.vec", aten.upsample_nearest1d.vec, E.upsample_nearest1d_vec, ('input', 'output_size', 'scale_factors'), (TENSOR, STATIC, STATIC,), (False, False, False), ONE,
@@ -2687,22 +3069,27 @@ S_upsample_nearest1d_vec = OpSpec(
 S_upsample_nearest1d_backward = OpSpec(
     "upsample_nearest1d_backward.default", aten.upsample_nearest1d_backward.default, E.upsample_nearest1d_backward, ('grad_output', 'output_size', 'input_size', 'scales'), (TENSOR, STATIC, STATIC, STATIC,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.upsample_nearest1d_backward.grad_input,
 )
 S_upsample_nearest2d = OpSpec(
     "upsample_nearest2d.default", aten.upsample_nearest2d.default, E.upsample_nearest2d, ('self', 'output_size', 'scales_h', 'scales_w'), (TENSOR, STATIC, STATIC, STATIC,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.upsample_nearest2d.out,
 )
 S_upsample_nearest2d_vec = OpSpec(
     "upsample_nearest2d.vec", aten.upsample_nearest2d.vec, E.upsample_nearest2d_vec, ('input', 'output_size', 'scale_factors'), (TENSOR, STATIC, STATIC,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.upsample_nearest2d.vec_out,
 )
 S_upsample_nearest2d_backward = OpSpec(
     "upsample_nearest2d_backward.default", aten.upsample_nearest2d_backward.default, E.upsample_nearest2d_backward, ('grad_output', 'output_size', 'input_size', 'scales_h', 'scales_w'), (TENSOR, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.upsample_nearest2d_backward.grad_input,
 )
 S_upsample_nearest3d = OpSpec(
     "upsample_nearest3d.default", aten.upsample_nearest3d.default, E.upsample_nearest3d, ('self', 'output_size', 'scales_d', 'scales_h', 'scales_w'), (TENSOR, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.upsample_nearest3d.out,
 )
 S_upsample_nearest3d_vec = OpSpec(
     "upsample_nearest3d.vec", aten.upsample_nearest3d.vec, E.upsample_nearest3d_vec, ('input', 'output_size', 'scale_factors'), (TENSOR, STATIC, STATIC,), (False, False, False), ONE,
@@ -2711,10 +3098,12 @@ S_upsample_nearest3d_vec = OpSpec(
 S_upsample_nearest3d_backward = OpSpec(
     "upsample_nearest3d_backward.default", aten.upsample_nearest3d_backward.default, E.upsample_nearest3d_backward, ('grad_output', 'output_size', 'input_size', 'scales_d', 'scales_h', 'scales_w'), (TENSOR, STATIC, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.upsample_nearest3d_backward.grad_input,
 )
 S__upsample_nearest_exact1d = OpSpec(
     "_upsample_nearest_exact1d.default", aten._upsample_nearest_exact1d.default, E._upsample_nearest_exact1d, ('self', 'output_size', 'scales'), (TENSOR, STATIC, STATIC,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._upsample_nearest_exact1d.out,
 )
 S__upsample_nearest_exact1d_vec = OpSpec(
     "_upsample_nearest_exact1d.vec", aten._upsample_nearest_exact1d.vec, E._upsample_nearest_exact1d_vec, ('input', 'output_size', 'scale_factors'), (TENSOR, STATIC, STATIC,), (False, False, False), ONE,
@@ -2723,10 +3112,12 @@ S__upsample_nearest_exact1d_vec = OpSpec(
 S__upsample_nearest_exact1d_backward = OpSpec(
     "_upsample_nearest_exact1d_backward.default", aten._upsample_nearest_exact1d_backward.default, E._upsample_nearest_exact1d_backward, ('grad_output', 'output_size', 'input_size', 'scales'), (TENSOR, STATIC, STATIC, STATIC,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._upsample_nearest_exact1d_backward.grad_input,
 )
 S__upsample_nearest_exact2d = OpSpec(
     "_upsample_nearest_exact2d.default", aten._upsample_nearest_exact2d.default, E._upsample_nearest_exact2d, ('self', 'output_size', 'scales_h', 'scales_w'), (TENSOR, STATIC, STATIC, STATIC,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._upsample_nearest_exact2d.out,
 )
 S__upsample_nearest_exact2d_vec = OpSpec(
     "_upsample_nearest_exact2d.vec", aten._upsample_nearest_exact2d.vec, E._upsample_nearest_exact2d_vec, ('input', 'output_size', 'scale_factors'), (TENSOR, STATIC, STATIC,), (False, False, False), ONE,
@@ -2735,10 +3126,12 @@ S__upsample_nearest_exact2d_vec = OpSpec(
 S__upsample_nearest_exact2d_backward = OpSpec(
     "_upsample_nearest_exact2d_backward.default", aten._upsample_nearest_exact2d_backward.default, E._upsample_nearest_exact2d_backward, ('grad_output', 'output_size', 'input_size', 'scales_h', 'scales_w'), (TENSOR, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._upsample_nearest_exact2d_backward.grad_input,
 )
 S__upsample_nearest_exact3d = OpSpec(
     "_upsample_nearest_exact3d.default", aten._upsample_nearest_exact3d.default, E._upsample_nearest_exact3d, ('self', 'output_size', 'scales_d', 'scales_h', 'scales_w'), (TENSOR, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._upsample_nearest_exact3d.out,
 )
 S__upsample_nearest_exact3d_vec = OpSpec(
     "_upsample_nearest_exact3d.vec", aten._upsample_nearest_exact3d.vec, E._upsample_nearest_exact3d_vec, ('input', 'output_size', 'scale_factors'), (TENSOR, STATIC, STATIC,), (False, False, False), ONE,
@@ -2747,10 +3140,12 @@ S__upsample_nearest_exact3d_vec = OpSpec(
 S__upsample_nearest_exact3d_backward = OpSpec(
     "_upsample_nearest_exact3d_backward.default", aten._upsample_nearest_exact3d_backward.default, E._upsample_nearest_exact3d_backward, ('grad_output', 'output_size', 'input_size', 'scales_d', 'scales_h', 'scales_w'), (TENSOR, STATIC, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._upsample_nearest_exact3d_backward.grad_input,
 )
 S_upsample_linear1d = OpSpec(
     "upsample_linear1d.default", aten.upsample_linear1d.default, E.upsample_linear1d, ('self', 'output_size', 'align_corners', 'scales'), (TENSOR, STATIC, STATIC, STATIC,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.upsample_linear1d.out,
 )
 S_upsample_linear1d_vec = OpSpec(
     "upsample_linear1d.vec", aten.upsample_linear1d.vec, E.upsample_linear1d_vec, ('input', 'output_size', 'align_corners', 'scale_factors'), (TENSOR, STATIC, STATIC, STATIC,), (False, False, False, False), ONE,
@@ -2759,22 +3154,27 @@ S_upsample_linear1d_vec = OpSpec(
 S_upsample_linear1d_backward = OpSpec(
     "upsample_linear1d_backward.default", aten.upsample_linear1d_backward.default, E.upsample_linear1d_backward, ('grad_output', 'output_size', 'input_size', 'align_corners', 'scales'), (TENSOR, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.upsample_linear1d_backward.grad_input,
 )
 S_upsample_bilinear2d = OpSpec(
     "upsample_bilinear2d.default", aten.upsample_bilinear2d.default, E.upsample_bilinear2d, ('self', 'output_size', 'align_corners', 'scales_h', 'scales_w'), (TENSOR, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.upsample_bilinear2d.out,
 )
 S_upsample_bilinear2d_vec = OpSpec(
     "upsample_bilinear2d.vec", aten.upsample_bilinear2d.vec, E.upsample_bilinear2d_vec, ('input', 'output_size', 'align_corners', 'scale_factors'), (TENSOR, STATIC, STATIC, STATIC,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.upsample_bilinear2d.vec_out,
 )
 S_upsample_bilinear2d_backward = OpSpec(
     "upsample_bilinear2d_backward.default", aten.upsample_bilinear2d_backward.default, E.upsample_bilinear2d_backward, ('grad_output', 'output_size', 'input_size', 'align_corners', 'scales_h', 'scales_w'), (TENSOR, STATIC, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.upsample_bilinear2d_backward.grad_input,
 )
 S_upsample_trilinear3d = OpSpec(
     "upsample_trilinear3d.default", aten.upsample_trilinear3d.default, E.upsample_trilinear3d, ('self', 'output_size', 'align_corners', 'scales_d', 'scales_h', 'scales_w'), (TENSOR, STATIC, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.upsample_trilinear3d.out,
 )
 S_upsample_trilinear3d_vec = OpSpec(
     "upsample_trilinear3d.vec", aten.upsample_trilinear3d.vec, E.upsample_trilinear3d_vec, ('input', 'output_size', 'align_corners', 'scale_factors'), (TENSOR, STATIC, STATIC, STATIC,), (False, False, False, False), ONE,
@@ -2783,59 +3183,72 @@ S_upsample_trilinear3d_vec = OpSpec(
 S_upsample_trilinear3d_backward = OpSpec(
     "upsample_trilinear3d_backward.default", aten.upsample_trilinear3d_backward.default, E.upsample_trilinear3d_backward, ('grad_output', 'output_size', 'input_size', 'align_corners', 'scales_d', 'scales_h', 'scales_w'), (TENSOR, STATIC, STATIC, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.upsample_trilinear3d_backward.grad_input,
 )
 S_grid_sampler_2d = OpSpec(
     "grid_sampler_2d.default", aten.grid_sampler_2d.default, E.grid_sampler_2d, ('input', 'grid', 'interpolation_mode', 'padding_mode', 'align_corners'), (TENSOR, TENSOR, STATIC, STATIC, STATIC,), (False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.grid_sampler_2d.out,
 )
 S_grid_sampler_2d_backward = OpSpec(
     "grid_sampler_2d_backward.default", aten.grid_sampler_2d_backward.default, E.grid_sampler_2d_backward, ('grad_output', 'input', 'grid', 'interpolation_mode', 'padding_mode', 'align_corners', 'output_mask'), (TENSOR, TENSOR, TENSOR, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.grid_sampler_2d_backward.out,
 )
 S_grid_sampler_3d = OpSpec(
     "grid_sampler_3d.default", aten.grid_sampler_3d.default, E.grid_sampler_3d, ('input', 'grid', 'interpolation_mode', 'padding_mode', 'align_corners'), (TENSOR, TENSOR, STATIC, STATIC, STATIC,), (False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.grid_sampler_3d.out,
 )
 S_grid_sampler_3d_backward = OpSpec(
     "grid_sampler_3d_backward.default", aten.grid_sampler_3d_backward.default, E.grid_sampler_3d_backward, ('grad_output', 'input', 'grid', 'interpolation_mode', 'padding_mode', 'align_corners', 'output_mask'), (TENSOR, TENSOR, TENSOR, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.grid_sampler_3d_backward.out,
 )
 S_im2col = OpSpec(
     "im2col.default", aten.im2col.default, E.im2col, ('self', 'kernel_size', 'dilation', 'padding', 'stride'), (TENSOR, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.im2col.out,
 )
 S_col2im = OpSpec(
     "col2im.default", aten.col2im.default, E.col2im, ('self', 'output_size', 'kernel_size', 'dilation', 'padding', 'stride'), (TENSOR, STATIC, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.col2im.out,
 )
 S_pixel_shuffle = OpSpec(
     "pixel_shuffle.default", aten.pixel_shuffle.default, E.pixel_shuffle, ('self', 'upscale_factor'), (TENSOR, STATIC,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.pixel_shuffle.out,
 )
 S_pixel_unshuffle = OpSpec(
     "pixel_unshuffle.default", aten.pixel_unshuffle.default, E.pixel_unshuffle, ('self', 'downscale_factor'), (TENSOR, STATIC,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.pixel_unshuffle.out,
 )
 S_channel_shuffle = OpSpec(
     "channel_shuffle.default", aten.channel_shuffle.default, E.channel_shuffle, ('self', 'groups'), (TENSOR, STATIC,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.channel_shuffle.out,
 )
 S__embedding_bag = OpSpec(
     "_embedding_bag.default", aten._embedding_bag.default, E._embedding_bag, ('weight', 'indices', 'offsets', 'scale_grad_by_freq', 'mode', 'sparse', 'per_sample_weights', 'include_last_offset', 'padding_idx'), (TENSOR, TENSOR, TENSOR, STATIC, STATIC, STATIC, OPT_TENSOR, STATIC, STATIC,), (False, False, False, False, False, False, False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E._embedding_bag__check, check_integral=False, check_reads=('L.checks.bag(weight, indices)', (0, 1), False),
     index_dtype=(((1, 2), (torch.int64, torch.int32), RuntimeError, "Expected tensor for argument #1 'indices' to have one of the following scalar types: Long, Int; but got {tensor_type} instead (while checking arguments for embedding_bag)", False),),
+    out_overload=aten._embedding_bag.out,
 )
 S__embedding_bag_forward_only = OpSpec(
     "_embedding_bag_forward_only.default", aten._embedding_bag_forward_only.default, E._embedding_bag_forward_only, ('weight', 'indices', 'offsets', 'scale_grad_by_freq', 'mode', 'sparse', 'per_sample_weights', 'include_last_offset', 'padding_idx'), (TENSOR, TENSOR, TENSOR, STATIC, STATIC, STATIC, OPT_TENSOR, STATIC, STATIC,), (False, False, False, False, False, False, False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E._embedding_bag_forward_only__check, check_integral=False, check_reads=('L.checks.bag(weight, indices)', (0, 1), False),
     index_dtype=(((1, 2), (torch.int64, torch.int32), RuntimeError, "Expected tensor for argument #1 'indices' to have one of the following scalar types: Long, Int; but got {tensor_type} instead (while checking arguments for embedding_bag)", False),),
+    out_overload=aten._embedding_bag_forward_only.out,
 )
 S_embedding_renorm = OpSpec(
     "embedding_renorm.default", aten.embedding_renorm.default, E.embedding_renorm, ('self', 'indices', 'max_norm', 'norm_type'), (TENSOR, TENSOR, STATIC, STATIC,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     index_dtype=(((1,), (torch.int64, torch.int32), RuntimeError, "Expected tensor for argument #2 'indices' to have one of the following scalar types: Long, Int; but got {tensor_type} instead (while checking arguments for embedding_renorm_)", False),),
+    out_overload=aten.embedding_renorm.out,
 )
 S_embedding_renorm_ = OpSpec(
     "embedding_renorm_.default", aten.embedding_renorm_.default, E.embedding_renorm, ('self', 'indices', 'max_norm', 'norm_type'), (TENSOR, TENSOR, STATIC, STATIC,), (False, False, False, False), ONE,
@@ -2849,30 +3262,37 @@ S__embedding_bag_backward = OpSpec(
 S__embedding_bag_dense_backward = OpSpec(
     "_embedding_bag_dense_backward.default", aten._embedding_bag_dense_backward.default, E._embedding_bag_dense_backward, ('grad', 'indices', 'offset2bag', 'bag_size', 'maximum_indices', 'num_weights', 'scale_grad_by_freq', 'mode', 'per_sample_weights', 'padding_idx'), (TENSOR, TENSOR, TENSOR, TENSOR, TENSOR, STATIC, STATIC, STATIC, OPT_TENSOR, STATIC,), (False, False, False, False, False, False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._embedding_bag_dense_backward.out,
 )
 S__embedding_bag_per_sample_weights_backward = OpSpec(
     "_embedding_bag_per_sample_weights_backward.default", aten._embedding_bag_per_sample_weights_backward.default, E._embedding_bag_per_sample_weights_backward, ('grad', 'weight', 'indices', 'offsets', 'offset2bag', 'mode', 'padding_idx'), (TENSOR, TENSOR, TENSOR, TENSOR, TENSOR, STATIC, STATIC,), (False, False, False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._embedding_bag_per_sample_weights_backward.out,
 )
 S__cdist_forward = OpSpec(
     "_cdist_forward.default", aten._cdist_forward.default, E._cdist_forward, ('x1', 'x2', 'p', 'compute_mode'), (TENSOR, TENSOR, STATIC, STATIC,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._cdist_forward.out,
 )
 S__cdist_backward = OpSpec(
     "_cdist_backward.default", aten._cdist_backward.default, E._cdist_backward, ('grad', 'x1', 'x2', 'p', 'cdist'), (TENSOR, TENSOR, TENSOR, STATIC, TENSOR,), (False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._cdist_backward.out,
 )
 S__euclidean_dist = OpSpec(
     "_euclidean_dist.default", aten._euclidean_dist.default, E._euclidean_dist, ('x1', 'x2'), (TENSOR, TENSOR,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._euclidean_dist.out,
 )
 S__pdist_forward = OpSpec(
     "_pdist_forward.default", aten._pdist_forward.default, E._pdist_forward, ('self', 'p'), (TENSOR, STATIC,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._pdist_forward.out,
 )
 S__pdist_backward = OpSpec(
     "_pdist_backward.default", aten._pdist_backward.default, E._pdist_backward, ('grad', 'self', 'p', 'pdist'), (TENSOR, TENSOR, STATIC, TENSOR,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._pdist_backward.out,
 )
 S__safe_softmax = OpSpec(
     "_safe_softmax.default", aten._safe_softmax.default, E._safe_softmax, ('self', 'dim', 'dtype'), (TENSOR, STATIC, STATIC,), (False, False, False), ONE,
@@ -2881,6 +3301,7 @@ S__safe_softmax = OpSpec(
 S_upsample_bicubic2d = OpSpec(
     "upsample_bicubic2d.default", aten.upsample_bicubic2d.default, E.upsample_bicubic2d, ('self', 'output_size', 'align_corners', 'scales_h', 'scales_w'), (TENSOR, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.upsample_bicubic2d.out,
 )
 S_upsample_bicubic2d_vec = OpSpec(
     "upsample_bicubic2d.vec", aten.upsample_bicubic2d.vec, E.upsample_bicubic2d_vec, ('input', 'output_size', 'align_corners', 'scale_factors'), (TENSOR, STATIC, STATIC, STATIC,), (False, False, False, False), ONE,
@@ -2889,19 +3310,23 @@ S_upsample_bicubic2d_vec = OpSpec(
 S_upsample_bicubic2d_backward = OpSpec(
     "upsample_bicubic2d_backward.default", aten.upsample_bicubic2d_backward.default, E.upsample_bicubic2d_backward, ('grad_output', 'output_size', 'input_size', 'align_corners', 'scales_h', 'scales_w'), (TENSOR, STATIC, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.upsample_bicubic2d_backward.grad_input,
 )
 S_max_unpool2d = OpSpec(
     "max_unpool2d.default", aten.max_unpool2d.default, E.max_unpool2d, ('self', 'indices', 'output_size'), (TENSOR, TENSOR, STATIC,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     index_dtype=(((1,), (torch.int64,), RuntimeError, 'elements in indices should be type int64 but got: {scalar_type}', False),),
+    out_overload=aten.max_unpool2d.out,
 )
 S_max_unpool3d = OpSpec(
     "max_unpool3d.default", aten.max_unpool3d.default, E.max_unpool3d, ('self', 'indices', 'output_size', 'stride', 'padding'), (TENSOR, TENSOR, STATIC, STATIC, STATIC,), (False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten.max_unpool3d.out,
 )
 S__foreach_add_Scalar = OpSpec(
     "_foreach_add.Scalar", aten._foreach_add.Scalar, E._foreach_add_Scalar, ('self', 'scalar'), (TENSOR_LIST, SCALAR,), (False, False), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_add.Scalar_out,
 )
 S__foreach_add__Scalar = OpSpec(
     "_foreach_add_.Scalar", aten._foreach_add_.Scalar, E._foreach_add_Scalar, ('self', 'scalar'), (TENSOR_LIST, SCALAR,), (False, False), LIST,
@@ -2910,6 +3335,7 @@ S__foreach_add__Scalar = OpSpec(
 S__foreach_add_List = OpSpec(
     "_foreach_add.List", aten._foreach_add.List, E._foreach_add_List, ('self', 'other', 'alpha'), (TENSOR_LIST, TENSOR_LIST, SCALAR,), (False, False, True), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_add.List_out,
 )
 S__foreach_add__List = OpSpec(
     "_foreach_add_.List", aten._foreach_add_.List, E._foreach_add_List, ('self', 'other', 'alpha'), (TENSOR_LIST, TENSOR_LIST, SCALAR,), (False, False, True), LIST,
@@ -2918,6 +3344,7 @@ S__foreach_add__List = OpSpec(
 S__foreach_add_ScalarList = OpSpec(
     "_foreach_add.ScalarList", aten._foreach_add.ScalarList, E._foreach_add_ScalarList, ('self', 'scalars'), (TENSOR_LIST, SCALAR_LIST,), (False, False), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_add.ScalarList_out,
 )
 S__foreach_add__ScalarList = OpSpec(
     "_foreach_add_.ScalarList", aten._foreach_add_.ScalarList, E._foreach_add_ScalarList, ('self', 'scalars'), (TENSOR_LIST, SCALAR_LIST,), (False, False), LIST,
@@ -2926,6 +3353,7 @@ S__foreach_add__ScalarList = OpSpec(
 S__foreach_sub_Scalar = OpSpec(
     "_foreach_sub.Scalar", aten._foreach_sub.Scalar, E._foreach_sub_Scalar, ('self', 'scalar'), (TENSOR_LIST, SCALAR,), (False, False), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_sub.Scalar_out,
 )
 S__foreach_sub__Scalar = OpSpec(
     "_foreach_sub_.Scalar", aten._foreach_sub_.Scalar, E._foreach_sub_Scalar, ('self', 'scalar'), (TENSOR_LIST, SCALAR,), (False, False), LIST,
@@ -2934,6 +3362,7 @@ S__foreach_sub__Scalar = OpSpec(
 S__foreach_sub_List = OpSpec(
     "_foreach_sub.List", aten._foreach_sub.List, E._foreach_sub_List, ('self', 'other', 'alpha'), (TENSOR_LIST, TENSOR_LIST, SCALAR,), (False, False, True), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_sub.List_out,
 )
 S__foreach_sub__List = OpSpec(
     "_foreach_sub_.List", aten._foreach_sub_.List, E._foreach_sub_List, ('self', 'other', 'alpha'), (TENSOR_LIST, TENSOR_LIST, SCALAR,), (False, False, True), LIST,
@@ -2942,6 +3371,7 @@ S__foreach_sub__List = OpSpec(
 S__foreach_mul_Scalar = OpSpec(
     "_foreach_mul.Scalar", aten._foreach_mul.Scalar, E._foreach_mul_Scalar, ('self', 'scalar'), (TENSOR_LIST, SCALAR,), (False, False), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_mul.Scalar_out,
 )
 S__foreach_mul__Scalar = OpSpec(
     "_foreach_mul_.Scalar", aten._foreach_mul_.Scalar, E._foreach_mul_Scalar, ('self', 'scalar'), (TENSOR_LIST, SCALAR,), (False, False), LIST,
@@ -2950,6 +3380,7 @@ S__foreach_mul__Scalar = OpSpec(
 S__foreach_mul_List = OpSpec(
     "_foreach_mul.List", aten._foreach_mul.List, E._foreach_mul_List, ('self', 'other'), (TENSOR_LIST, TENSOR_LIST,), (False, False), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_mul.List_out,
 )
 S__foreach_mul__List = OpSpec(
     "_foreach_mul_.List", aten._foreach_mul_.List, E._foreach_mul_List, ('self', 'other'), (TENSOR_LIST, TENSOR_LIST,), (False, False), LIST,
@@ -2958,6 +3389,7 @@ S__foreach_mul__List = OpSpec(
 S__foreach_mul_ScalarList = OpSpec(
     "_foreach_mul.ScalarList", aten._foreach_mul.ScalarList, E._foreach_mul_ScalarList, ('self', 'scalars'), (TENSOR_LIST, SCALAR_LIST,), (False, False), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_mul.ScalarList_out,
 )
 S__foreach_mul__ScalarList = OpSpec(
     "_foreach_mul_.ScalarList", aten._foreach_mul_.ScalarList, E._foreach_mul_ScalarList, ('self', 'scalars'), (TENSOR_LIST, SCALAR_LIST,), (False, False), LIST,
@@ -2966,6 +3398,7 @@ S__foreach_mul__ScalarList = OpSpec(
 S__foreach_mul_Tensor = OpSpec(
     "_foreach_mul.Tensor", aten._foreach_mul.Tensor, E._foreach_mul_Tensor, ('self', 'other'), (TENSOR_LIST, TENSOR,), (False, False), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_mul.Tensor_out,
 )
 S__foreach_mul__Tensor = OpSpec(
     "_foreach_mul_.Tensor", aten._foreach_mul_.Tensor, E._foreach_mul_Tensor, ('self', 'other'), (TENSOR_LIST, TENSOR,), (False, False), LIST,
@@ -2974,6 +3407,7 @@ S__foreach_mul__Tensor = OpSpec(
 S__foreach_div_Scalar = OpSpec(
     "_foreach_div.Scalar", aten._foreach_div.Scalar, E._foreach_div_Scalar, ('self', 'scalar'), (TENSOR_LIST, SCALAR,), (False, False), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_div.Scalar_out,
 )
 S__foreach_div__Scalar = OpSpec(
     "_foreach_div_.Scalar", aten._foreach_div_.Scalar, E._foreach_div_Scalar, ('self', 'scalar'), (TENSOR_LIST, SCALAR,), (False, False), LIST,
@@ -2982,6 +3416,7 @@ S__foreach_div__Scalar = OpSpec(
 S__foreach_div_List = OpSpec(
     "_foreach_div.List", aten._foreach_div.List, E._foreach_div_List, ('self', 'other'), (TENSOR_LIST, TENSOR_LIST,), (False, False), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_div.List_out,
 )
 S__foreach_div__List = OpSpec(
     "_foreach_div_.List", aten._foreach_div_.List, E._foreach_div_List, ('self', 'other'), (TENSOR_LIST, TENSOR_LIST,), (False, False), LIST,
@@ -2990,6 +3425,7 @@ S__foreach_div__List = OpSpec(
 S__foreach_div_ScalarList = OpSpec(
     "_foreach_div.ScalarList", aten._foreach_div.ScalarList, E._foreach_div_ScalarList, ('self', 'scalars'), (TENSOR_LIST, SCALAR_LIST,), (False, False), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_div.ScalarList_out,
 )
 S__foreach_div__ScalarList = OpSpec(
     "_foreach_div_.ScalarList", aten._foreach_div_.ScalarList, E._foreach_div_ScalarList, ('self', 'scalars'), (TENSOR_LIST, SCALAR_LIST,), (False, False), LIST,
@@ -2998,6 +3434,7 @@ S__foreach_div__ScalarList = OpSpec(
 S__foreach_neg = OpSpec(
     "_foreach_neg.default", aten._foreach_neg.default, E._foreach_neg, ('self',), (TENSOR_LIST,), (False,), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_neg.out,
 )
 S__foreach_neg_ = OpSpec(
     "_foreach_neg_.default", aten._foreach_neg_.default, E._foreach_neg, ('self',), (TENSOR_LIST,), (False,), LIST,
@@ -3006,6 +3443,7 @@ S__foreach_neg_ = OpSpec(
 S__foreach_sqrt = OpSpec(
     "_foreach_sqrt.default", aten._foreach_sqrt.default, E._foreach_sqrt, ('self',), (TENSOR_LIST,), (False,), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_sqrt.out,
 )
 S__foreach_sqrt_ = OpSpec(
     "_foreach_sqrt_.default", aten._foreach_sqrt_.default, E._foreach_sqrt, ('self',), (TENSOR_LIST,), (False,), LIST,
@@ -3014,6 +3452,7 @@ S__foreach_sqrt_ = OpSpec(
 S__foreach_lerp_Scalar = OpSpec(
     "_foreach_lerp.Scalar", aten._foreach_lerp.Scalar, E._foreach_lerp_Scalar, ('self', 'tensors1', 'weight'), (TENSOR_LIST, TENSOR_LIST, SCALAR,), (False, False, False), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_lerp.Scalar_out,
 )
 S__foreach_lerp__Scalar = OpSpec(
     "_foreach_lerp_.Scalar", aten._foreach_lerp_.Scalar, E._foreach_lerp_Scalar, ('self', 'tensors1', 'weight'), (TENSOR_LIST, TENSOR_LIST, SCALAR,), (False, False, False), LIST,
@@ -3022,6 +3461,7 @@ S__foreach_lerp__Scalar = OpSpec(
 S__foreach_addcmul_Scalar = OpSpec(
     "_foreach_addcmul.Scalar", aten._foreach_addcmul.Scalar, E._foreach_addcmul_Scalar, ('self', 'tensor1', 'tensor2', 'value'), (TENSOR_LIST, TENSOR_LIST, TENSOR_LIST, SCALAR,), (False, False, False, False), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_addcmul.Scalar_out,
 )
 S__foreach_addcmul__Scalar = OpSpec(
     "_foreach_addcmul_.Scalar", aten._foreach_addcmul_.Scalar, E._foreach_addcmul_Scalar, ('self', 'tensor1', 'tensor2', 'value'), (TENSOR_LIST, TENSOR_LIST, TENSOR_LIST, SCALAR,), (False, False, False, False), LIST,
@@ -3030,6 +3470,7 @@ S__foreach_addcmul__Scalar = OpSpec(
 S__foreach_addcmul_ScalarList = OpSpec(
     "_foreach_addcmul.ScalarList", aten._foreach_addcmul.ScalarList, E._foreach_addcmul_ScalarList, ('self', 'tensor1', 'tensor2', 'scalars'), (TENSOR_LIST, TENSOR_LIST, TENSOR_LIST, SCALAR_LIST,), (False, False, False, False), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_addcmul.ScalarList_out,
 )
 S__foreach_addcmul__ScalarList = OpSpec(
     "_foreach_addcmul_.ScalarList", aten._foreach_addcmul_.ScalarList, E._foreach_addcmul_ScalarList, ('self', 'tensor1', 'tensor2', 'scalars'), (TENSOR_LIST, TENSOR_LIST, TENSOR_LIST, SCALAR_LIST,), (False, False, False, False), LIST,
@@ -3038,6 +3479,7 @@ S__foreach_addcmul__ScalarList = OpSpec(
 S__foreach_addcdiv_Scalar = OpSpec(
     "_foreach_addcdiv.Scalar", aten._foreach_addcdiv.Scalar, E._foreach_addcdiv_Scalar, ('self', 'tensor1', 'tensor2', 'value'), (TENSOR_LIST, TENSOR_LIST, TENSOR_LIST, SCALAR,), (False, False, False, False), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_addcdiv.Scalar_out,
 )
 S__foreach_addcdiv__Scalar = OpSpec(
     "_foreach_addcdiv_.Scalar", aten._foreach_addcdiv_.Scalar, E._foreach_addcdiv_Scalar, ('self', 'tensor1', 'tensor2', 'value'), (TENSOR_LIST, TENSOR_LIST, TENSOR_LIST, SCALAR,), (False, False, False, False), LIST,
@@ -3046,6 +3488,7 @@ S__foreach_addcdiv__Scalar = OpSpec(
 S__foreach_addcdiv_ScalarList = OpSpec(
     "_foreach_addcdiv.ScalarList", aten._foreach_addcdiv.ScalarList, E._foreach_addcdiv_ScalarList, ('self', 'tensor1', 'tensor2', 'scalars'), (TENSOR_LIST, TENSOR_LIST, TENSOR_LIST, SCALAR_LIST,), (False, False, False, False), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_addcdiv.ScalarList_out,
 )
 S__foreach_addcdiv__ScalarList = OpSpec(
     "_foreach_addcdiv_.ScalarList", aten._foreach_addcdiv_.ScalarList, E._foreach_addcdiv_ScalarList, ('self', 'tensor1', 'tensor2', 'scalars'), (TENSOR_LIST, TENSOR_LIST, TENSOR_LIST, SCALAR_LIST,), (False, False, False, False), LIST,
@@ -3054,6 +3497,7 @@ S__foreach_addcdiv__ScalarList = OpSpec(
 S__foreach_maximum_List = OpSpec(
     "_foreach_maximum.List", aten._foreach_maximum.List, E._foreach_maximum_List, ('self', 'other'), (TENSOR_LIST, TENSOR_LIST,), (False, False), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_maximum.List_out,
 )
 S__foreach_maximum__List = OpSpec(
     "_foreach_maximum_.List", aten._foreach_maximum_.List, E._foreach_maximum_List, ('self', 'other'), (TENSOR_LIST, TENSOR_LIST,), (False, False), LIST,
@@ -3062,6 +3506,7 @@ S__foreach_maximum__List = OpSpec(
 S__foreach_maximum_Scalar = OpSpec(
     "_foreach_maximum.Scalar", aten._foreach_maximum.Scalar, E._foreach_maximum_Scalar, ('self', 'scalar'), (TENSOR_LIST, SCALAR,), (False, False), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_maximum.Scalar_out,
 )
 S__foreach_maximum__Scalar = OpSpec(
     "_foreach_maximum_.Scalar", aten._foreach_maximum_.Scalar, E._foreach_maximum_Scalar, ('self', 'scalar'), (TENSOR_LIST, SCALAR,), (False, False), LIST,
@@ -3070,6 +3515,7 @@ S__foreach_maximum__Scalar = OpSpec(
 S__foreach_maximum_ScalarList = OpSpec(
     "_foreach_maximum.ScalarList", aten._foreach_maximum.ScalarList, E._foreach_maximum_ScalarList, ('self', 'scalars'), (TENSOR_LIST, SCALAR_LIST,), (False, False), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_maximum.ScalarList_out,
 )
 S__foreach_maximum__ScalarList = OpSpec(
     "_foreach_maximum_.ScalarList", aten._foreach_maximum_.ScalarList, E._foreach_maximum_ScalarList, ('self', 'scalars'), (TENSOR_LIST, SCALAR_LIST,), (False, False), LIST,
@@ -3078,6 +3524,7 @@ S__foreach_maximum__ScalarList = OpSpec(
 S__foreach_minimum_List = OpSpec(
     "_foreach_minimum.List", aten._foreach_minimum.List, E._foreach_minimum_List, ('self', 'other'), (TENSOR_LIST, TENSOR_LIST,), (False, False), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_minimum.List_out,
 )
 S__foreach_minimum__List = OpSpec(
     "_foreach_minimum_.List", aten._foreach_minimum_.List, E._foreach_minimum_List, ('self', 'other'), (TENSOR_LIST, TENSOR_LIST,), (False, False), LIST,
@@ -3086,6 +3533,7 @@ S__foreach_minimum__List = OpSpec(
 S__foreach_minimum_Scalar = OpSpec(
     "_foreach_minimum.Scalar", aten._foreach_minimum.Scalar, E._foreach_minimum_Scalar, ('self', 'scalar'), (TENSOR_LIST, SCALAR,), (False, False), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_minimum.Scalar_out,
 )
 S__foreach_minimum__Scalar = OpSpec(
     "_foreach_minimum_.Scalar", aten._foreach_minimum_.Scalar, E._foreach_minimum_Scalar, ('self', 'scalar'), (TENSOR_LIST, SCALAR,), (False, False), LIST,
@@ -3094,6 +3542,7 @@ S__foreach_minimum__Scalar = OpSpec(
 S__foreach_minimum_ScalarList = OpSpec(
     "_foreach_minimum.ScalarList", aten._foreach_minimum.ScalarList, E._foreach_minimum_ScalarList, ('self', 'scalars'), (TENSOR_LIST, SCALAR_LIST,), (False, False), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_minimum.ScalarList_out,
 )
 S__foreach_minimum__ScalarList = OpSpec(
     "_foreach_minimum_.ScalarList", aten._foreach_minimum_.ScalarList, E._foreach_minimum_ScalarList, ('self', 'scalars'), (TENSOR_LIST, SCALAR_LIST,), (False, False), LIST,
@@ -3102,6 +3551,7 @@ S__foreach_minimum__ScalarList = OpSpec(
 S__foreach_clamp_min_Scalar = OpSpec(
     "_foreach_clamp_min.Scalar", aten._foreach_clamp_min.Scalar, E._foreach_clamp_min_Scalar, ('self', 'scalar'), (TENSOR_LIST, SCALAR,), (False, False), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_clamp_min.Scalar_out,
 )
 S__foreach_clamp_min__Scalar = OpSpec(
     "_foreach_clamp_min_.Scalar", aten._foreach_clamp_min_.Scalar, E._foreach_clamp_min_Scalar, ('self', 'scalar'), (TENSOR_LIST, SCALAR,), (False, False), LIST,
@@ -3110,6 +3560,7 @@ S__foreach_clamp_min__Scalar = OpSpec(
 S__foreach_clamp_min_List = OpSpec(
     "_foreach_clamp_min.List", aten._foreach_clamp_min.List, E._foreach_clamp_min_List, ('self', 'other'), (TENSOR_LIST, TENSOR_LIST,), (False, False), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_clamp_min.List_out,
 )
 S__foreach_clamp_min__List = OpSpec(
     "_foreach_clamp_min_.List", aten._foreach_clamp_min_.List, E._foreach_clamp_min_List, ('self', 'other'), (TENSOR_LIST, TENSOR_LIST,), (False, False), LIST,
@@ -3118,6 +3569,7 @@ S__foreach_clamp_min__List = OpSpec(
 S__foreach_clamp_min_ScalarList = OpSpec(
     "_foreach_clamp_min.ScalarList", aten._foreach_clamp_min.ScalarList, E._foreach_clamp_min_ScalarList, ('self', 'scalars'), (TENSOR_LIST, SCALAR_LIST,), (False, False), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_clamp_min.ScalarList_out,
 )
 S__foreach_clamp_min__ScalarList = OpSpec(
     "_foreach_clamp_min_.ScalarList", aten._foreach_clamp_min_.ScalarList, E._foreach_clamp_min_ScalarList, ('self', 'scalars'), (TENSOR_LIST, SCALAR_LIST,), (False, False), LIST,
@@ -3126,6 +3578,7 @@ S__foreach_clamp_min__ScalarList = OpSpec(
 S__foreach_clamp_max_Scalar = OpSpec(
     "_foreach_clamp_max.Scalar", aten._foreach_clamp_max.Scalar, E._foreach_clamp_max_Scalar, ('self', 'scalar'), (TENSOR_LIST, SCALAR,), (False, False), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_clamp_max.Scalar_out,
 )
 S__foreach_clamp_max__Scalar = OpSpec(
     "_foreach_clamp_max_.Scalar", aten._foreach_clamp_max_.Scalar, E._foreach_clamp_max_Scalar, ('self', 'scalar'), (TENSOR_LIST, SCALAR,), (False, False), LIST,
@@ -3134,6 +3587,7 @@ S__foreach_clamp_max__Scalar = OpSpec(
 S__foreach_clamp_max_List = OpSpec(
     "_foreach_clamp_max.List", aten._foreach_clamp_max.List, E._foreach_clamp_max_List, ('self', 'other'), (TENSOR_LIST, TENSOR_LIST,), (False, False), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_clamp_max.List_out,
 )
 S__foreach_clamp_max__List = OpSpec(
     "_foreach_clamp_max_.List", aten._foreach_clamp_max_.List, E._foreach_clamp_max_List, ('self', 'other'), (TENSOR_LIST, TENSOR_LIST,), (False, False), LIST,
@@ -3142,6 +3596,7 @@ S__foreach_clamp_max__List = OpSpec(
 S__foreach_clamp_max_ScalarList = OpSpec(
     "_foreach_clamp_max.ScalarList", aten._foreach_clamp_max.ScalarList, E._foreach_clamp_max_ScalarList, ('self', 'scalars'), (TENSOR_LIST, SCALAR_LIST,), (False, False), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_clamp_max.ScalarList_out,
 )
 S__foreach_clamp_max__ScalarList = OpSpec(
     "_foreach_clamp_max_.ScalarList", aten._foreach_clamp_max_.ScalarList, E._foreach_clamp_max_ScalarList, ('self', 'scalars'), (TENSOR_LIST, SCALAR_LIST,), (False, False), LIST,
@@ -3150,6 +3605,7 @@ S__foreach_clamp_max__ScalarList = OpSpec(
 S__foreach_sub_ScalarList = OpSpec(
     "_foreach_sub.ScalarList", aten._foreach_sub.ScalarList, E._foreach_sub_ScalarList, ('self', 'scalars'), (TENSOR_LIST, SCALAR_LIST,), (False, False), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_sub.ScalarList_out,
 )
 S__foreach_sub__ScalarList = OpSpec(
     "_foreach_sub_.ScalarList", aten._foreach_sub_.ScalarList, E._foreach_sub_ScalarList, ('self', 'scalars'), (TENSOR_LIST, SCALAR_LIST,), (False, False), LIST,
@@ -3158,6 +3614,7 @@ S__foreach_sub__ScalarList = OpSpec(
 S__foreach_add_Tensor = OpSpec(
     "_foreach_add.Tensor", aten._foreach_add.Tensor, E._foreach_add_Tensor, ('self', 'other', 'alpha'), (TENSOR_LIST, TENSOR, SCALAR,), (False, False, True), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_add.Tensor_out,
 )
 S__foreach_add__Tensor = OpSpec(
     "_foreach_add_.Tensor", aten._foreach_add_.Tensor, E._foreach_add_Tensor, ('self', 'other', 'alpha'), (TENSOR_LIST, TENSOR, SCALAR,), (False, False, True), LIST,
@@ -3166,6 +3623,7 @@ S__foreach_add__Tensor = OpSpec(
 S__foreach_div_Tensor = OpSpec(
     "_foreach_div.Tensor", aten._foreach_div.Tensor, E._foreach_div_Tensor, ('self', 'other'), (TENSOR_LIST, TENSOR,), (False, False), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_div.Tensor_out,
 )
 S__foreach_div__Tensor = OpSpec(
     "_foreach_div_.Tensor", aten._foreach_div_.Tensor, E._foreach_div_Tensor, ('self', 'other'), (TENSOR_LIST, TENSOR,), (False, False), LIST,
@@ -3174,6 +3632,7 @@ S__foreach_div__Tensor = OpSpec(
 S__foreach_addcmul_Tensor = OpSpec(
     "_foreach_addcmul.Tensor", aten._foreach_addcmul.Tensor, E._foreach_addcmul_Tensor, ('self', 'tensor1', 'tensor2', 'scalars'), (TENSOR_LIST, TENSOR_LIST, TENSOR_LIST, HOST_SCALARS,), (False, False, False, False), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_addcmul.Tensor_out,
 )
 S__foreach_addcmul__Tensor = OpSpec(
     "_foreach_addcmul_.Tensor", aten._foreach_addcmul_.Tensor, E._foreach_addcmul_Tensor, ('self', 'tensor1', 'tensor2', 'scalars'), (TENSOR_LIST, TENSOR_LIST, TENSOR_LIST, HOST_SCALARS,), (False, False, False, False), LIST,
@@ -3182,6 +3641,7 @@ S__foreach_addcmul__Tensor = OpSpec(
 S__foreach_addcdiv_Tensor = OpSpec(
     "_foreach_addcdiv.Tensor", aten._foreach_addcdiv.Tensor, E._foreach_addcdiv_Tensor, ('self', 'tensor1', 'tensor2', 'scalars'), (TENSOR_LIST, TENSOR_LIST, TENSOR_LIST, HOST_SCALARS,), (False, False, False, False), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_addcdiv.Tensor_out,
 )
 S__foreach_addcdiv__Tensor = OpSpec(
     "_foreach_addcdiv_.Tensor", aten._foreach_addcdiv_.Tensor, E._foreach_addcdiv_Tensor, ('self', 'tensor1', 'tensor2', 'scalars'), (TENSOR_LIST, TENSOR_LIST, TENSOR_LIST, HOST_SCALARS,), (False, False, False, False), LIST,
@@ -3190,6 +3650,7 @@ S__foreach_addcdiv__Tensor = OpSpec(
 S__foreach_lerp_List = OpSpec(
     "_foreach_lerp.List", aten._foreach_lerp.List, E._foreach_lerp_List, ('self', 'tensors1', 'weights'), (TENSOR_LIST, TENSOR_LIST, TENSOR_LIST,), (False, False, False), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_lerp.List_out,
 )
 S__foreach_lerp__List = OpSpec(
     "_foreach_lerp_.List", aten._foreach_lerp_.List, E._foreach_lerp_List, ('self', 'tensors1', 'weights'), (TENSOR_LIST, TENSOR_LIST, TENSOR_LIST,), (False, False, False), LIST,
@@ -3198,6 +3659,7 @@ S__foreach_lerp__List = OpSpec(
 S__foreach_lerp_ScalarList = OpSpec(
     "_foreach_lerp.ScalarList", aten._foreach_lerp.ScalarList, E._foreach_lerp_ScalarList, ('self', 'tensors1', 'weight'), (TENSOR_LIST, TENSOR_LIST, SCALAR_LIST,), (False, False, False), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_lerp.ScalarList_out,
 )
 S__foreach_lerp__ScalarList = OpSpec(
     "_foreach_lerp_.ScalarList", aten._foreach_lerp_.ScalarList, E._foreach_lerp_ScalarList, ('self', 'tensors1', 'weight'), (TENSOR_LIST, TENSOR_LIST, SCALAR_LIST,), (False, False, False), LIST,
@@ -3206,6 +3668,7 @@ S__foreach_lerp__ScalarList = OpSpec(
 S__foreach_abs = OpSpec(
     "_foreach_abs.default", aten._foreach_abs.default, E._foreach_abs, ('self',), (TENSOR_LIST,), (False,), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_abs.out,
 )
 S__foreach_abs_ = OpSpec(
     "_foreach_abs_.default", aten._foreach_abs_.default, E._foreach_abs, ('self',), (TENSOR_LIST,), (False,), LIST,
@@ -3214,6 +3677,7 @@ S__foreach_abs_ = OpSpec(
 S__foreach_reciprocal = OpSpec(
     "_foreach_reciprocal.default", aten._foreach_reciprocal.default, E._foreach_reciprocal, ('self',), (TENSOR_LIST,), (False,), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_reciprocal.out,
 )
 S__foreach_reciprocal_ = OpSpec(
     "_foreach_reciprocal_.default", aten._foreach_reciprocal_.default, E._foreach_reciprocal, ('self',), (TENSOR_LIST,), (False,), LIST,
@@ -3222,6 +3686,7 @@ S__foreach_reciprocal_ = OpSpec(
 S__foreach_sign = OpSpec(
     "_foreach_sign.default", aten._foreach_sign.default, E._foreach_sign, ('self',), (TENSOR_LIST,), (False,), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_sign.out,
 )
 S__foreach_sign_ = OpSpec(
     "_foreach_sign_.default", aten._foreach_sign_.default, E._foreach_sign, ('self',), (TENSOR_LIST,), (False,), LIST,
@@ -3230,6 +3695,7 @@ S__foreach_sign_ = OpSpec(
 S__foreach_exp = OpSpec(
     "_foreach_exp.default", aten._foreach_exp.default, E._foreach_exp, ('self',), (TENSOR_LIST,), (False,), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_exp.out,
 )
 S__foreach_exp_ = OpSpec(
     "_foreach_exp_.default", aten._foreach_exp_.default, E._foreach_exp, ('self',), (TENSOR_LIST,), (False,), LIST,
@@ -3238,6 +3704,7 @@ S__foreach_exp_ = OpSpec(
 S__foreach_log = OpSpec(
     "_foreach_log.default", aten._foreach_log.default, E._foreach_log, ('self',), (TENSOR_LIST,), (False,), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_log.out,
 )
 S__foreach_log_ = OpSpec(
     "_foreach_log_.default", aten._foreach_log_.default, E._foreach_log, ('self',), (TENSOR_LIST,), (False,), LIST,
@@ -3246,6 +3713,7 @@ S__foreach_log_ = OpSpec(
 S__foreach_pow_List = OpSpec(
     "_foreach_pow.List", aten._foreach_pow.List, E._foreach_pow_List, ('self', 'exponent'), (TENSOR_LIST, TENSOR_LIST,), (False, False), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_pow.List_out,
 )
 S__foreach_pow__List = OpSpec(
     "_foreach_pow_.List", aten._foreach_pow_.List, E._foreach_pow_List, ('self', 'exponent'), (TENSOR_LIST, TENSOR_LIST,), (False, False), LIST,
@@ -3254,6 +3722,7 @@ S__foreach_pow__List = OpSpec(
 S__foreach_pow_Scalar = OpSpec(
     "_foreach_pow.Scalar", aten._foreach_pow.Scalar, E._foreach_pow_Scalar, ('self', 'exponent'), (TENSOR_LIST, SCALAR,), (False, False), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_pow.Scalar_out,
 )
 S__foreach_pow__Scalar = OpSpec(
     "_foreach_pow_.Scalar", aten._foreach_pow_.Scalar, E._foreach_pow_Scalar, ('self', 'exponent'), (TENSOR_LIST, SCALAR,), (False, False), LIST,
@@ -3262,6 +3731,7 @@ S__foreach_pow__Scalar = OpSpec(
 S__foreach_pow_ScalarList = OpSpec(
     "_foreach_pow.ScalarList", aten._foreach_pow.ScalarList, E._foreach_pow_ScalarList, ('self', 'exponent'), (TENSOR_LIST, SCALAR_LIST,), (False, False), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_pow.ScalarList_out,
 )
 S__foreach_pow__ScalarList = OpSpec(
     "_foreach_pow_.ScalarList", aten._foreach_pow_.ScalarList, E._foreach_pow_ScalarList, ('self', 'exponent'), (TENSOR_LIST, SCALAR_LIST,), (False, False), LIST,
@@ -3274,6 +3744,7 @@ S__foreach_pow_ScalarAndTensor = OpSpec(
 S__foreach_copy = OpSpec(
     "_foreach_copy.default", aten._foreach_copy.default, E._foreach_copy, ('self', 'src', 'non_blocking'), (TENSOR_LIST, TENSOR_LIST, STATIC,), (False, False, False), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_copy.out,
 )
 S__foreach_copy_ = OpSpec(
     "_foreach_copy_.default", aten._foreach_copy_.default, E._foreach_copy, ('self', 'src', 'non_blocking'), (TENSOR_LIST, TENSOR_LIST, STATIC,), (False, False, False), LIST,
@@ -3282,6 +3753,7 @@ S__foreach_copy_ = OpSpec(
 S__foreach_zero = OpSpec(
     "_foreach_zero.default", aten._foreach_zero.default, E._foreach_zero, ('self',), (TENSOR_LIST,), (False,), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_zero.out,
 )
 S__foreach_zero_ = OpSpec(
     "_foreach_zero_.default", aten._foreach_zero_.default, E._foreach_zero, ('self',), (TENSOR_LIST,), (False,), LIST,
@@ -3290,6 +3762,7 @@ S__foreach_zero_ = OpSpec(
 S__foreach_norm_Scalar = OpSpec(
     "_foreach_norm.Scalar", aten._foreach_norm.Scalar, E._foreach_norm_Scalar, ('self', 'ord', 'dtype'), (TENSOR_LIST, STATIC, STATIC,), (False, False, False), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_norm.Scalar_out,
 )
 S__amp_foreach_non_finite_check_and_unscale_ = OpSpec(
     "_amp_foreach_non_finite_check_and_unscale_.default", aten._amp_foreach_non_finite_check_and_unscale_.default, E._amp_foreach_non_finite_check_and_unscale_, ('self', 'found_inf', 'inv_scale'), (TENSOR_LIST, TENSOR, TENSOR,), (False, False, False), LIST,

@@ -70,12 +70,13 @@ class OpSpec:
         "name", "overload", "emit", "arg_names", "kinds", "kwarg_only", "returns",
         "promote", "promote_idx", "view", "scatter", "cache", "meta_overload", "check", "check_integral", "check_reads",
         "counter", "mutates", "born", "index_dtype", "prepare", "copies", "distinct_out",
+        "out_overload",
     )  # fmt: skip
 
     def __init__(self, name, overload, emit, arg_names, kinds, kwarg_only, returns,
                  promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
                  check=None, check_integral=False, mutates=(), index_dtype=None, copies=False,
-                 check_reads=None, distinct_out=False):  # fmt: skip
+                 check_reads=None, distinct_out=False, out_overload=None):  # fmt: skip
         self.name = name
         self.overload = overload
         self.emit = emit
@@ -91,6 +92,8 @@ class OpSpec:
         self.copies = copies
         # ops.yaml ``distinct_out``: its out= tensor may not share memory with an input
         self.distinct_out = distinct_out
+        # Its out= overload (``aten.add.out``), whose meta kernel judges out= tensors, or None
+        self.out_overload = out_overload
         self.scatter = scatter
         self.cache: dict = {}
         # The overload whose meta kernel gives this spec's avals (an in-place variant

@@ -37,7 +37,7 @@ from xlatorch.runtime.ir.rng import next_key
 from xlatorch.runtime.ir.values import Node, Out, Scalar
 from xlatorch.runtime.trace import strides
 from xlatorch.runtime.trace import tensor as _tensor_module
-from xlatorch.runtime.trace.nodes import _node, call_meta, convert_value, dtype_name, meta_args, scalar
+from xlatorch.runtime.trace.nodes import _node, call_meta, check_cast, convert_value, meta_args, scalar
 from xlatorch.runtime.trace.strides import geometry
 from xlatorch.runtime.trace.tensor import Storage, XlaTensor, value_of, wrap, write
 
@@ -467,10 +467,7 @@ def _safe_cast(rtypes, targets) -> None:
     """CPU's rule for a foreach in-place op: the type of each result (``rtypes``) casts safely
     to the tensor it writes (as ``nodes._check_in_place`` for one tensor)."""
     for rtype, t in zip(rtypes, targets):
-        if t.dtype is not rtype and not torch.can_cast(rtype, t.dtype):
-            raise RuntimeError(
-                f"result type {dtype_name(rtype)} can't be cast to the desired output type {dtype_name(t.dtype)}"
-            )
+        check_cast(rtype, t.dtype)
 
 
 def _call_mutating(spec: OpSpec, args: tuple):
@@ -521,7 +518,6 @@ def call_out(spec: OpSpec, args: tuple, outs: tuple, returns: bool = True):
 
 
 _OUT_CHECKED: set = set()  # (spec, signature, the outs' avals) whose out= tensors PyTorch accepts
-_OUT_OVERLOADS: dict = {}  # spec -> its out= overload (from the generated shims)
 
 
 def _check_out(spec: OpSpec, vals: tuple, sig: tuple, outs: tuple) -> None:
@@ -532,12 +528,7 @@ def _check_out(spec: OpSpec, vals: tuple, sig: tuple, outs: tuple) -> None:
     key = (spec, sig, tuple([(tuple(t.shape), t.dtype) for t in outs]))
     if key in _OUT_CHECKED:
         return
-    if not _OUT_OVERLOADS:
-        for op, shim in SHIMS.items():
-            code = getattr(shim, "__code__", None)
-            if code is not None and code.co_names[:1] == ("call_out",) and len(code.co_names) > 1:
-                _OUT_OVERLOADS.setdefault(shim.__globals__.get(code.co_names[1]), op)
-    overload = _OUT_OVERLOADS.get(spec)
+    overload = spec.out_overload
     # A random op's meta refuses outs its CPU kernel takes (bernoulli's ints): left to the op
     if overload is not None and GENERATOR not in spec.kinds:
         params = [a for a in overload._schema.arguments if a.is_out]

@@ -152,9 +152,16 @@ def _check_in_place(spec: OpSpec, vals: tuple) -> None:
         return
     if tuple(want.shape) != shape:
         raise RuntimeError(f"output with shape {list(shape)} doesn't match the broadcast shape {list(want.shape)}")
-    if want.dtype != dtype and not torch.can_cast(want.dtype, dtype):
+    check_cast(want.dtype, dtype)
+
+
+def check_cast(rtype: torch.dtype, dtype: torch.dtype) -> None:
+    """TensorIterator's rule for writing a result of type ``rtype`` into a tensor of ``dtype``,
+    with CPU's message: not a float into an integer tensor, a complex into a real one, a number
+    into a bool one."""
+    if rtype is not dtype and not torch.can_cast(rtype, dtype):
         raise RuntimeError(
-            f"result type {dtype_name(want.dtype)} can't be cast to the desired output type {dtype_name(dtype)}"
+            f"result type {dtype_name(rtype)} can't be cast to the desired output type {dtype_name(dtype)}"
         )
 
 
