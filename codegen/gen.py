@@ -102,12 +102,17 @@ class _Spec:
 def build(entries):
     schemas, groups = schema.load()
     lowerings, specs, shims, factories, decomposed, fallbacks, runtime = [], [], [], [], [], [], []
+    validators, decomposed_validated = [], []
     for e in entries:
         s = e.schema
         if e.dispatch == "runtime":
             runtime.append(_aten(e.name))
         if e.decompose:
             decomposed.append(_aten(e.name))
+            if e.validate is not None:
+                fn = f"_validate_{_ident(e.name)}"
+                validators.append(dict(fn=fn, params=_params([a for a in s.args if not a.is_out]), body=e.validate))
+                decomposed_validated.append((_aten(e.name), fn))
             continue
         if e.fallback is not None:
             fallbacks.append((_aten(e.name), e.fallback))
@@ -126,6 +131,10 @@ def build(entries):
             lowerings.append(dict(fn=fn + "__check", params=", ".join(["out"] + pys), body=e.check))
             check = f"E.{fn}__check"
             check_reads = _reads(e.check, pys)
+        validate = "None"
+        if e.validate is not None:
+            validate = f"_validate_{fn}"
+            validators.append(dict(fn=validate, params=", ".join(pys), body=e.validate))
         call_args = ", ".join([a.py for a in fargs] + (["None"] if e.random else []))
         call_args = f"({call_args},)" if call_args else "()"
         common = dict(
@@ -140,6 +149,7 @@ def build(entries):
             check_reads=check_reads,
             check_integral=e.check_if == "integral",
             index_dtype=_index_dtype(e, fargs),
+            validate=validate,
         )
         meta = "None"
         if s.inplace and len(s.mutated) > 1:
@@ -161,7 +171,7 @@ def build(entries):
                                kinds=", ".join(["TENSOR", "TENSOR"] + ["STATIC"] * len(fargs)),
                                kwarg_only=tuple([False] * (len(fargs) + 2)), returns="ONE", promote="None",
                                promote_args="None", view=False, scatter="None", meta="_scatter_meta",
-                               check="None", check_integral=False, index_dtype="None"))  # fmt: skip
+                               check="None", check_integral=False, index_dtype="None", validate="None"))  # fmt: skip
         main = _Spec(var=var, name=e.name, overload=_aten(e.name), view=s.view, scatter=scatter_var,
                      meta=meta, copies=e.copies, distinct_out=e.distinct_out, **common)  # fmt: skip
         specs.append(main)
@@ -194,7 +204,8 @@ def build(entries):
                     body = f"call_out({var}, {call_args}, ({', '.join(a.py for a in outs)},))"
                 shims.append(dict(fn=ofn, aten=_aten(out), params=_params(os_.args), body=body))
     _check_unique(shims)
-    return dict(lowerings=lowerings, specs=specs, shims=shims, factories=factories, decomposed=decomposed,
+    return dict(lowerings=lowerings, validators=validators, decomposed_validated=decomposed_validated,
+                specs=specs, shims=shims, factories=factories, decomposed=decomposed,
                 runtime=runtime, fallbacks=fallbacks, n_entries=len(entries))  # fmt: skip
 
 

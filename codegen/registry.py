@@ -14,7 +14,7 @@ from codegen.schema import Schema
 KEYS = {
     "lower", "helper", "decompose", "fallback", "promote", "promote_args", "static", "random", "scatter",
     "variants", "dispatch", "test", "note", "check", "check_if", "index_dtype", "host_scalars", "copies",
-    "distinct_out",
+    "distinct_out", "validate",
 }  # fmt: skip
 # How an entry is executed: exactly one of these fields, except for dispatch runtime/metadata.
 RULES = ("lower", "helper", "decompose", "fallback")
@@ -62,6 +62,10 @@ class Entry:
     # The dtypes CPU PyTorch accepts for an index argument, and the error it raises otherwise,
     # checked when the op is traced (once per signature): a list of {arg, dtypes, error}.
     index_dtype: list = field(default_factory=list)
+    # CPU's checks decided from shapes and dtypes alone that PyTorch's meta kernel skips: an
+    # expression over the arguments as meta tensors calling runtime/trace/validate.py (V), run
+    # when the op is traced (once per signature), so CPU's error is raised at the call.
+    validate: str | None = None
     # Its result holds exactly its first argument's elements when the dtype stays (a copy or a
     # reshape, not a view): the host, holding that argument, holds the result too
     # (runtime/plan/prechecks.py decides a step's checks from it).
@@ -209,6 +213,8 @@ def load(path: str, schemas: dict) -> list[Entry]:
             _check_expr(f"ops.yaml entry '{name}'", e.lower, argnames | GLOBALS | extra)
         if e.check is not None:
             _check_expr(f"ops.yaml entry '{name}' (check)", e.check, argnames | GLOBALS | extra)
+        if e.validate is not None:
+            _check_expr(f"ops.yaml entry '{name}' (validate)", e.validate, argnames | {"V", "torch"} | extra)
         if e.check_if is not None and (e.check is None or e.check_if not in CHECK_IF):
             raise RegistryError(f"ops.yaml entry '{name}': check_if needs a check and is one of {sorted(CHECK_IF)}")
         if e.index_dtype:

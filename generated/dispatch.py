@@ -7,6 +7,7 @@ from xlatorch._generated import lowerings as E
 from xlatorch.runtime.ir.ops import (
     GENERATOR, HOST_SCALARS, LIST, ONE, OPT_TENSOR, SCALAR, SCALAR_LIST, STATIC, TENSOR, TENSOR_LIST, TUPLE, OpSpec,
 )
+from xlatorch.runtime.trace import validate as V
 from xlatorch.runtime.trace.dispatch import call, call_inplace, call_out
 
 aten = torch.ops.aten
@@ -14,6 +15,74 @@ aten = torch.ops.aten
 
 def _scatter_meta(self, *args):
     return self
+
+
+def _validate_index_put(self, indices, values, accumulate):
+    V.index_put(self, indices, values)
+
+
+def _validate__index_put_impl_(self, indices, values, accumulate, unsafe):
+    V.index_put(self, indices, values)
+
+
+def _validate_index_add(self, dim, index, source, alpha):
+    V.index_add(self, dim, index, source)
+
+
+def _validate_index_copy(self, dim, index, source):
+    V.index_copy(self, source)
+
+
+def _validate_put(self, index, source, accumulate):
+    V.put(self, index, source)
+
+
+def _validate_mm(self, mat2):
+    V.mm(self, mat2)
+
+
+def _validate_mv(self, vec):
+    V.addmv(vec, self, vec)
+
+
+def _validate_addmm(self, mat1, mat2, beta, alpha):
+    V.addmm(self, mat1, mat2)
+
+
+def _validate_addmv(self, mat, vec, beta, alpha):
+    V.addmv(self, mat, vec)
+
+
+def _validate_convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+    V.convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
+
+
+def _validate_native_layer_norm(input, normalized_shape, weight, bias, eps):
+    V.norm_params(input, weight, bias)
+
+
+def _validate_native_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    V.norm_params(input, weight, bias, running_mean, running_var)
+
+
+def _validate__native_batch_norm_legit(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    V.norm_params(input, weight, bias, running_mean, running_var)
+
+
+def _validate__native_batch_norm_legit_no_stats(input, weight, bias, training, momentum, eps):
+    V.norm_params(input, weight, bias)
+
+
+def _validate__native_batch_norm_legit_no_training(input, weight, bias, running_mean, running_var, momentum, eps):
+    V.norm_params(input, weight, bias, running_mean, running_var)
+
+
+def _validate__native_batch_norm_legit_functional(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    V.norm_params(input, weight, bias, running_mean, running_var)
+
+
+def _validate_native_group_norm(input, weight, bias, N, C, HxW, group, eps):
+    V.norm_params(input, weight, bias)
 
 S_empty_memory_format = OpSpec(
     "empty.memory_format", aten.empty.memory_format, E.empty_memory_format, ('size', 'dtype', 'layout', 'device', 'pin_memory', 'memory_format'), (STATIC, STATIC, STATIC, STATIC, STATIC, STATIC,), (False, True, True, True, True, True), ONE,
@@ -740,27 +809,31 @@ S_scatter_reduce__two = OpSpec(
 S_index_put = OpSpec(
     "index_put.default", aten.index_put.default, E.index_put, ('self', 'indices', 'values', 'accumulate'), (TENSOR, TENSOR_LIST, TENSOR, STATIC,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.index_put__check, check_integral=False, check_reads=('L.checks.advanced(self, indices)', (0, 1), False),
+    check=E.index_put__check, check_integral=False, check_reads=('L.checks.advanced(self, indices, values)', (0, 1, 2), False),
     index_dtype=(((1,), (torch.int64, torch.int32, torch.uint8, torch.bool), IndexError, 'tensors used as indices must be long, int, byte or bool tensors', False),),
+    validate=_validate_index_put,
     out_overload=aten.index_put.out,
 )
 S_index_put_ = OpSpec(
     "index_put_.default", aten.index_put_.default, E.index_put, ('self', 'indices', 'values', 'accumulate'), (TENSOR, TENSOR_LIST, TENSOR, STATIC,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E.index_put__check, check_integral=False, check_reads=('L.checks.advanced(self, indices)', (0, 1), False),
+    check=E.index_put__check, check_integral=False, check_reads=('L.checks.advanced(self, indices, values)', (0, 1, 2), False),
     index_dtype=(((1,), (torch.int64, torch.int32, torch.uint8, torch.bool), IndexError, 'tensors used as indices must be long, int, byte or bool tensors', False),),
+    validate=_validate_index_put,
 )
 S__index_put_impl_ = OpSpec(
     "_index_put_impl_.default", aten._index_put_impl_.default, E._index_put_impl_, ('self', 'indices', 'values', 'accumulate', 'unsafe'), (TENSOR, TENSOR_LIST, TENSOR, STATIC, STATIC,), (False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    check=E._index_put_impl___check, check_integral=False, check_reads=('L.checks.advanced(self, indices)', (0, 1), False),
+    check=E._index_put_impl___check, check_integral=False, check_reads=('L.checks.advanced(self, indices, values)', (0, 1, 2), False),
     index_dtype=(((1,), (torch.int64, torch.int32, torch.uint8, torch.bool), IndexError, 'tensors used as indices must be long, int, byte or bool tensors', False),),
+    validate=_validate__index_put_impl_,
 )
 S_index_add = OpSpec(
     "index_add.default", aten.index_add.default, E.index_add, ('self', 'dim', 'index', 'source', 'alpha'), (TENSOR, STATIC, TENSOR, TENSOR, SCALAR,), (False, False, False, False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.index_add__check, check_integral=False, check_reads=('L.checks.index_add_range(self, dim, index)', (0, 1, 2), False),
     index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'index_add_(): Expected dtype int32/int64 for index but got: {scalar_type}', False),),
+    validate=_validate_index_add,
     out_overload=aten.index_add.out,
 )
 S_index_add_ = OpSpec(
@@ -768,6 +841,7 @@ S_index_add_ = OpSpec(
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.index_add__check, check_integral=False, check_reads=('L.checks.index_add_range(self, dim, index)', (0, 1, 2), False),
     index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'index_add_(): Expected dtype int32/int64 for index but got: {scalar_type}', False),),
+    validate=_validate_index_add,
 )
 S_index_reduce = OpSpec(
     "index_reduce.default", aten.index_reduce.default, E.index_reduce, ('self', 'dim', 'index', 'source', 'reduce', 'include_self'), (TENSOR, STATIC, TENSOR, TENSOR, STATIC, STATIC,), (False, False, False, False, False, True), ONE,
@@ -787,6 +861,7 @@ S_index_copy = OpSpec(
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.index_copy__check, check_integral=False, check_reads=("L.checks.along_dim(self, dim, index, IndexError, prefix='index_copy_(): ', slices=True)", (0, 1, 2), False),
     index_dtype=(((2,), (torch.int64,), RuntimeError, 'index_copy_(): Expected a long tensor for index, but got {scalar_type}', False),),
+    validate=_validate_index_copy,
     out_overload=aten.index_copy.out,
 )
 S_index_copy_ = OpSpec(
@@ -794,6 +869,7 @@ S_index_copy_ = OpSpec(
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.index_copy__check, check_integral=False, check_reads=("L.checks.along_dim(self, dim, index, IndexError, prefix='index_copy_(): ', slices=True)", (0, 1, 2), False),
     index_dtype=(((2,), (torch.int64,), RuntimeError, 'index_copy_(): Expected a long tensor for index, but got {scalar_type}', False),),
+    validate=_validate_index_copy,
 )
 S_index_fill_int_Scalar = OpSpec(
     "index_fill.int_Scalar", aten.index_fill.int_Scalar, E.index_fill_int_Scalar, ('self', 'dim', 'index', 'value'), (TENSOR, STATIC, TENSOR, SCALAR,), (False, False, False, False), ONE,
@@ -849,6 +925,7 @@ S_put = OpSpec(
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.put__check, check_integral=False, check_reads=("L.checks.flat(self, index, empty='put_(): Tried to put elements into an empty tensor')", (0, 1), False),
     index_dtype=(((1,), (torch.int64,), RuntimeError, 'put_(): Expected a long tensor for index, but got {scalar_type}', False),),
+    validate=_validate_put,
     out_overload=aten.put.out,
 )
 S_put_ = OpSpec(
@@ -856,6 +933,7 @@ S_put_ = OpSpec(
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.put__check, check_integral=False, check_reads=("L.checks.flat(self, index, empty='put_(): Tried to put elements into an empty tensor')", (0, 1), False),
     index_dtype=(((1,), (torch.int64,), RuntimeError, 'put_(): Expected a long tensor for index, but got {scalar_type}', False),),
+    validate=_validate_put,
 )
 S_as_strided__scatter = OpSpec(
     "as_strided.default.scatter", None, E.as_strided__scatter, ('self', 'src', 'size', 'stride', 'storage_offset', 'idx'), (TENSOR, TENSOR, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False, False), ONE,
@@ -2522,6 +2600,7 @@ S_cummin = OpSpec(
 S_mm = OpSpec(
     "mm.default", aten.mm.default, E.mm, ('self', 'mat2'), (TENSOR, TENSOR,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    validate=_validate_mm,
     out_overload=aten.mm.out,
 )
 S_bmm = OpSpec(
@@ -2532,6 +2611,7 @@ S_bmm = OpSpec(
 S_mv = OpSpec(
     "mv.default", aten.mv.default, E.mv, ('self', 'vec'), (TENSOR, TENSOR,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    validate=_validate_mv,
     out_overload=aten.mv.out,
 )
 S_dot = OpSpec(
@@ -2542,11 +2622,13 @@ S_dot = OpSpec(
 S_addmm = OpSpec(
     "addmm.default", aten.addmm.default, E.addmm, ('self', 'mat1', 'mat2', 'beta', 'alpha'), (TENSOR, TENSOR, TENSOR, SCALAR, SCALAR,), (False, False, False, True, True), ONE,
     promote='default', promote_args=['self', 'mat1', 'mat2'], view=False, scatter=None, meta_overload=None,
+    validate=_validate_addmm,
     out_overload=aten.addmm.out,
 )
 S_addmm_ = OpSpec(
     "addmm_.default", aten.addmm_.default, E.addmm, ('self', 'mat1', 'mat2', 'beta', 'alpha'), (TENSOR, TENSOR, TENSOR, SCALAR, SCALAR,), (False, False, False, True, True), ONE,
     promote='default', promote_args=['self', 'mat1', 'mat2'], view=False, scatter=None, meta_overload=None,
+    validate=_validate_addmm,
 )
 S_baddbmm = OpSpec(
     "baddbmm.default", aten.baddbmm.default, E.baddbmm, ('self', 'batch1', 'batch2', 'beta', 'alpha'), (TENSOR, TENSOR, TENSOR, SCALAR, SCALAR,), (False, False, False, True, True), ONE,
@@ -2569,11 +2651,13 @@ S_addbmm_ = OpSpec(
 S_addmv = OpSpec(
     "addmv.default", aten.addmv.default, E.addmv, ('self', 'mat', 'vec', 'beta', 'alpha'), (TENSOR, TENSOR, TENSOR, SCALAR, SCALAR,), (False, False, False, True, True), ONE,
     promote='default', promote_args=['self', 'mat', 'vec'], view=False, scatter=None, meta_overload=None,
+    validate=_validate_addmv,
     out_overload=aten.addmv.out,
 )
 S_addmv_ = OpSpec(
     "addmv_.default", aten.addmv_.default, E.addmv, ('self', 'mat', 'vec', 'beta', 'alpha'), (TENSOR, TENSOR, TENSOR, SCALAR, SCALAR,), (False, False, False, True, True), ONE,
     promote='default', promote_args=['self', 'mat', 'vec'], view=False, scatter=None, meta_overload=None,
+    validate=_validate_addmv,
 )
 S_addr = OpSpec(
     "addr.default", aten.addr.default, E.addr, ('self', 'vec1', 'vec2', 'beta', 'alpha'), (TENSOR, TENSOR, TENSOR, SCALAR, SCALAR,), (False, False, False, True, True), ONE,
@@ -2737,6 +2821,7 @@ S_view_as_complex = OpSpec(
 S_convolution = OpSpec(
     "convolution.default", aten.convolution.default, E.convolution, ('input', 'weight', 'bias', 'stride', 'padding', 'dilation', 'transposed', 'output_padding', 'groups'), (TENSOR, TENSOR, OPT_TENSOR, STATIC, STATIC, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    validate=_validate_convolution,
     out_overload=aten.convolution.out,
 )
 S_convolution_backward = OpSpec(
@@ -2808,6 +2893,7 @@ S__thnn_fused_gru_cell_backward = OpSpec(
 S_native_layer_norm = OpSpec(
     "native_layer_norm.default", aten.native_layer_norm.default, E.native_layer_norm, ('input', 'normalized_shape', 'weight', 'bias', 'eps'), (TENSOR, STATIC, OPT_TENSOR, OPT_TENSOR, STATIC,), (False, False, False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    validate=_validate_native_layer_norm,
     out_overload=aten.native_layer_norm.out,
 )
 S_native_layer_norm_backward = OpSpec(
@@ -2906,21 +2992,25 @@ S_native_batch_norm_backward = OpSpec(
 S__native_batch_norm_legit_no_stats = OpSpec(
     "_native_batch_norm_legit.no_stats", aten._native_batch_norm_legit.no_stats, E._native_batch_norm_legit_no_stats, ('input', 'weight', 'bias', 'training', 'momentum', 'eps'), (TENSOR, OPT_TENSOR, OPT_TENSOR, STATIC, SCALAR, SCALAR,), (False, False, False, False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    validate=_validate__native_batch_norm_legit_no_stats,
     out_overload=aten._native_batch_norm_legit.no_stats_out,
 )
 S__native_batch_norm_legit_no_training = OpSpec(
     "_native_batch_norm_legit_no_training.default", aten._native_batch_norm_legit_no_training.default, E._native_batch_norm_legit_no_training, ('input', 'weight', 'bias', 'running_mean', 'running_var', 'momentum', 'eps'), (TENSOR, OPT_TENSOR, OPT_TENSOR, TENSOR, TENSOR, SCALAR, SCALAR,), (False, False, False, False, False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    validate=_validate__native_batch_norm_legit_no_training,
     out_overload=aten._native_batch_norm_legit_no_training.out,
 )
 S__native_batch_norm_legit_functional = OpSpec(
     "_native_batch_norm_legit_functional.default", aten._native_batch_norm_legit_functional.default, E._native_batch_norm_legit_functional, ('input', 'weight', 'bias', 'running_mean', 'running_var', 'training', 'momentum', 'eps'), (TENSOR, OPT_TENSOR, OPT_TENSOR, TENSOR, TENSOR, STATIC, SCALAR, SCALAR,), (False, False, False, False, False, False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    validate=_validate__native_batch_norm_legit_functional,
     out_overload=aten._native_batch_norm_legit.out,
 )
 S_native_group_norm = OpSpec(
     "native_group_norm.default", aten.native_group_norm.default, E.native_group_norm, ('input', 'weight', 'bias', 'N', 'C', 'HxW', 'group', 'eps'), (TENSOR, OPT_TENSOR, OPT_TENSOR, STATIC, STATIC, STATIC, STATIC, SCALAR,), (False, False, False, False, False, False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    validate=_validate_native_group_norm,
     out_overload=aten.native_group_norm.out,
 )
 S_native_group_norm_backward = OpSpec(
@@ -10827,6 +10917,12 @@ DECOMPOSED = (
     aten.native_batch_norm.default,
     aten._native_batch_norm_legit.default,
 )
+
+# Decomposed ops with an ops.yaml ``validate``: called with the op's arguments before its decomposition.
+VALIDATE_DECOMPOSED = {
+    aten.native_batch_norm.default: _validate_native_batch_norm,
+    aten._native_batch_norm_legit.default: _validate__native_batch_norm_legit,
+}
 
 # Ops with a hand-written handler in xlatorch/runtime (each must be installed in RUNTIME_OPS).
 RUNTIME = (

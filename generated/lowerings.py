@@ -652,7 +652,7 @@ def index_put(out, self, indices, values, accumulate):
 
 
 def index_put__check(out, self, indices, values, accumulate):
-    return L.checks.advanced(self, indices)
+    return L.checks.advanced(self, indices, values)
 
 
 def _index_put_impl_(out, self, indices, values, accumulate, unsafe):
@@ -660,7 +660,7 @@ def _index_put_impl_(out, self, indices, values, accumulate, unsafe):
 
 
 def _index_put_impl___check(out, self, indices, values, accumulate, unsafe):
-    return L.checks.advanced(self, indices)
+    return L.checks.advanced(self, indices, values)
 
 
 def index_add(out, self, dim, index, source, alpha):

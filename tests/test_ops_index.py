@@ -275,3 +275,109 @@ def test_index_dtypes_are_checked_once_per_signature(monkeypatch):
     with pytest.raises(RuntimeError, match="Expected dtype int32 or int64 for index"):
         x.index_select(1, torch.tensor([4.0], device="xla"))
     assert len(calls) == 2
+
+
+def _grid(dev):
+    return torch.arange(12.0, device=dev).reshape(3, 4)
+
+
+def _put(dev, index, values, **kw):
+    x = _grid(dev)
+    x[index(dev) if callable(index) else index] = values(dev)
+    return x
+
+
+def _rows(dev):
+    return torch.tensor([0, 2], device=dev)
+
+
+def _mask(dev):
+    return torch.arange(12.0, device=dev).reshape(3, 4) > 5
+
+
+def _ones(*shape, dtype=torch.float32):
+    return lambda dev: torch.ones(*shape, dtype=dtype, device=dev)
+
+
+# Assignments CPU refuses, which PyTorch's meta kernels (the device's avals) take: values of
+# another dtype (the device cast them), values that do not broadcast to the indexing result
+# (a lone boolean mask's count is data: the device wrote what it had).
+_REFUSED_PUTS = {
+    "x[mask] = 2 values for 6": lambda d: _put(d, _mask, lambda d: torch.tensor([1.0, 2.0], device=d)),
+    "x[mask] = 0 values for 6": lambda d: _put(d, _mask, _ones(0)),
+    "x[row mask] = [3, 4] for 2 rows": lambda d: _put(
+        d, lambda d: torch.tensor([True, False, True], device=d), _ones(3, 4)
+    ),
+    "x[row mask] = [2, 3]": lambda d: _put(d, lambda d: torch.tensor([True, False, True], device=d), _ones(2, 3)),
+    "x[:, col mask] = [3, 3] for 2 cols": lambda d: _put(
+        d, (slice(None), torch.tensor([True, False, True, False], device=d)), _ones(3, 3)
+    ),
+    "x[rows] = long values": lambda d: _put(d, _rows, _ones(2, 4, dtype=torch.long)),
+    "x[rows] = long 0-d": lambda d: _put(d, _rows, lambda d: torch.tensor(5, device=d)),
+    "x[mask] = double values": lambda d: _put(d, _mask, _ones(6, dtype=torch.float64)),
+    "x[rows] = [3, 4]": lambda d: _put(d, _rows, _ones(3, 4)),
+    "index_put_(accumulate) long values": lambda d: _grid(d).index_put_(
+        (_rows(d),), _ones(4, dtype=torch.long)(d), accumulate=True
+    ),
+    "index_put_ [1, 2, 4]": lambda d: _grid(d).index_put_((_rows(d),), _ones(1, 2, 4)(d)),
+    "index_copy_ long source": lambda d: _grid(d).index_copy_(0, _rows(d), _ones(2, 4, dtype=torch.long)(d)),
+    "put_ long source": lambda d: _grid(d).put_(_rows(d), _ones(2, dtype=torch.long)(d)),
+    "put_ 3 values for 2": lambda d: _grid(d).put_(_rows(d), _ones(3)(d)),
+    "int index_add_ float source": lambda d: _grid(d).long().index_add_(0, _rows(d), _ones(2, 4)(d)),
+    "index_add_ source [2, 1]": lambda d: _grid(d).index_add_(0, _rows(d), _ones(2, 1)(d)),
+    "index_add_ source [2, 4, 1]": lambda d: _grid(d).index_add_(0, _rows(d), _ones(2, 4, 1)(d)),
+    "0-d index_add_ source [1]": lambda d: torch.zeros((), device=d).index_add_(
+        0, torch.tensor([0], device=d), _ones(1)(d)
+    ),
+}
+
+# ... and the assignments CPU takes, which must still run, with CPU's values
+_TAKEN_PUTS = {
+    "x[mask] = 6 values": lambda d: _put(d, _mask, lambda d: torch.arange(6.0, device=d)),
+    "x[mask] = 1 value": lambda d: _put(d, _mask, _ones(1)),
+    "x[mask] = 0-d": lambda d: _put(d, _mask, lambda d: torch.tensor(7.0, device=d)),
+    "x[row mask] = [4]": lambda d: _put(
+        d, lambda d: torch.tensor([True, False, True], device=d), lambda d: torch.arange(4.0, device=d)
+    ),
+    "x[row mask] = [2, 1]": lambda d: _put(
+        d, lambda d: torch.tensor([True, False, True], device=d), lambda d: torch.tensor([[1.0], [2.0]], device=d)
+    ),
+    "x[:, col mask] = [3, 2]": lambda d: _put(
+        d,
+        (slice(None), torch.tensor([True, False, True, False], device=d)),
+        lambda d: torch.arange(6.0, device=d).reshape(3, 2),
+    ),
+    "x[empty mask] = [0]": lambda d: _put(d, lambda d: torch.zeros(3, 4, dtype=torch.bool, device=d), _ones(0)),
+    "x[rows] = [4]": lambda d: _put(d, _rows, lambda d: torch.arange(4.0, device=d)),
+    "x[rows] = [1, 2, 4] (setitem drops leading 1s)": lambda d: _put(d, _rows, _ones(1, 2, 4)),
+    "x[rows, rows] = 2 values": lambda d: _put(d, (_rows(d), _rows(d)), lambda d: torch.tensor([5.0, 6.0], device=d)),
+    "x[rows] = 7": lambda d: _put(d, _rows, lambda d: 7),
+    "index_put_(accumulate) [4]": lambda d: _grid(d).index_put_(
+        (_rows(d),), torch.arange(4.0, device=d), accumulate=True
+    ),
+    "index_add_ [2, 4]": lambda d: _grid(d).index_add_(0, _rows(d), torch.arange(8.0, device=d).reshape(2, 4)),
+    "index_add_ 0-d into 0-d": lambda d: torch.zeros((), device=d).index_add_(
+        0, torch.tensor([0], device=d), torch.tensor(2.0, device=d)
+    ),
+    "put_ [2, 1] values": lambda d: _grid(d).put_(_rows(d), _ones(2, 1)(d)),
+    "index_copy_ [2, 4]": lambda d: _grid(d).index_copy_(0, _rows(d), _ones(2, 4)(d)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_REFUSED_PUTS))
+def test_an_assignment_cpu_refuses_raises_on_the_device(name):
+    """CPU's exception, and its message word for word (a mask's count read on the device)."""
+    with pytest.raises((RuntimeError, IndexError)) as cpu:
+        _REFUSED_PUTS[name]("cpu")
+    with pytest.raises(type(cpu.value)) as xla:
+        _REFUSED_PUTS[name]("xla").cpu()
+    assert str(xla.value).split(" (aten::")[0] == str(cpu.value)
+
+
+@pytest.mark.parametrize("name", sorted(_TAKEN_PUTS))
+def test_an_assignment_cpu_takes_runs_on_the_device_as_on_cpu(name):
+    want = _TAKEN_PUTS[name]("cpu")
+    got = _TAKEN_PUTS[name]("xla")
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0)
+    assert met.executed_fallback_ops() == []

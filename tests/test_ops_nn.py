@@ -203,3 +203,102 @@ def test_max_pool_values_indices_and_gradient_equal_cpu(nd, k, stride, pad, dil,
     assert torch.equal(torch.signbit(xout.cpu()), torch.signbit(out.detach()))
     torch.testing.assert_close(got.cpu(), want, atol=0, rtol=0, equal_nan=True)
     assert not _fallbacks()
+
+
+def _t(*shape, dtype=torch.float32):
+    return lambda d: torch.ones(*shape, dtype=dtype, device=d)
+
+
+_F64, _BF16 = torch.float64, torch.bfloat16
+
+# Programs CPU refuses whose shapes and dtypes PyTorch's meta kernels (the device's avals)
+# take: matrices of two dtypes (the device promoted them), a convolution's negative padding or
+# too-large output padding (the device padded by it), norm parameters of another dtype.
+_REFUSED_NN = {
+    "mm(float, double)": lambda d: torch.mm(_t(2, 3)(d), _t(3, 2, dtype=_F64)(d)),
+    "mm(float, bfloat16)": lambda d: torch.mm(_t(2, 3)(d), _t(3, 2, dtype=_BF16)(d)),
+    "mm(long, float)": lambda d: torch.mm(_t(2, 3, dtype=torch.long)(d), _t(3, 2)(d)),
+    "matmul(float, double)": lambda d: torch.matmul(_t(4, 2, 3)(d), _t(3, 2, dtype=_F64)(d)),
+    "linear(double weight)": lambda d: F.linear(_t(2, 3)(d), _t(4, 3, dtype=_F64)(d)),
+    "linear(double bias)": lambda d: F.linear(_t(5, 2, 3)(d), _t(4, 3)(d), _t(4, dtype=_F64)(d)),
+    "addmm(double self)": lambda d: torch.addmm(_t(2, 2, dtype=_F64)(d), _t(2, 3)(d), _t(3, 2)(d)),
+    "addmm(double mat1)": lambda d: torch.addmm(_t(2, 2)(d), _t(2, 3, dtype=_F64)(d), _t(3, 2)(d)),
+    "mv(float, double)": lambda d: torch.mv(_t(2, 3)(d), _t(3, dtype=_F64)(d)),
+    "addmv(double vec)": lambda d: torch.addmv(_t(2)(d), _t(2, 3)(d), _t(3, dtype=_F64)(d)),
+    "conv2d(double input)": lambda d: F.conv2d(_t(1, 2, 5, 5, dtype=_F64)(d), _t(2, 2, 2, 2)(d)),
+    "conv1d(double weight)": lambda d: F.conv1d(_t(1, 2, 5)(d), _t(2, 2, 2, dtype=_F64)(d)),
+    "conv_transpose2d(double input)": lambda d: F.conv_transpose2d(_t(1, 2, 5, 5, dtype=_F64)(d), _t(2, 2, 2, 2)(d)),
+    "conv2d(padding=-1)": lambda d: F.conv2d(_t(1, 2, 5, 5)(d), _t(2, 2, 2, 2)(d), padding=-1),
+    "conv3d(padding=-1)": lambda d: F.conv3d(_t(1, 1, 4, 4, 4)(d), _t(1, 1, 2, 2, 2)(d), padding=-1),
+    "conv2d(stride=0)": lambda d: F.conv2d(_t(1, 2, 5, 5)(d), _t(2, 2, 2, 2)(d), stride=0),
+    "conv2d(dilation=0)": lambda d: F.conv2d(_t(1, 2, 5, 5)(d), _t(2, 2, 2, 2)(d), dilation=0),
+    "conv1d(dilation=0)": lambda d: F.conv1d(_t(1, 2, 5)(d), _t(2, 2, 2)(d), dilation=0),
+    "conv2d(dilation=-1)": lambda d: F.conv2d(_t(1, 2, 5, 5)(d), _t(2, 2, 2, 2)(d), dilation=-1),
+    "conv_transpose2d(dilation=0)": lambda d: F.conv_transpose2d(_t(1, 2, 5, 5)(d), _t(2, 2, 2, 2)(d), dilation=0),
+    "conv2d(groups=3)": lambda d: F.conv2d(_t(1, 6, 5, 5)(d), _t(4, 2, 2, 2)(d), groups=3),
+    "conv2d(bias of 3)": lambda d: F.conv2d(_t(1, 2, 5, 5)(d), _t(2, 2, 2, 2)(d), _t(3)(d)),
+    "conv_transpose2d(padding=-1)": lambda d: F.conv_transpose2d(_t(1, 2, 5, 5)(d), _t(2, 2, 2, 2)(d), padding=-1),
+    "conv_transpose2d(output_padding=-1)": lambda d: F.conv_transpose2d(
+        _t(1, 2, 5, 5)(d), _t(2, 2, 2, 2)(d), stride=2, output_padding=-1
+    ),
+    "conv_transpose2d(output_padding=stride)": lambda d: F.conv_transpose2d(
+        _t(1, 2, 5, 5)(d), _t(2, 2, 2, 2)(d), stride=2, output_padding=2
+    ),
+    "conv_transpose1d(output_padding=stride)": lambda d: F.conv_transpose1d(
+        _t(1, 2, 5)(d), _t(2, 2, 2)(d), stride=2, output_padding=2
+    ),
+    "conv_transpose3d(output_padding=stride)": lambda d: F.conv_transpose3d(
+        _t(1, 2, 3, 3, 3)(d), _t(2, 2, 2, 2, 2)(d), stride=2, output_padding=2
+    ),
+    "conv_transpose2d(bias of 3)": lambda d: F.conv_transpose2d(_t(1, 2, 5, 5)(d), _t(2, 2, 2, 2)(d), _t(3)(d)),
+    "layer_norm(double weight)": lambda d: F.layer_norm(_t(2, 3)(d), (3,), _t(3, dtype=_F64)(d)),
+    "layer_norm(double input)": lambda d: F.layer_norm(_t(2, 3, dtype=_F64)(d), (3,), _t(3)(d), _t(3)(d)),
+    "layer_norm(float weight, double bias)": lambda d: F.layer_norm(_t(2, 3)(d), (3,), _t(3)(d), _t(3, dtype=_F64)(d)),
+    "group_norm(double weight)": lambda d: F.group_norm(_t(2, 4, 3)(d), 2, _t(4, dtype=_F64)(d)),
+    "batch_norm eval(double stats)": lambda d: F.batch_norm(
+        _t(2, 3)(d), _t(3, dtype=_F64)(d), _t(3, dtype=_F64)(d), training=False
+    ),
+    "batch_norm train(double stats)": lambda d: F.batch_norm(
+        _t(2, 3)(d), _t(3, dtype=_F64)(d), _t(3, dtype=_F64)(d), training=True
+    ),
+    "batch_norm train(double weight)": lambda d: F.batch_norm(
+        _t(2, 3)(d), None, None, _t(3, dtype=_F64)(d), training=True
+    ),
+}
+
+# ... and the ones CPU takes, with CPU's values: a bfloat16 input beside float32 norm
+# parameters (CPU's "mixed" kernels), an output padding below the dilation
+_TAKEN_NN = {
+    "layer_norm(bfloat16, float32 weight)": lambda d: F.layer_norm(
+        torch.arange(6.0, device=d).reshape(2, 3).to(_BF16), (3,), _t(3)(d), _t(3)(d)
+    ),
+    "group_norm(bfloat16, float32 weight)": lambda d: F.group_norm(
+        torch.arange(24.0, device=d).reshape(2, 4, 3).to(_BF16), 2, _t(4)(d)
+    ),
+    "batch_norm eval(bfloat16, float32 stats)": lambda d: F.batch_norm(
+        torch.arange(6.0, device=d).reshape(2, 3).to(_BF16), _t(3)(d), _t(3)(d), training=False
+    ),
+    "conv_transpose2d(output_padding < dilation)": lambda d: F.conv_transpose2d(
+        _t(1, 2, 5, 5)(d), _t(2, 2, 2, 2)(d), dilation=3, output_padding=2
+    ),
+    "linear(bias)": lambda d: F.linear(torch.arange(6.0, device=d).reshape(2, 3), _t(4, 3)(d), _t(4)(d)),
+    "conv2d(bfloat16)": lambda d: F.conv2d(_t(1, 2, 5, 5, dtype=_BF16)(d), _t(2, 2, 2, 2, dtype=_BF16)(d)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_REFUSED_NN))
+def test_what_cpu_refuses_raises_on_the_device_with_its_message(name):
+    with pytest.raises(RuntimeError) as cpu:
+        _REFUSED_NN[name]("cpu")
+    with pytest.raises(RuntimeError) as xla:
+        _REFUSED_NN[name]("xla")  # at the call, as on CPU
+    assert str(xla.value) == str(cpu.value)
+
+
+@pytest.mark.parametrize("name", sorted(_TAKEN_NN))
+def test_what_cpu_takes_runs_on_the_device_as_on_cpu(name):
+    want = _TAKEN_NN[name]("cpu")
+    got = _TAKEN_NN[name]("xla")
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got.cpu(), want, atol=1e-2 if want.dtype == _BF16 else 1e-5, rtol=1e-2)
+    assert met.executed_fallback_ops() == []

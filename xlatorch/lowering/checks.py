@@ -21,6 +21,8 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
+from xlatorch.lowering.index import mask_values
+
 __all__ = ["in_range", "always", "index_range", "select_range", "along_dim", "index_add_range", "advanced",
            "targets", "bag", "divisor", "negative_power", "index_out_of_range", "flat", "segments",
            "lu_pivots", "multinomial"]  # fmt: skip
@@ -112,13 +114,17 @@ def index_add_range(self, dim: int, index):
     return along_dim(self, dim, index)
 
 
-def advanced(self, indices):
+def advanced(self, indices, values=None):
     """``x[i, j]`` / ``index_put_``: one IndexError result per index tensor (negative indices valid).
 
     CPU reads the indices while it walks the result (for ``index_put_``, the values it writes),
     whose shape is the indices' broadcast shape and ``self``'s other dims: when that has no
     elements, nothing is checked. An indexed dim of size 0 with a non-empty broadcast index is
-    an error from the shapes alone."""
+    an error from the shapes alone. ``index_put_`` with a lone boolean mask: its ``values``
+    broadcast to the indexing result, whose size along the mask is its count of Trues."""
+    given = [(p, t) for p, t in enumerate(indices) if t is not None]
+    if values is not None and len(given) == 1 and given[0][1].dtype in (jnp.bool_, jnp.uint8):
+        return _mask_values(self, *given[0], values)
     ints = []  # (dim, index)
     d = 0  # the dim of ``self`` the next index applies to
     for index in indices:
@@ -137,6 +143,20 @@ def advanced(self, indices):
     if math.prod(shape) * math.prod(n for k, n in enumerate(self.shape) if k not in indexed) == 0:
         return []
     return [along_dim(self, k, index, IndexError, negative=True) for k, index in ints]
+
+
+def _mask_values(self, p: int, mask, values):
+    """``x[mask] = values``: CPU's "shape mismatch" unless ``values`` broadcast to the indexing
+    result (``self``'s dims before the mask, its count of Trues, the dims after it)."""
+    pre, rest = self.shape[:p], self.shape[p + mask.ndim :]
+    dims = [str(n) for n in pre] + ["{0}"] + [str(n) for n in rest]
+    msg = (f"shape mismatch: value tensor of shape {list(values.shape)} cannot be broadcast to indexing result "
+           f"of shape [{', '.join(dims)}]")  # fmt: skip
+    k = mask_values(values.shape, pre, rest)
+    if k == 1:
+        return None
+    n = _xp(mask).count_nonzero(mask)
+    return k is None or n != k, n, 0, RuntimeError, msg
 
 
 def flat(self, index, empty: str | None = None):

@@ -89,12 +89,24 @@ def _mask_positions(mask, k, axis):
     return jnp.clip(jnp.cumsum(mask.reshape(-1).astype(jnp.int64)) - 1, 0, max(k - 1, 0))
 
 
+def mask_values(shape, pre, rest) -> int | None:
+    """How many values of ``shape`` a lone boolean mask's assignment takes (1: broadcast to every
+    True), where the indexing result is ``pre + (count,) + rest``; None when they cannot broadcast
+    to it for any count (CPU raises "shape mismatch"; ``checks.advanced`` reports it)."""
+    full = (*pre, None, *rest)
+    if len(shape) > len(full) or any(r is not None and v not in (1, r) for v, r in zip(shape[::-1], full[::-1])):
+        return None
+    return shape[len(shape) - 1 - len(rest)] if len(shape) > len(rest) else 1
+
+
 def _index_put_mask(out, self, indices, values, accumulate):
     """index_put with one boolean mask (and leading ``None``s): static shapes, no nonzero."""
     p = next(i for i, t in enumerate(indices) if t is not None)
     m = indices[p].astype(jnp.bool_)
     d = m.ndim
     rest = self.shape[p + d :]
+    if mask_values(values.shape, self.shape[:p], rest) is None:
+        return self  # CPU raises: the check's row fires
     vals = values.astype(self.dtype)
     vals = vals.reshape((1,) * (p + 1 + len(rest) - vals.ndim) + vals.shape)
     k = vals.shape[p]

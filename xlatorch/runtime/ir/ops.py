@@ -70,13 +70,13 @@ class OpSpec:
         "name", "overload", "emit", "arg_names", "kinds", "kwarg_only", "returns",
         "promote", "promote_idx", "view", "scatter", "cache", "meta_overload", "check", "check_integral", "check_reads",
         "counter", "mutates", "born", "index_dtype", "prepare", "copies", "distinct_out",
-        "out_overload",
+        "out_overload", "validate",
     )  # fmt: skip
 
     def __init__(self, name, overload, emit, arg_names, kinds, kwarg_only, returns,
                  promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
                  check=None, check_integral=False, mutates=(), index_dtype=None, copies=False,
-                 check_reads=None, distinct_out=False, out_overload=None):  # fmt: skip
+                 check_reads=None, distinct_out=False, out_overload=None, validate=None):  # fmt: skip
         self.name = name
         self.overload = overload
         self.emit = emit
@@ -109,6 +109,9 @@ class OpSpec:
         # empty_ok), ...)``, checked when a signature is first seen (``trace/nodes.py``), so a bad
         # dtype raises at the call.
         self.index_dtype = index_dtype
+        # ops.yaml ``validate``: called with the meta arguments in schema order at the same
+        # time; raises CPU's error for shapes and dtypes CPU refuses and the meta kernel takes.
+        self.validate = validate
         # torch_xla's per-op counter: how many times the op was recorded for the device
         self.counter = "xla::" + (name.split("::")[-1].split(".")[0])
         # An in-place op writing several arguments (``_amp_update_scale_``): their positions, in

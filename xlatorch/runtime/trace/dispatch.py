@@ -41,11 +41,27 @@ from xlatorch.runtime.trace.nodes import _node, call_meta, check_cast, convert_v
 from xlatorch.runtime.trace.strides import geometry
 from xlatorch.runtime.trace.tensor import Storage, XlaTensor, value_of, wrap, write
 
-__all__ = ["dispatch", "call", "call_inplace", "call_out", "SHIMS", "RUNTIME_OPS", "DECOMPS", "FALLBACK"]
+__all__ = [
+    "dispatch", "call", "call_inplace", "call_out", "decomposition", "SHIMS", "RUNTIME_OPS", "DECOMPS", "FALLBACK",
+]  # fmt: skip
 
 SHIMS: dict = {}  # OpOverload -> shim, filled by generated/dispatch.py
 RUNTIME_OPS: dict = {}  # OpOverload -> hand-written handler (copies, transfers, aliases)
 DECOMPS: dict = {}  # OpOverload -> PyTorch decomposition into ops that are lowered
+
+
+def decomposition(op, validate=None):
+    """PyTorch's decomposition of ``op`` (ops.yaml ``decompose``), run after its ``validate``
+    (CPU's checks that the ops it decomposes into do not make) when it has one."""
+    decomp = torch._decomp.decomposition_table[op]
+    if validate is None:
+        return decomp
+
+    def run(*args, **kwargs):
+        validate(*args, **kwargs)
+        return decomp(*args, **kwargs)
+
+    return run
 
 
 def _no_fallback(func, args, kwargs):

@@ -99,6 +99,8 @@ def _infer(spec: OpSpec, vals: tuple) -> Info:
     meta = meta_args(spec, vals)
     if spec.index_dtype is not None:
         _check_index_dtype(spec.index_dtype, meta)
+    if spec.validate is not None:
+        spec.validate(*meta)
     res = call_meta(spec, spec.meta_overload, meta)
     res = [res] if isinstance(res, torch.Tensor) else list(res)
     if spec.meta_overload is spec.overload and isinstance(vals[0], VALUE_TYPES) and _in_place(spec.overload):

@@ -1,0 +1,220 @@
+"""CPU's errors decided from shapes and dtypes alone, which PyTorch's meta kernels skip.
+
+The device takes every op's result shape and dtype from PyTorch's meta kernels, and some of
+them accept what CPU's kernel refuses: ``x[idx] = long_values`` into a float ``x`` (CPU:
+"Index put requires the source and destination dtypes match"), an ``index_add_`` source of
+another shape. An ``ops.yaml`` entry's ``validate`` expression calls these with the op's
+arguments as meta tensors and Python values when its signature is first seen
+(``nodes._infer``): CPU's exception and message are raised at the call, and a signature seen
+before costs nothing. Conditions on the data (an index's values, a mask's count) are on-device
+checks (``lowering/checks.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from xlatorch.runtime.trace.nodes import dtype_name
+
+__all__ = ["index_put", "index_copy", "index_add", "put", "mm", "addmm", "addmv", "norm_params", "convolution"]
+
+aten = torch.ops.aten
+
+
+def _broadcasts(shape, to) -> bool:
+    """Whether a tensor of ``shape`` expands to ``to`` (CPU's ``expand``: no new leading dims)."""
+    return len(shape) <= len(to) and all(a in (1, b) for a, b in zip(reversed(shape), reversed(to)))
+
+
+def _is_mask(t) -> bool:
+    return t is not None and t.dtype in (torch.bool, torch.uint8)
+
+
+def index_put(self, indices, values):
+    """``x[idx] = v`` / ``index_put_``, in CPU's order: the values broadcast to the indexing
+    result (a lone boolean mask's count is data: checked on the device), then the dtypes match."""
+    if not any(_is_mask(t) for t in indices):
+        try:
+            shape = aten.index.Tensor(self, indices).shape
+        except (RuntimeError, IndexError):  # bad indices: the meta kernel raises CPU's error
+            shape = None
+        if shape is not None and not _broadcasts(values.shape, shape):
+            raise RuntimeError(f"shape mismatch: value tensor of shape {list(values.shape)} cannot be broadcast to "
+                               f"indexing result of shape {list(shape)}")  # fmt: skip
+    if values.dtype != self.dtype:
+        raise RuntimeError(f"Index put requires the source and destination dtypes match, got {dtype_name(self.dtype)} "
+                           f"for the destination and {dtype_name(values.dtype)} for the source.")  # fmt: skip
+
+
+def index_copy(self, source):
+    """``index_copy_``: the dtypes match (checked before the slice shapes, as on CPU)."""
+    if source.dtype != self.dtype:
+        raise RuntimeError(f"index_copy_(): self and source expected to have the same dtype, but got (self) "
+                           f"{dtype_name(self.dtype)} and (source) {dtype_name(source.dtype)}")  # fmt: skip
+
+
+def index_add(self, dim: int, index, source):
+    """``index_add_``: the dtypes match; ``source`` has ``self``'s shape outside ``dim`` (the meta
+    kernel broadcasts it)."""
+    if source.dtype != self.dtype:
+        raise RuntimeError(f"index_add_(): self ({dtype_name(self.dtype)}) and source ({dtype_name(source.dtype)}) "
+                           f"must have the same scalar type")  # fmt: skip
+    if index.dim() > 1 or index.numel() != (source.shape[dim] if -source.dim() <= dim < source.dim() else 1):
+        return  # the meta kernel raises CPU's error ("Number of indices (2) should be equal to source.size(dim)")
+    want, got = list(self.shape), list(source.shape)
+    if want and got:  # CPU compares the shapes without dim, unless one is 0-d
+        d = dim % len(want)
+        if d >= len(got):
+            return
+        del want[d], got[d]
+    if want != got:
+        raise RuntimeError(f"source tensor shape must match self tensor shape, excluding the specified dimension. "
+                           f"Got self.shape = {list(self.shape)} source.shape = {list(source.shape)}")  # fmt: skip
+
+
+def put(self, index, source):
+    """``put_``: the dtypes match, then ``source`` has as many elements as ``index``."""
+    if source.dtype != self.dtype:
+        raise RuntimeError(f"put_(): self and source expected to have the same dtype, but got self.dtype = "
+                           f"{dtype_name(self.dtype)} and source.dtype = {dtype_name(source.dtype)}")  # fmt: skip
+    if source.numel() != index.numel():
+        raise IndexError(f"put_(): Expected source and index to have the same number of elements, but got "
+                         f"source.numel() = {source.numel()}, index.numel() = {index.numel()}")  # fmt: skip
+
+
+def _cpp_name(dtype: torch.dtype) -> str:
+    """The C++ name of ``dtype`` as CPU's matmul messages print it ("float", "long int")."""
+    return _CPP.get(dtype) or dtype_name(dtype)
+
+
+_CPP = {
+    torch.float32: "float", torch.float64: "double", torch.float16: "c10::Half", torch.bfloat16: "c10::BFloat16",
+    torch.int64: "long int", torch.int32: "int", torch.int16: "short int", torch.int8: "signed char",
+    torch.uint8: "unsigned char", torch.bool: "bool", torch.complex64: "c10::complex<float>",
+    torch.complex128: "c10::complex<double>",
+}  # fmt: skip
+
+
+def mm(self, mat2):
+    """``mm`` (and ``matmul`` / ``linear`` reaching it): both matrices of one dtype."""
+    if self.dtype != mat2.dtype:
+        raise RuntimeError(f"expected m1 and m2 to have the same dtype, but got: {_cpp_name(self.dtype)} != "
+                           f"{_cpp_name(mat2.dtype)}")  # fmt: skip
+
+
+def addmm(self, mat1, mat2):
+    """``addmm`` (``linear`` with a bias): the matrices, then ``self``, of one dtype."""
+    for name, t in (("mat1", mat1), ("self", self)):
+        if t.dtype != mat2.dtype:
+            raise RuntimeError(f"{name} and mat2 must have the same dtype, but got {dtype_name(t.dtype)} and "
+                               f"{dtype_name(mat2.dtype)}")  # fmt: skip
+
+
+def addmv(self, mat, vec):
+    """``addmv`` / ``mv`` (whose result, ``self`` here, takes ``vec``'s dtype): one dtype."""
+    if not self.dtype == mat.dtype == vec.dtype:
+        raise RuntimeError(f"addmv input tensors must have the same dtype, but got {dtype_name(self.dtype)}, "
+                           f"{dtype_name(mat.dtype)}, and {dtype_name(vec.dtype)}")  # fmt: skip
+
+
+def norm_params(input, *params):
+    """``layer_norm`` / ``group_norm`` / ``batch_norm``'s weight, bias and running stats, as CPU's
+    kernels take them: of ``input``'s dtype, or (a "mixed" call, told by the first given) all
+    float32 beside a bfloat16 or float16 ``input``."""
+    given = [p for p in params if p is not None]
+    if not given:
+        return
+    if given[0].dtype == input.dtype:
+        for p in given:
+            if p.dtype != input.dtype:
+                raise RuntimeError(f"expected scalar type {dtype_name(input.dtype)} but found {dtype_name(p.dtype)}")
+        return
+    if any(p.dtype != torch.float32 for p in given):
+        raise RuntimeError("mixed dtype (CPU): expect parameter to have scalar type of Float")
+    if input.dtype not in (torch.bfloat16, torch.float16):
+        raise RuntimeError("mixed dtype (CPU): all inputs must share same datatype.")
+
+
+def _dims(names, values) -> str:
+    return " ".join(f"{n}: {v}" for n, v in zip(names, values))
+
+
+def convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+    """``convolution``: CPU's checks of its parameters and shapes (``_convolution`` and its
+    kernels), in CPU's order; the meta kernel takes a negative padding, a mismatched dtype,
+    an output padding as large as the stride."""
+    k = weight.dim()
+    n = k - 2
+    if n <= 0:
+        raise RuntimeError("weight should have at least three dimensions")
+    if groups <= 0:
+        raise RuntimeError("non-positive groups is not supported")
+    params = {}
+    given = {"stride": stride, "padding": padding, "dilation": dilation, "output_padding": output_padding}
+    for name, v in given.items():
+        v = list(v)
+        if len(v) not in (1, n):
+            raise RuntimeError(f"expected {name} to be a single integer value or a list of {n} values to match the "
+                               f"convolution dimensions, but got {name}={v}")  # fmt: skip
+        params[name] = v * n if len(v) == 1 else v
+    stride, padding, dilation, output_padding = params.values()
+    if any(p < 0 for p in padding):
+        raise RuntimeError("negative padding is not supported")
+    if any(p < 0 for p in output_padding):
+        raise RuntimeError("negative output_padding is not supported")
+    if any(s <= 0 for s in stride):
+        raise RuntimeError("non-positive stride is not supported")
+    if any(d < 0 for d in dilation):
+        raise RuntimeError("dilation should be greater than zero")
+    ws = list(weight.shape)
+    if input.dim() != k:
+        raise RuntimeError(f"Expected {k}-dimensional input for {k}-dimensional weight {ws}, but got "
+                           f"{input.dim()}-dimensional input of size {list(input.shape)} instead")  # fmt: skip
+    if ws[0] < groups:
+        raise RuntimeError(f"Given groups={groups}, expected weight to be at least {groups} at dimension 0, but got "
+                           f"weight of size {ws} instead")  # fmt: skip
+    if ws[0] % groups:
+        raise RuntimeError(f"Given groups={groups}, expected weight to be divisible by {groups} at dimension 0, but "
+                           f"got weight of size [{ws}] instead")  # fmt: skip
+    # the kernels' own check, after the shapes'
+    _conv_dtype = input.dtype != weight.dtype and (
+        f"expected scalar type {dtype_name(input.dtype)} but found {dtype_name(weight.dtype)}"
+    )
+    if transposed:
+        channels, outs = ws[0], ws[1] * groups
+        if input.shape[1] != channels:
+            raise RuntimeError(f"Given transposed=1, weight of size {ws}, expected input{list(input.shape)} to have "
+                               f"{channels} channels, but got {input.shape[1]} channels instead")  # fmt: skip
+        if bias is not None and (bias.dim() != 1 or bias.shape[0] != outs):
+            raise RuntimeError(f"Given transposed=1, weight of size {ws}, expected bias to be 1-dimensional with "
+                               f"{outs} elements, but got bias of size {list(bias.shape)} instead")  # fmt: skip
+        # CPU's kernels view a 1-d convolution as a 2-d one of height 1
+        names = ("depth", "height", "width")[-n:] if n > 1 else ("height", "width")
+        lift = (lambda v, one: [one, *v]) if n == 1 else (lambda v, one: v)
+        if 0 in dilation:
+            raise RuntimeError("dilation should be greater than zero, but got "
+                               + ", ".join(f"dilation_{x}: {v}" for x, v in zip(names, lift(dilation, 1))))  # fmt: skip
+        if _conv_dtype:
+            raise RuntimeError(_conv_dtype)
+        if any(o >= s and o >= d for o, s, d in zip(output_padding, stride, dilation)):
+            raise RuntimeError("output padding must be smaller than either stride or dilation, but got "
+                               + " ".join([_dims([f"output_padding_{x}" for x in names], lift(output_padding, 0)),
+                                           _dims([f"stride_{x}" for x in names], lift(stride, 1)),
+                                           _dims([f"dilation_{x}" for x in names], lift(dilation, 1))]))  # fmt: skip
+        return
+    if input.shape[1] != ws[1] * groups:
+        raise RuntimeError(f"Given groups={groups}, weight of size {ws}, expected input{list(input.shape)} to have "
+                           f"{ws[1] * groups} channels, but got {input.shape[1]} channels instead")  # fmt: skip
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != ws[0]):
+        raise RuntimeError(f"Given weight of size {ws}, expected bias to be 1-dimensional with {ws[0]} elements, "
+                           f"but got bias of size {list(bias.shape)} instead")  # fmt: skip
+    padded = [input.shape[i + 2] + 2 * padding[i] for i in range(n)]
+    kernel = [dilation[i] * (ws[i + 2] - 1) + 1 for i in range(n)]
+    if any(p < q for p, q in zip(padded, kernel)):
+        raise RuntimeError(f"Calculated padded input size per channel: ({' x '.join(map(str, padded))}). "
+                           f"Kernel size: ({' x '.join(map(str, kernel))}). "
+                           f"Kernel size can't be greater than actual input size")  # fmt: skip
+    if 0 in dilation:
+        raise RuntimeError(f"dilation should be greater than zero, but got {[1, *dilation] if n == 1 else dilation}")
+    if _conv_dtype:
+        raise RuntimeError(_conv_dtype)
