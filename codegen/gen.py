@@ -76,6 +76,17 @@ def _index_dtype(e: registry.Entry, args) -> str:
     return _tuple(rules)
 
 
+def _refuse_dtypes(e: registry.Entry) -> str:
+    """Python source of the spec's ``refuse_dtypes`` rules: ``((dtypes, exception, message), ...)``."""
+    if not e.refuse_dtypes:
+        return "None"
+    rules = []
+    for r in e.refuse_dtypes:
+        exc, _, msg = r["error"].partition(": ")
+        rules.append(_tuple([_tuple([f"torch.{d}" for d in r["dtypes"]]), exc, repr(msg)]))
+    return _tuple(rules)
+
+
 def _reads(expr: str, params: list) -> str:
     """``OpSpec.check_reads`` for a check expression: ``(expr, positions of the arguments it
     reads, whether it reads the outputs)``: two ops whose checks are the same expression over the
@@ -109,10 +120,12 @@ def build(entries):
             runtime.append(_aten(e.name))
         if e.decompose:
             decomposed.append(_aten(e.name))
-            if e.validate is not None:
-                fn = f"_validate_{_ident(e.name)}"
-                validators.append(dict(fn=fn, params=_params([a for a in s.args if not a.is_out]), body=e.validate))
-                decomposed_validated.append((_aten(e.name), fn))
+            if e.validate is not None or e.refuse_dtypes:
+                fn = "None"
+                if e.validate is not None:
+                    fn = f"_validate_{_ident(e.name)}"
+                    validators.append(dict(fn=fn, params=_params([a for a in s.args if not a.is_out]), body=e.validate))
+                decomposed_validated.append((_aten(e.name), fn, _refuse_dtypes(e)))
             continue
         if e.fallback is not None:
             fallbacks.append((_aten(e.name), e.fallback))
@@ -150,6 +163,7 @@ def build(entries):
             check_integral=e.check_if == "integral",
             index_dtype=_index_dtype(e, fargs),
             validate=validate,
+            refuse_dtypes=_refuse_dtypes(e),
         )
         meta = "None"
         if s.inplace and len(s.mutated) > 1:
@@ -171,7 +185,8 @@ def build(entries):
                                kinds=", ".join(["TENSOR", "TENSOR"] + ["STATIC"] * len(fargs)),
                                kwarg_only=tuple([False] * (len(fargs) + 2)), returns="ONE", promote="None",
                                promote_args="None", view=False, scatter="None", meta="_scatter_meta",
-                               check="None", check_integral=False, index_dtype="None", validate="None"))  # fmt: skip
+                               check="None", check_integral=False, index_dtype="None", validate="None",
+                               refuse_dtypes="None"))  # fmt: skip
         main = _Spec(var=var, name=e.name, overload=_aten(e.name), view=s.view, scatter=scatter_var,
                      meta=meta, copies=e.copies, distinct_out=e.distinct_out, **common)  # fmt: skip
         specs.append(main)

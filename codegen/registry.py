@@ -14,13 +14,13 @@ from codegen.schema import Schema
 KEYS = {
     "lower", "helper", "decompose", "fallback", "promote", "promote_args", "static", "random", "scatter",
     "variants", "dispatch", "test", "note", "check", "check_if", "index_dtype", "host_scalars", "copies",
-    "distinct_out", "validate",
+    "distinct_out", "validate", "refuse_dtypes",
 }  # fmt: skip
 # How an entry is executed: exactly one of these fields, except for dispatch runtime/metadata.
 RULES = ("lower", "helper", "decompose", "fallback")
 DISPATCH = {"shim", "runtime", "metadata"}
 TEST_KEYS = {"opinfo", "atol", "rtol", "grad_atol", "grad_rtol", "dtypes", "xfail", "compare"}
-TEST_TAGS = {"float32", "bfloat16", "int64", "bool", "grad", "inplace", "out", "errors", "all"}
+TEST_TAGS = {"float32", "bfloat16", "int64", "bool", "grad", "inplace", "out", "errors", "unsupported", "all"}
 CHECK_IF = {"integral"}
 INDEX_DTYPE_KEYS = {"arg", "dtypes", "error"}  # and optionally "empty_ok"
 # The exceptions an index_dtype error may raise, and the dtype names its message may use.
@@ -66,6 +66,9 @@ class Entry:
     # expression over the arguments as meta tensors calling runtime/trace/validate.py (V), run
     # when the op is traced (once per signature), so CPU's error is raised at the call.
     validate: str | None = None
+    # The computation dtypes CPU's kernel has no implementation for, and its error ("abs_cpu" not
+    # implemented for 'Bool'): a list of {dtypes, error}, checked when the op is traced.
+    refuse_dtypes: list = field(default_factory=list)
     # Its result holds exactly its first argument's elements when the dtype stays (a copy or a
     # reshape, not a view): the host, holding that argument, holds the result too
     # (runtime/plan/prechecks.py decides a step's checks from it).
@@ -181,6 +184,27 @@ def _check_index_dtype(name: str, e: Entry) -> None:
     e.index_dtype = rules
 
 
+def _check_refuse_dtypes(name: str, e: Entry) -> None:
+    import torch
+
+    rules = e.refuse_dtypes if isinstance(e.refuse_dtypes, list) else [e.refuse_dtypes]
+    where = f"ops.yaml entry '{name}': refuse_dtypes"
+    for r in rules:
+        if not isinstance(r, dict) or set(r) != {"dtypes", "error"}:
+            raise RegistryError(f"{where} is a mapping (or a list of them) with keys dtypes and error")
+        for d in r["dtypes"]:
+            if not isinstance(getattr(torch, str(d), None), torch.dtype):
+                raise RegistryError(f"{where}: '{d}' is not a torch dtype")
+        exc, _, msg = str(r["error"]).partition(": ")
+        if exc not in INDEX_DTYPE_ERRORS or not msg:
+            raise RegistryError(f"{where}: error is '<exception>: <message>', the exception one of "
+                                f"{sorted(INDEX_DTYPE_ERRORS)}")  # fmt: skip
+        fields = {f for _, f, _, _ in string.Formatter().parse(msg) if f is not None}
+        if fields - INDEX_DTYPE_NAMES:
+            raise RegistryError(f"{where}: the message may name the dtype as {sorted(INDEX_DTYPE_NAMES)}")
+    e.refuse_dtypes = rules
+
+
 def load(path: str, schemas: dict) -> list[Entry]:
     """Parse ops.yaml; raise ``RegistryError`` naming the entry for any mistake."""
     with open(path) as f:
@@ -215,10 +239,17 @@ def load(path: str, schemas: dict) -> list[Entry]:
             _check_expr(f"ops.yaml entry '{name}' (check)", e.check, argnames | GLOBALS | extra)
         if e.validate is not None:
             _check_expr(f"ops.yaml entry '{name}' (validate)", e.validate, argnames | {"V", "torch"} | extra)
+            read = {n.id for n in ast.walk(ast.parse(e.validate, mode="eval")) if isinstance(n, ast.Name)}
+            traced = {a.py for a in s.args if a.kind == "SCALAR" and a.py not in e.static} & read
+            if traced:  # it runs once per signature, which holds no traced number's value
+                raise RegistryError(f"ops.yaml entry '{name}': validate reads the traced number(s) {sorted(traced)}; "
+                                    f"list them in static or check them on the device (check:)")  # fmt: skip
         if e.check_if is not None and (e.check is None or e.check_if not in CHECK_IF):
             raise RegistryError(f"ops.yaml entry '{name}': check_if needs a check and is one of {sorted(CHECK_IF)}")
         if e.index_dtype:
             _check_index_dtype(name, e)
+        if e.refuse_dtypes:
+            _check_refuse_dtypes(name, e)
         if not isinstance(e.copies, bool) or (e.copies and (s.view or not s.args or s.args[0].kind != "TENSOR")):
             raise RegistryError(f"ops.yaml entry '{name}': copies is true or false, and only for a non-view op "
                                 f"whose first argument is a tensor")  # fmt: skip

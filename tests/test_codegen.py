@@ -27,6 +27,9 @@ def _load(tmp_path, text):
         ("mul.Tensor:\n  lower: self\n  scatter: src\n", "'scatter' is only for view ops"),
         ("clone:\n  lower: self\n  copies: yes please\n", "copies is true or false"),
         ("t:\n  lower: self.T\n  copies: true\n", "copies is true or false, and only for a non-view op"),
+        ("add.Tensor:\n  lower: self\n  validate: V.mm(self, alpha)\n", r"validate reads the traced number\(s\)"),
+        ("abs:\n  lower: self\n  refuse_dtypes: {dtypes: [bool], error: 'Oops: no'}\n", "refuse_dtypes: error is"),
+        ("abs:\n  lower: self\n  refuse_dtypes: {dtypes: [boolean], error: 'RuntimeError: x'}\n", "'boolean' is not a"),
     ],
 )
 def test_bad_entries_are_rejected_by_name(tmp_path, text, msg):

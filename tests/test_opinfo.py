@@ -461,6 +461,44 @@ def test_error_inputs_raise_as_on_cpu(key, request):
     assert not missed, "\n".join(missed)
 
 
+# Dtypes CPU's kernels often lack: integers and bools for float math, complex for comparisons and
+# sorting, float16 for linear algebra
+UNSUPPORTED = (torch.int64, torch.bool, torch.complex64, torch.float16)
+UNSUPPORTED_CASES = sorted(k for k, (op, _) in _plan().items() if set(UNSUPPORTED) - set(op.supported_dtypes("cpu")))
+
+
+@pytest.mark.parametrize("key", UNSUPPORTED_CASES)
+def test_a_dtype_cpu_has_no_kernel_for_raises_on_the_device(key, request):
+    """Samples in a dtype the OpInfo says CPU does not support (``softmax`` of integers, ``abs``
+    of bools, ``maximum`` of complex numbers): where CPU raises, the device raises too, at the
+    call (ops.yaml ``refuse_dtypes``), instead of computing a value CPU never gives (``gelu`` of
+    an int64 tensor gave int64 values). Nothing is synced where the device refuses."""
+    op, _, _, _ = _setup(key, "unsupported", request)
+    missed = []
+    for dtype in UNSUPPORTED:
+        if dtype in op.supported_dtypes("cpu"):
+            continue
+        try:
+            samples = _samples(op, dtype, False, _full(request.config))[: None if _full(request.config) else 1]
+        except Exception:  # noqa: BLE001, S112 - the OpInfo makes no samples of this dtype
+            continue
+        for i, s in enumerate(samples):
+            try:
+                _call(op, s)
+                continue  # CPU takes it (the OpInfo's list is stale for this sample)
+            except Exception as cpu_error:  # noqa: BLE001 - any error CPU raises
+                error = cpu_error
+            try:
+                xs = _Moved(s)
+                for t in tree_flatten(_call(op, xs))[0]:
+                    if isinstance(t, torch.Tensor):
+                        t.cpu()
+            except Exception:  # noqa: BLE001, S112 - refused, as on CPU
+                continue
+            missed.append(f"{dtype} sample {i}: CPU raised {type(error).__name__}: {str(error)[:200]}")
+    assert not missed, "\n".join(missed)
+
+
 def _elements(s) -> int:
     return sum(t.numel() for t in tree_flatten((s.input, s.args, s.kwargs))[0] if isinstance(t, torch.Tensor))
 

@@ -45,7 +45,7 @@ from xlatorch.runtime.trace.dispatch import SHIMS as _SHIMS  # noqa: E402
 from xlatorch.runtime.trace.dispatch import decomposition as _decomposition  # noqa: E402
 
 _SHIMS.update(_table.SHIMS)
-_DECOMPS.update({op: _decomposition(op, _table.VALIDATE_DECOMPOSED.get(op)) for op in _table.DECOMPOSED})
+_DECOMPS.update({op: _decomposition(op, _table.VALIDATE_DECOMPOSED.get(op, (None, None))) for op in _table.DECOMPOSED})
 _device.install(_table.SPECS)
 _device.check_runtime(_table.RUNTIME)
 _device.register(_table.FACTORIES)

@@ -70,13 +70,14 @@ class OpSpec:
         "name", "overload", "emit", "arg_names", "kinds", "kwarg_only", "returns",
         "promote", "promote_idx", "view", "scatter", "cache", "meta_overload", "check", "check_integral", "check_reads",
         "counter", "mutates", "born", "index_dtype", "prepare", "copies", "distinct_out",
-        "out_overload", "validate",
+        "out_overload", "validate", "refuse_dtypes",
     )  # fmt: skip
 
     def __init__(self, name, overload, emit, arg_names, kinds, kwarg_only, returns,
                  promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
                  check=None, check_integral=False, mutates=(), index_dtype=None, copies=False,
-                 check_reads=None, distinct_out=False, out_overload=None, validate=None):  # fmt: skip
+                 check_reads=None, distinct_out=False, out_overload=None, validate=None,
+                 refuse_dtypes=None):  # fmt: skip
         self.name = name
         self.overload = overload
         self.emit = emit
@@ -112,6 +113,9 @@ class OpSpec:
         # ops.yaml ``validate``: called with the meta arguments in schema order at the same
         # time; raises CPU's error for shapes and dtypes CPU refuses and the meta kernel takes.
         self.validate = validate
+        # ops.yaml ``refuse_dtypes``: ``((dtypes, exception, message), ...)``, the computation dtypes
+        # CPU's kernel refuses (checked with the signature's inference, after the meta kernel).
+        self.refuse_dtypes = refuse_dtypes
         # torch_xla's per-op counter: how many times the op was recorded for the device
         self.counter = "xla::" + (name.split("::")[-1].split(".")[0])
         # An in-place op writing several arguments (``_amp_update_scale_``): their positions, in

@@ -37,7 +37,16 @@ from xlatorch.runtime.ir.rng import next_key
 from xlatorch.runtime.ir.values import Node, Out, Scalar
 from xlatorch.runtime.trace import strides
 from xlatorch.runtime.trace import tensor as _tensor_module
-from xlatorch.runtime.trace.nodes import _node, call_meta, check_cast, convert_value, meta_args, scalar
+from xlatorch.runtime.trace.nodes import (
+    _node,
+    call_meta,
+    check_cast,
+    check_refused,
+    convert_value,
+    first_dtype,
+    meta_args,
+    scalar,
+)
 from xlatorch.runtime.trace.strides import geometry
 from xlatorch.runtime.trace.tensor import Storage, XlaTensor, value_of, wrap, write
 
@@ -50,15 +59,19 @@ RUNTIME_OPS: dict = {}  # OpOverload -> hand-written handler (copies, transfers,
 DECOMPS: dict = {}  # OpOverload -> PyTorch decomposition into ops that are lowered
 
 
-def decomposition(op, validate=None):
-    """PyTorch's decomposition of ``op`` (ops.yaml ``decompose``), run after its ``validate``
-    (CPU's checks that the ops it decomposes into do not make) when it has one."""
+def decomposition(op, checks=(None, None)):
+    """PyTorch's decomposition of ``op`` (ops.yaml ``decompose``), run after CPU's checks that the
+    ops it decomposes into do not make: ``(validate, refuse_dtypes)`` of its ops.yaml entry."""
     decomp = torch._decomp.decomposition_table[op]
-    if validate is None:
+    validate, refused = checks
+    if validate is None and refused is None:
         return decomp
 
     def run(*args, **kwargs):
-        validate(*args, **kwargs)
+        if validate is not None:
+            validate(*args, **kwargs)
+        if refused is not None:
+            check_refused(refused, first_dtype(args))
         return decomp(*args, **kwargs)
 
     return run

@@ -9,7 +9,7 @@ import functools
 import sys
 
 import torch
-from torch._prims_common import elementwise_dtypes
+from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
 from xlatorch.runtime.base import config
 from xlatorch.runtime.base.dtypes import PY_SCALAR_DTYPE
@@ -109,7 +109,38 @@ def _infer(spec: OpSpec, vals: tuple) -> Info:
         res = [x for r in res for x in (r if isinstance(r, (list, tuple)) else (r,))]
     # None: an output PyTorch leaves undefined (e.g. a gradient masked out by output_mask).
     avals = tuple(None if r is None else (tuple(r.shape), r.dtype) for r in res)
+    if spec.refuse_dtypes is not None:
+        check_refused(spec.refuse_dtypes, _kernel_dtype(spec, meta) or avals[0][1])
     return info_of(spec, meta, avals)
+
+
+def _kernel_dtype(spec: OpSpec, meta: list) -> torch.dtype | None:
+    """The dtype CPU's kernel runs in: its tensors' promoted dtype for an elementwise op (not the
+    computation dtype xlatorch's lowering may widen to: ``celu`` of integers, ``float16`` math
+    in float32), else its first tensor's dtype."""
+    if spec.promote is None:
+        return first_dtype(meta)
+    tensors = [meta[i] for i in spec.promote_idx if isinstance(meta[i], torch.Tensor)]
+    if not tensors:
+        return None
+    return elementwise_dtypes(*tensors, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)[1]
+
+
+def first_dtype(args) -> torch.dtype | None:
+    """The dtype of the first tensor among ``args`` (a list argument's first), None if none."""
+    for a in args:
+        a = a[0] if type(a) in (list, tuple) and a else a
+        if isinstance(a, torch.Tensor):
+            return a.dtype
+    return None
+
+
+def check_refused(rules, dtype: torch.dtype) -> None:
+    """Raise CPU's error when the op computes in a dtype its CPU kernel has no implementation for
+    (ops.yaml ``refuse_dtypes``: ``abs`` of a bool tensor, ``softmax`` of an integer one)."""
+    for dtypes, exc, msg in rules:
+        if dtype in dtypes:
+            raise exc(msg.format(**_dtype_names(dtype)))
 
 
 def _in_place(op) -> bool:

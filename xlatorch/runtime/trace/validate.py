@@ -16,7 +16,8 @@ import torch
 
 from xlatorch.runtime.trace.nodes import dtype_name
 
-__all__ = ["index_put", "index_copy", "index_add", "put", "mm", "addmm", "addmv", "norm_params", "convolution"]
+__all__ = ["index_put", "index_copy", "index_add", "put", "mm", "addmm", "addmv", "norm_params", "convolution",
+           "scatter_reduce", "normal_std", "random_bounds"]  # fmt: skip
 
 aten = torch.ops.aten
 
@@ -80,6 +81,37 @@ def put(self, index, source):
     if source.numel() != index.numel():
         raise IndexError(f"put_(): Expected source and index to have the same number of elements, but got "
                          f"source.numel() = {source.numel()}, index.numel() = {index.numel()}")  # fmt: skip
+
+
+def scatter_reduce(self, reduce: str):
+    """``scatter_reduce``: CPU's kernels have no complex amax / amin and no bool mean."""
+    refused = {"amax": (torch.complex64, torch.complex128), "amin": (torch.complex64, torch.complex128),
+               "mean": (torch.bool,)}.get(reduce, ())  # fmt: skip
+    if self.dtype in refused:
+        raise NotImplementedError(f'"scatter_gather_tensor_cpu_reduce_{reduce}" not implemented for '
+                                  f"'{dtype_name(self.dtype)}'")  # fmt: skip
+
+
+def normal_std(std):
+    """``normal``'s standard deviation: real."""
+    if std.dtype.is_complex:
+        raise RuntimeError("normal expects standard deviation to be non-complex")
+
+
+def random_bounds(dtype, low, high):
+    """``randint`` / ``randint_like``: ``low < high``, both within an integer or bool ``dtype``
+    (the device would draw values the dtype cannot hold); no complex dtype."""
+    dtype = dtype or torch.int64
+    if dtype.is_complex:
+        raise RuntimeError("check_random_bounds handles only integral, floating-point and boolean types")
+    if low >= high:
+        raise RuntimeError(f"random_ expects 'from' to be less than 'to', but got from={low} >= to={high}")
+    if dtype.is_floating_point:
+        return
+    info = (0, 1) if dtype is torch.bool else (torch.iinfo(dtype).min, torch.iinfo(dtype).max)
+    for name, v in (("from", low), ("to - 1", high - 1)):
+        if not info[0] <= v <= info[1]:
+            raise RuntimeError(f"{name} is out of bounds for {_cpp_name(dtype)}")
 
 
 def _cpp_name(dtype: torch.dtype) -> str:
