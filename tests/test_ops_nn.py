@@ -302,3 +302,57 @@ def test_what_cpu_takes_runs_on_the_device_as_on_cpu(name):
     assert got.dtype == want.dtype and got.shape == want.shape
     torch.testing.assert_close(got.cpu(), want, atol=1e-2 if want.dtype == _BF16 else 1e-5, rtol=1e-2)
     assert met.executed_fallback_ops() == []
+
+
+# Dtypes CPU's kernels have no implementation for (ops.yaml refuse_dtypes): the device gave
+# integer values of float math (softmax of int64: zeros), or compared complex numbers.
+_NO_KERNEL = {
+    "softmax(int64)": lambda d: F.softmax(torch.arange(3, device=d), 0),
+    "log_softmax(int32)": lambda d: F.log_softmax(torch.arange(3, dtype=torch.int32, device=d), 0),
+    "gelu(int64)": lambda d: F.gelu(torch.arange(3, device=d)),
+    "silu(uint8)": lambda d: F.silu(torch.arange(3, dtype=torch.uint8, device=d)),
+    "std(int64)": lambda d: torch.arange(3, device=d).std(),
+    "relu(bool)": lambda d: F.relu(torch.ones(3, dtype=torch.bool, device=d)),
+    "abs(bool)": lambda d: torch.ones(3, dtype=torch.bool, device=d).abs(),
+    "mm(bool)": lambda d: torch.ones(2, 2, dtype=torch.bool, device=d).mm(torch.ones(2, 2, dtype=torch.bool, device=d)),
+    "maximum(complex)": lambda d: torch.maximum(
+        torch.ones(2, dtype=torch.cfloat, device=d), torch.ones(2, dtype=torch.cfloat, device=d)
+    ),
+    "topk(complex)": lambda d: torch.ones(3, dtype=torch.cfloat, device=d).topk(1),
+    "interpolate(int64)": lambda d: F.interpolate(
+        torch.ones(1, 1, 2, 2, dtype=torch.long, device=d), scale_factor=2, mode="bilinear"
+    ),
+    "hypot(int64, int64)": lambda d: torch.hypot(torch.arange(3, device=d), torch.arange(3, device=d)),
+    "randint_like(int8, 1000)": lambda d: torch.randint_like(torch.ones(3, dtype=torch.int8, device=d), 1000),
+    "arange(bool)": lambda d: torch.arange(3, dtype=torch.bool, device=d),
+}
+
+# ... and the mixed-dtype calls CPU takes: the kernel runs in the promoted dtype
+_KERNEL = {
+    "hypot(int64, float32)": lambda d: torch.hypot(torch.arange(3, device=d), torch.ones(3, device=d)),
+    "hypot(int64, 2.5)": lambda d: torch.hypot(torch.arange(3, device=d), torch.tensor(2.5, device=d)),
+    "maximum(int64, float32)": lambda d: torch.maximum(torch.arange(3, device=d), torch.ones(3, device=d)),
+    "softmax(int64, dtype=float32)": lambda d: F.softmax(torch.arange(3, device=d), 0, dtype=torch.float32),
+    "randint_like(int16, 1000) shape": lambda d: torch.randint_like(torch.ones(3, dtype=torch.int16, device=d), 1000)
+    < 1000,
+    "lerp(float16)": lambda d: torch.lerp(
+        torch.zeros(3, dtype=torch.half, device=d), torch.ones(3, dtype=torch.half, device=d), 0.5
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_NO_KERNEL))
+def test_a_dtype_cpu_has_no_kernel_for_is_refused_at_the_call(name):
+    with pytest.raises((RuntimeError, NotImplementedError)) as cpu:
+        _NO_KERNEL[name]("cpu")
+    with pytest.raises(type(cpu.value)) as xla:
+        _NO_KERNEL[name]("xla")
+    assert str(xla.value) == str(cpu.value)
+
+
+@pytest.mark.parametrize("name", sorted(_KERNEL))
+def test_a_dtype_cpu_runs_in_is_not_refused(name):
+    want = _KERNEL[name]("cpu")
+    got = _KERNEL[name]("xla")
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got.cpu(), want)
