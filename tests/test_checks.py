@@ -369,3 +369,60 @@ def test_a_program_that_ends_after_a_failed_step_exits_with_its_error():
     assert out.stdout.strip() == "done"
     assert out.returncode == 1
     assert "IndexError: index 9 is out of bounds" in out.stderr and "XLATORCH_CHECKS=sync" in out.stderr
+
+
+_SPD = torch.tensor([[4.0, 2.0, 0.0], [2.0, 5.0, 1.0], [0.0, 1.0, 3.0]])
+_NOT_PD = torch.tensor([[4.0, 2.0, 0.0], [2.0, 1.0, 0.0], [0.0, 0.0, 3.0]])  # leading minor of order 2: 0
+
+# Factorizations CPU refuses on the data (LAPACK's info): the device returned NaNs or infinities.
+_LINALG = {
+    "cholesky, minor 2": lambda d: torch.linalg.cholesky(_NOT_PD.to(d)),
+    "cholesky, minor 1": lambda d: torch.linalg.cholesky(-torch.eye(2, device=d)),
+    "cholesky of a batch": lambda d: torch.linalg.cholesky(torch.stack([_SPD, _NOT_PD]).to(d)),
+    "cholesky(upper=True)": lambda d: torch.linalg.cholesky(_NOT_PD.to(d), upper=True),
+    "inv of ones": lambda d: torch.linalg.inv(torch.ones(2, 2, device=d)),
+    "inv, zero row": lambda d: torch.linalg.inv(torch.tensor([[1.0, 2, 3], [4, 5, 6], [0, 0, 0]], device=d)),
+    "inverse of a batch": lambda d: torch.stack([torch.eye(2), torch.ones(2, 2)]).to(d).inverse(),
+    "inv of complex ones": lambda d: torch.linalg.inv(torch.ones(2, 2, dtype=torch.cfloat, device=d)),
+    "solve": lambda d: torch.linalg.solve(torch.ones(2, 2, device=d), torch.ones(2, device=d)),
+    "lu_factor": lambda d: torch.linalg.lu_factor(torch.zeros(2, 2, device=d)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_LINALG))
+def test_a_factorization_cpu_refuses_raises_cpus_error(name):
+    """``linalg.cholesky`` / ``inv`` / ``solve`` / ``lu_factor`` read their factorization's info,
+    as on CUDA (the ``_ex`` variants do not), and raise CPU's LinAlgError word for word."""
+    with pytest.raises(RuntimeError) as cpu:
+        _LINALG[name]("cpu")
+    with pytest.raises(type(cpu.value)) as xla:
+        _LINALG[name]("xla")
+    assert str(xla.value) == str(cpu.value)
+
+
+def test_the_ex_variants_report_cpus_info_without_raising():
+    for a in (_SPD, _NOT_PD, -torch.eye(3), torch.stack([_SPD, _NOT_PD])):
+        assert torch.equal(torch.linalg.cholesky_ex(a.to("xla")).info.cpu(), torch.linalg.cholesky_ex(a).info)
+    for a in (torch.ones(2, 2), torch.tensor([[1.0, 2, 3], [4, 5, 6], [0, 0, 0]]), _SPD):
+        assert torch.equal(torch.linalg.inv_ex(a.to("xla")).info.cpu(), torch.linalg.inv_ex(a).info)
+        assert torch.equal(torch.linalg.lu_factor_ex(a.to("xla")).info.cpu(), torch.linalg.lu_factor_ex(a).info)
+    torch.testing.assert_close(torch.linalg.inv(_SPD.to("xla")).cpu(), torch.linalg.inv(_SPD))
+    torch.testing.assert_close(torch.linalg.cholesky(_SPD.to("xla")).cpu(), torch.linalg.cholesky(_SPD))
+
+
+def test_a_compiled_factorization_is_checked_on_the_device():
+    """Under ``torch.compile``, ``_linalg_check_errors`` (an op with side effects in the AOT graph:
+    ``with_effects``) is an on-device check of the one compiled graph, with CPU's message; the
+    function failed to run at all before."""
+
+    def f(a):
+        return torch.linalg.cholesky(a).sum() + torch.linalg.inv(a).sum()
+
+    g = torch.compile(f, backend="openxla")
+    torch.testing.assert_close(g(_SPD.to("xla")).cpu(), f(_SPD))
+    with pytest.raises(torch.linalg.LinAlgError) as cpu:
+        f(_NOT_PD)
+    with pytest.raises(torch.linalg.LinAlgError) as xla:
+        g(_NOT_PD.to("xla")).cpu()
+    assert str(xla.value).startswith(str(cpu.value))
+    assert met.counter_value("CompiledGraphOpByOp") in (None, 0)

@@ -25,7 +25,7 @@ from xlatorch.lowering.index import mask_values
 
 __all__ = ["in_range", "always", "index_range", "select_range", "along_dim", "index_add_range", "advanced",
            "targets", "bag", "divisor", "negative_power", "index_out_of_range", "flat", "segments",
-           "lu_pivots", "multinomial"]  # fmt: skip
+           "lu_pivots", "multinomial", "linalg_info"]  # fmt: skip
 
 
 def _xp(x):
@@ -269,3 +269,38 @@ def multinomial(self, num_samples: int, replacement: bool):
          "invalid multinomial distribution (encountering probability entry = infinity or NaN)"),
         (xp.any(sums <= 0), 0, 0, RuntimeError, zero),
     ]  # fmt: skip
+
+
+# ``_linalg_check_errors``'s messages, chosen by the caller's name as CPU chooses them (the first
+# that the name contains), and whether CPU raises its linear-algebra error or a RuntimeError.
+_LINALG_MESSAGES = (
+    ("inv", "The diagonal element {0} is zero, the inversion could not be completed because the input matrix is "
+            "singular.", True),
+    ("solve", "The solver failed because the input matrix is singular.", True),
+    ("cholesky", "The factorization could not be completed because the input is not positive-definite (the "
+                 "leading minor of order {0} is not positive-definite).", True),
+    ("svd", "The algorithm failed to converge because the input matrix is ill-conditioned or has too many repeated "
+            "singular values (error code: {0}).", True),
+    ("eig", "The algorithm failed to converge because the input matrix is ill-conditioned or has too many repeated "
+            "eigenvalues (error code: {0}).", True),
+    ("lu_factor", "U[{0},{0}] is zero and using it on lu_solve would result in a division by zero. If you still want "
+                  "to perform the factorization, consider calling linalg.lu(A, pivot) or linalg.lu_factor_ex(A, pivot)",
+     False),
+)  # fmt: skip
+
+
+def linalg_info(info, api_name: str, is_matrix: bool, linalg_error):
+    """``_linalg_check_errors`` inside a compiled graph: the first non-zero ``info`` of a batch of
+    factorizations (``{1}``, its batch element) raises CPU's error for ``api_name``; None when
+    the name is not one CPU words an error for."""
+    found = [(text, linalg) for key, text, linalg in _LINALG_MESSAGES if key in api_name]
+    if not found:
+        return None
+    text, linalg = found[0]
+    if info.size == 0:
+        return None
+    flat = info.reshape(-1)
+    bad = flat != 0
+    pos = jnp.argmax(bad)
+    where = "" if is_matrix else ": (Batch element {1})"
+    return jnp.any(bad), flat[pos], pos, linalg_error if linalg else RuntimeError, f"{api_name}{where}: {text}"

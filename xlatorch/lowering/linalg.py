@@ -99,6 +99,35 @@ def _lu(a):
     return lu, (piv + 1).astype(jnp.int32)
 
 
+def _zero_pivot(lu):
+    """LAPACK's ``info`` of an LU factorization: the 1-based index of the first exactly zero
+    diagonal element of U, 0 if none (per matrix of a batch)."""
+    zero = jnp.diagonal(lu, axis1=-2, axis2=-1) == 0
+    if zero.shape[-1] == 0:  # an empty matrix factors
+        return jnp.zeros(zero.shape[:-1], jnp.int32)
+    return jnp.where(jnp.any(zero, axis=-1), jnp.argmax(zero, axis=-1) + 1, 0).astype(jnp.int32)
+
+
+def _not_positive_definite(a):
+    """LAPACK potrf's ``info``: the order of the first leading minor of Hermitian ``a`` that is not
+    positive-definite (Sylvester: the first non-positive pivot of elimination without pivoting),
+    0 if none."""
+    n = a.shape[-1]
+    if n == 0:
+        return jnp.zeros(a.shape[:-2], jnp.int32)
+
+    def step(k, carry):
+        m, pivots = carry
+        p = jnp.real(m[..., k, k])
+        pivots = pivots.at[..., k].set(p)
+        m = m - m[..., :, k, None] * m[..., None, k, :] / m[..., k, k][..., None, None]
+        return m, pivots
+
+    _, pivots = lax.fori_loop(0, n, step, (a, jnp.zeros(a.shape[:-1], jnp.real(a).dtype)))
+    bad = ~(pivots > 0)  # NaN too
+    return jnp.where(jnp.any(bad, axis=-1), jnp.argmax(bad, axis=-1) + 1, 0).astype(jnp.int32)
+
+
 def _perm_sign(piv):
     n = piv.shape[-1]
     swaps = jnp.sum(piv != jnp.arange(1, n + 1, dtype=piv.dtype), axis=-1)
@@ -135,7 +164,7 @@ def linalg_slogdet(out, A):
 def lu_factor_ex(out, A, pivot=True, check_errors=False):
     """aten.linalg_lu_factor_ex: (LU, pivots, info) with partial pivoting."""
     lu, piv = _lu(A)
-    return lu, piv, jnp.zeros(out[2].shape, jnp.int32)
+    return lu, piv, _zero_pivot(lu)
 
 
 @_lapack
@@ -163,7 +192,8 @@ def cholesky_ex(out, self, upper=False, check_errors=False):
     """aten.linalg_cholesky_ex: (L or U, info)."""
     low = jnp.linalg.cholesky(self)
     res = jnp.conj(jnp.swapaxes(low, -1, -2)) if upper else low
-    info = jnp.where(jnp.any(jnp.isnan(low), axis=(-2, -1)), 1, 0).astype(jnp.int32)
+    failed = jnp.any(jnp.isnan(low))  # XLA fills a failed factorization with NaNs
+    info = lax.cond(failed, _not_positive_definite, lambda a: jnp.zeros(a.shape[:-2], jnp.int32), self)
     return res, info
 
 
@@ -193,8 +223,12 @@ def linalg_qr(out, A, mode="reduced"):
 
 @_lapack
 def inv_ex(out, A, check_errors=False):
-    """aten.linalg_inv_ex: (inverse, info)."""
-    return jnp.linalg.inv(A), jnp.zeros(out[1].shape, jnp.int32)
+    """aten.linalg_inv_ex: (inverse, info), from the LU CPU factors (``_lu_as_cpu``), so a
+    singular matrix reports the zero diagonal element CPU names."""
+    lu, piv = _lu_as_cpu(A)
+    eye = jnp.broadcast_to(jnp.eye(A.shape[-1], dtype=A.dtype), A.shape)
+    inv = jsl.lu_solve((lu, piv - 1), eye, trans=0 if jnp.iscomplexobj(A) else 1)
+    return inv, _zero_pivot(lu)
 
 
 @_lapack
@@ -212,7 +246,7 @@ def solve_ex(out, A, B, left=True, check_errors=False):
         x = jnp.linalg.solve(jnp.broadcast_to(A, shape + A.shape[-2:]), jnp.broadcast_to(b, shape + b.shape[-2:]))
     if vector:
         x = x[..., 0]
-    return x, lu, piv, jnp.zeros(out[3].shape, jnp.int32)
+    return x, lu, piv, _zero_pivot(lu)
 
 
 @_lapack

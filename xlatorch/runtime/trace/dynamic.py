@@ -15,6 +15,7 @@ import functools
 import torch
 
 from xlatorch.runtime.base.record import cause
+from xlatorch.runtime.base.threads import BODIES
 from xlatorch.runtime.ir.ops import SPECS, Info, signature
 from xlatorch.runtime.ir.values import Node
 from xlatorch.runtime.trace import views
@@ -136,6 +137,19 @@ def equal(self, other):
         return bool(aten._local_scalar_dense(aten.all.default(aten.eq.Tensor(self, other))))
 
 
+def linalg_check_errors(info, api_name, *, is_matrix):
+    """aten._linalg_check_errors (``linalg.cholesky``, ``inv``, ``solve``, ``lu_factor`` call it
+    with their factorization's ``info``): CPU's error for a failed one, as PyTorch's CUDA kernels
+    raise it, by reading ``info`` (one graph cut and a transfer of its values; the ``_ex`` variants
+    do not check, and do not cut). Inside a body traced once (a loop, ``torch_xla.compile``)
+    nothing can be read: there the factorization is left unchecked."""
+    if BODIES or info.numel() == 0:
+        return
+    with cause(f"{api_name}'s error check"):
+        host = aten._to_copy.default(info, device="cpu")
+    aten._linalg_check_errors.default(host, api_name, is_matrix=is_matrix)
+
+
 def resize_(self, size, *, memory_format=None):
     """aten.resize_, as on CPU: within its storage (its offset plus the new element count
     fit), the tensor becomes the view of its storage at its offset with the new size and
@@ -180,8 +194,7 @@ def install() -> None:
             aten.equal.default: equal,
             # Asked by the ``data`` setter (resize_, out=): any two device tensors are compatible.
             aten._has_compatible_shallow_copy_type.default: lambda self, from_: True,
-            # Device factorizations report info 0 (no host check, so no graph cut).
-            aten._linalg_check_errors.default: lambda info, api_name, *, is_matrix: None,
+            aten._linalg_check_errors.default: linalg_check_errors,
         }
     )
     SHIMS[aten.index.Tensor] = functools.partial(_index, SHIMS[aten.index.Tensor])

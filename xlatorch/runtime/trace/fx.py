@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import torch
 from torch.fx.node import map_arg
 
+from xlatorch.lowering import checks
 from xlatorch.runtime.base import config
 from xlatorch.runtime.base.dtypes import EXACT, PY_SCALAR_DTYPE, TORCH_TO_JAX, to_jax, weak_number
 from xlatorch.runtime.base.record import COUNTERS
@@ -46,6 +47,7 @@ aten = torch.ops.aten
 _ids = itertools.count()
 SPECS: dict = {}  # OpOverload -> OpSpec, filled at import of xlatorch (from the generated table)
 # Ops a functional graph holds that need no lowering of their own.
+_WITH_EFFECTS = torch.ops.higher_order.with_effects
 _IDENTITY = {aten.detach.default, aten.alias.default, aten.lift_fresh.default, aten.lift_fresh_copy.default}
 # Casts: _to_copy, and the prims cast that casts a float argument (a 0-d float64 tensor, see
 # xlatorch/dynamo.py) to the dtype it computes with.
@@ -165,16 +167,26 @@ class FxProgram:
         self.constants = {}  # get_attr node -> CPU tensor
         self.random = 0
         self.collective = False
+        # Effect tokens (AOTAutograd's ordering of ops with side effects): None at run time,
+        # neither passed to the device nor returned from it
+        tokens = {e.args[0] for e in gm.graph.nodes if e.target is _WITH_EFFECTS}
+        tokens |= {u for e in gm.graph.nodes if e.target is _WITH_EFFECTS for u in e.users if u.args[1] == 0}
+        self.placeholders = []
+        self.tokens = tokens
         checked = False
         for n in gm.graph.nodes:
             if n.op == "placeholder":
+                self.placeholders.append(n)
+                if n in tokens:
+                    continue
                 _aval(n.meta.get("val"))
                 self.inputs.append(n)
             elif n.op == "call_function":
                 checked |= self._plan(n)
             elif n.op == "output":
                 outs = n.args[0]
-                self.outputs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+                outs = outs if isinstance(outs, (tuple, list)) else [outs]
+                self.outputs = [None if o in tokens else o for o in outs]
             elif n.op == "get_attr":
                 self.constants[n] = _constant(gm, n)
             else:
@@ -194,6 +206,8 @@ class FxProgram:
 
     def _plan(self, n) -> bool:
         op = n.target
+        if op is _WITH_EFFECTS:
+            return self._plan_effect(n)
         if op is operator.getitem:
             self.steps.append(("getitem", n, None, n.args, None))
             return False
@@ -235,11 +249,22 @@ class FxProgram:
         self.steps.append(("op", n, spec, tuple(args), info))
         return info.checked
 
+    def _plan_effect(self, n) -> bool:
+        """``with_effects(token, op, *args)``: ``_linalg_check_errors`` (after ``linalg.cholesky``,
+        ``inv``, ``solve``) is an on-device check, raising CPU's error at the read."""
+        _, op, *args = n.args
+        if op is not aten._linalg_check_errors.default:
+            raise Unlowerable(f"the side effects of aten::{getattr(op, '__name__', op)}")
+        self.steps.append(("linalg_check", n, None, (args[0], args[1], n.kwargs["is_matrix"]), None))
+        return True
+
     def __call__(self, args):
         """Record the graph applied to ``args`` (device tensors and 0-d CPU tensors, in
         placeholder order); returns the outputs as new device tensors, CPU tensors where the
         graph computes one on the CPU (computed now), None where it returns None."""
         vals = []
+        if self.tokens:
+            args = [a for p, a in zip(self.placeholders, args) if p not in self.tokens]
         for a in args:
             if type(a) is XlaTensor:
                 vals.append(value_of(a))
@@ -291,6 +316,10 @@ class FxProgram:
                 env[n] = env[args]
             elif kind == "convert":
                 env[n] = env[args].astype(to_jax(info))
+            elif kind == "linalg_check":
+                if found is not None:
+                    found.append(checks.linalg_info(env[args[0]], args[1], args[2], torch.linalg.LinAlgError))
+                env[n] = (None,)
             else:
                 res = emit_node(spec, tuple(get(a) for a in args), info, None, found if info.checked else None)
                 env[n] = res[0] if len(res) == 1 and not isinstance(n.meta.get("val"), (tuple, list)) else res
