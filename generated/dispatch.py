@@ -1829,13 +1829,13 @@ S_special_i1e = OpSpec(
 S_special_ndtri = OpSpec(
     "special_ndtri.default", aten.special_ndtri.default, E.special_ndtri, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.float16, torch.bfloat16, torch.complex64, torch.complex128), NotImplementedError, '"ndtri_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"ndtri_cpu" not implemented for \'{scalar_type}\''),),
     out_overload=aten.special_ndtri.out,
 )
 S_special_log_ndtr = OpSpec(
     "special_log_ndtr.default", aten.special_log_ndtr.default, E.special_log_ndtr, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.float16, torch.bfloat16, torch.complex64, torch.complex128), NotImplementedError, '"log_ndtr_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"log_ndtr_cpu" not implemented for \'{scalar_type}\''),),
     out_overload=aten.special_log_ndtr.out,
 )
 S_special_entr = OpSpec(
@@ -2862,7 +2862,7 @@ S__linalg_slogdet = OpSpec(
 S_linalg_lu_factor_ex = OpSpec(
     "linalg_lu_factor_ex.default", aten.linalg_lu_factor_ex.default, E.linalg_lu_factor_ex, ('A', 'pivot', 'check_errors'), (TENSOR, STATIC, STATIC,), (False, True, True), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16), NotImplementedError, '"lu_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64), NotImplementedError, '"lu_cpu" not implemented for \'{scalar_type}\''),),
     out_overload=aten.linalg_lu_factor_ex.out,
 )
 S_linalg_lu_solve = OpSpec(
@@ -2873,7 +2873,7 @@ S_linalg_lu_solve = OpSpec(
 S_linalg_solve_triangular = OpSpec(
     "linalg_solve_triangular.default", aten.linalg_solve_triangular.default, E.linalg_solve_triangular, ('self', 'B', 'upper', 'left', 'unitriangular'), (TENSOR, TENSOR, STATIC, STATIC, STATIC,), (False, False, True, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16), NotImplementedError, '"triangular_solve_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64), NotImplementedError, '"triangular_solve_cpu" not implemented for \'{scalar_type}\''),),
     out_overload=aten.linalg_solve_triangular.out,
 )
 S_triangular_solve = OpSpec(
@@ -2884,7 +2884,6 @@ S_triangular_solve = OpSpec(
 S_linalg_cholesky_ex = OpSpec(
     "linalg_cholesky_ex.default", aten.linalg_cholesky_ex.default, E.linalg_cholesky_ex, ('self', 'upper', 'check_errors'), (TENSOR, STATIC, STATIC,), (False, True, True), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.float16, torch.bfloat16), NotImplementedError, '"cholesky_cpu" not implemented for \'{scalar_type}\''),),
     out_overload=aten.linalg_cholesky_ex.L,
 )
 S_cholesky_solve = OpSpec(
@@ -2920,7 +2919,6 @@ S__linalg_eigh = OpSpec(
 S__linalg_svd = OpSpec(
     "_linalg_svd.default", aten._linalg_svd.default, E._linalg_svd, ('A', 'full_matrices', 'compute_uv', 'driver'), (TENSOR, STATIC, STATIC, STATIC,), (False, False, False, True), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.float16, torch.bfloat16), NotImplementedError, '"linalg_svd_cpu" not implemented for \'{scalar_type}\''),),
     out_overload=aten._linalg_svd.U,
 )
 S_linalg_cross = OpSpec(
@@ -3106,7 +3104,7 @@ S_avg_pool2d_backward = OpSpec(
 S_avg_pool3d = OpSpec(
     "avg_pool3d.default", aten.avg_pool3d.default, E.avg_pool3d, ('self', 'kernel_size', 'stride', 'padding', 'ceil_mode', 'count_include_pad', 'divisor_override'), (TENSOR, STATIC, STATIC, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128), NotImplementedError, '"avg_pool3d_out_frame" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.complex64, torch.complex128), NotImplementedError, '"avg_pool3d_out_frame" not implemented for \'{scalar_type}\''),),
     out_overload=aten.avg_pool3d.out,
 )
 S_avg_pool3d_backward = OpSpec(
@@ -3570,7 +3568,6 @@ S__embedding_bag_per_sample_weights_backward = OpSpec(
 S__cdist_forward = OpSpec(
     "_cdist_forward.default", aten._cdist_forward.default, E._cdist_forward, ('x1', 'x2', 'p', 'compute_mode'), (TENSOR, TENSOR, STATIC, STATIC,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.float16, torch.bfloat16), NotImplementedError, '"cdist" not implemented for \'{scalar_type}\''),),
     out_overload=aten._cdist_forward.out,
 )
 S__cdist_backward = OpSpec(
@@ -3586,7 +3583,7 @@ S__euclidean_dist = OpSpec(
 S__pdist_forward = OpSpec(
     "_pdist_forward.default", aten._pdist_forward.default, E._pdist_forward, ('self', 'p'), (TENSOR, STATIC,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128), NotImplementedError, '"pdist" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"pdist" not implemented for \'{scalar_type}\''),),
     out_overload=aten._pdist_forward.out,
 )
 S__pdist_backward = OpSpec(

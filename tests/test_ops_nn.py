@@ -335,6 +335,7 @@ _KERNEL = {
     "softmax(int64, dtype=float32)": lambda d: F.softmax(torch.arange(3, device=d), 0, dtype=torch.float32),
     "randint_like(int16, 1000) shape": lambda d: torch.randint_like(torch.ones(3, dtype=torch.int16, device=d), 1000)
     < 1000,
+    "cumsum(bool) gives int64": lambda d: torch.cumsum(torch.tensor([True, False, True], device=d), 0),
     "lerp(float16)": lambda d: torch.lerp(
         torch.zeros(3, dtype=torch.half, device=d), torch.ones(3, dtype=torch.half, device=d), 0.5
     ),

@@ -115,9 +115,12 @@ def _infer(spec: OpSpec, vals: tuple) -> Info:
 
 
 def _kernel_dtype(spec: OpSpec, meta: list) -> torch.dtype | None:
-    """The dtype CPU's kernel runs in: its tensors' promoted dtype for an elementwise op (not the
-    computation dtype xlatorch's lowering may widen to: ``celu`` of integers, ``float16`` math
-    in float32), else its first tensor's dtype."""
+    """The dtype CPU's kernel runs in: the result's for an op taking a ``dtype``, its tensors'
+    promoted dtype for an elementwise op (not the computation dtype xlatorch's lowering may widen
+    to: ``celu`` of integers, ``float16`` math in float32), else its first tensor's; None: the
+    result's."""
+    if "dtype" in spec.arg_names:  # the result's (cumsum of bools gives int64)
+        return None
     if spec.promote is None:
         return first_dtype(meta)
     tensors = [meta[i] for i in spec.promote_idx if isinstance(meta[i], torch.Tensor)]
