@@ -65,6 +65,18 @@ def _validate_put(self, index, source, accumulate):
     V.put(self, index, source)
 
 
+def _validate_as_strided_scatter(self, src, size, stride, storage_offset):
+    V.as_strided_scatter(self, size, stride, storage_offset)
+
+
+def _validate_bucketize_Tensor(self, boundaries, out_int32, right):
+    V.bucketize(boundaries)
+
+
+def _validate_bucketize_Scalar(self, boundaries, out_int32, right):
+    V.bucketize(boundaries)
+
+
 def _validate_mm(self, mat2):
     V.mm(self, mat2)
 
@@ -990,6 +1002,7 @@ S_as_strided = OpSpec(
 S_as_strided_scatter = OpSpec(
     "as_strided_scatter.default", aten.as_strided_scatter.default, E.as_strided_scatter, ('self', 'src', 'size', 'stride', 'storage_offset'), (TENSOR, TENSOR, STATIC, STATIC, STATIC,), (False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    validate=_validate_as_strided_scatter,
     out_overload=aten.as_strided_scatter.out,
 )
 S_diagonal_scatter = OpSpec(
@@ -1078,12 +1091,14 @@ S_searchsorted_Scalar = OpSpec(
 S_bucketize_Tensor = OpSpec(
     "bucketize.Tensor", aten.bucketize.Tensor, E.bucketize_Tensor, ('self', 'boundaries', 'out_int32', 'right'), (TENSOR, TENSOR, STATIC, STATIC,), (False, False, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    validate=_validate_bucketize_Tensor,
     refuse_dtypes=(((torch.bool, torch.complex64, torch.complex128), NotImplementedError, '"searchsorted_out_cpu" not implemented for \'{scalar_type}\''),),
     out_overload=aten.bucketize.Tensor_out,
 )
 S_bucketize_Scalar = OpSpec(
     "bucketize.Scalar", aten.bucketize.Scalar, E.bucketize_Scalar, ('self', 'boundaries', 'out_int32', 'right'), (SCALAR, TENSOR, STATIC, STATIC,), (False, False, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    validate=_validate_bucketize_Scalar,
     out_overload=aten.bucketize.Scalar_out,
 )
 S_isin_Tensor_Tensor = OpSpec(

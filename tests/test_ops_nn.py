@@ -215,6 +215,8 @@ _F64, _BF16 = torch.float64, torch.bfloat16
 # take: matrices of two dtypes (the device promoted them), a convolution's negative padding or
 # too-large output padding (the device padded by it), norm parameters of another dtype.
 _REFUSED_NN = {
+    "bucketize(2-d boundaries)": lambda d: torch.bucketize(_t(3)(d), _t(2, 2)(d)),
+    "as_strided_scatter past the storage": lambda d: torch.as_strided_scatter(_t(4)(d), _t(3)(d), (3,), (2,)),
     "mm(float, double)": lambda d: torch.mm(_t(2, 3)(d), _t(3, 2, dtype=_F64)(d)),
     "mm(float, bfloat16)": lambda d: torch.mm(_t(2, 3)(d), _t(3, 2, dtype=_BF16)(d)),
     "mm(long, float)": lambda d: torch.mm(_t(2, 3, dtype=torch.long)(d), _t(3, 2)(d)),

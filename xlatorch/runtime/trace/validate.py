@@ -17,7 +17,7 @@ import torch
 from xlatorch.runtime.trace.nodes import dtype_name
 
 __all__ = ["index_put", "index_copy", "index_add", "put", "mm", "addmm", "addmv", "norm_params", "convolution",
-           "scatter_reduce", "normal_std", "random_bounds"]  # fmt: skip
+           "scatter_reduce", "normal_std", "random_bounds", "bucketize", "as_strided_scatter"]  # fmt: skip
 
 aten = torch.ops.aten
 
@@ -112,6 +112,23 @@ def random_bounds(dtype, low, high):
     for name, v in (("from", low), ("to - 1", high - 1)):
         if not info[0] <= v <= info[1]:
             raise RuntimeError(f"{name} is out of bounds for {_cpp_name(dtype)}")
+
+
+def bucketize(boundaries):
+    """``bucketize``: 1-d boundaries."""
+    if boundaries.dim() != 1:
+        raise RuntimeError(f"boundaries tensor must be 1 dimension, but got dim({boundaries.dim()})")
+
+
+def as_strided_scatter(self, size, stride, storage_offset):
+    """``as_strided_scatter``: the view it writes lies within ``self``'s (contiguous) storage."""
+    offset = storage_offset or 0
+    item = self.element_size()
+    need = 0 if 0 in size else item * (offset + 1 + sum((n - 1) * s for n, s in zip(size, stride)))
+    if need > self.numel() * item:
+        raise RuntimeError(f"setStorage: sizes {list(size)}, strides {list(stride)}, storage offset {offset}, and "
+                           f"itemsize {item} requiring a storage size of {need} are out of bounds for storage of "
+                           f"size {self.numel() * item}")  # fmt: skip
 
 
 def _cpp_name(dtype: torch.dtype) -> str:
