@@ -1370,20 +1370,24 @@ S_clamp_ = OpSpec(
 S_clamp_min = OpSpec(
     "clamp_min.default", aten.clamp_min.default, E.clamp_min, ('self', 'min'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, 'clamp is not supported for complex types'),),
     out_overload=aten.clamp_min.out,
 )
 S_clamp_min_ = OpSpec(
     "clamp_min_.default", aten.clamp_min_.default, E.clamp_min, ('self', 'min'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, 'clamp is not supported for complex types'),),
 )
 S_clamp_max = OpSpec(
     "clamp_max.default", aten.clamp_max.default, E.clamp_max, ('self', 'max'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, 'clamp is not supported for complex types'),),
     out_overload=aten.clamp_max.out,
 )
 S_clamp_max_ = OpSpec(
     "clamp_max_.default", aten.clamp_max_.default, E.clamp_max, ('self', 'max'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, 'clamp is not supported for complex types'),),
 )
 S_lerp_Scalar = OpSpec(
     "lerp.Scalar", aten.lerp.Scalar, E.lerp_Scalar, ('self', 'end', 'weight'), (TENSOR, TENSOR, SCALAR,), (False, False, False), ONE,
@@ -1477,11 +1481,13 @@ S_lt__Tensor = OpSpec(
 S_lt_Scalar = OpSpec(
     "lt.Scalar", aten.lt.Scalar, E.lt_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='always_bool', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"lt_cpu" not implemented for \'{scalar_type}\''),),
     out_overload=aten.lt.Scalar_out,
 )
 S_lt__Scalar = OpSpec(
     "lt_.Scalar", aten.lt_.Scalar, E.lt_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='always_bool', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"lt_cpu" not implemented for \'{scalar_type}\''),),
 )
 S_le_Tensor = OpSpec(
     "le.Tensor", aten.le.Tensor, E.le_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
@@ -1497,11 +1503,13 @@ S_le__Tensor = OpSpec(
 S_le_Scalar = OpSpec(
     "le.Scalar", aten.le.Scalar, E.le_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='always_bool', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"le_cpu" not implemented for \'{scalar_type}\''),),
     out_overload=aten.le.Scalar_out,
 )
 S_le__Scalar = OpSpec(
     "le_.Scalar", aten.le_.Scalar, E.le_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='always_bool', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"le_cpu" not implemented for \'{scalar_type}\''),),
 )
 S_gt_Tensor = OpSpec(
     "gt.Tensor", aten.gt.Tensor, E.gt_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
@@ -1517,11 +1525,13 @@ S_gt__Tensor = OpSpec(
 S_gt_Scalar = OpSpec(
     "gt.Scalar", aten.gt.Scalar, E.gt_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='always_bool', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"gt_cpu" not implemented for \'{scalar_type}\''),),
     out_overload=aten.gt.Scalar_out,
 )
 S_gt__Scalar = OpSpec(
     "gt_.Scalar", aten.gt_.Scalar, E.gt_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='always_bool', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"gt_cpu" not implemented for \'{scalar_type}\''),),
 )
 S_ge_Tensor = OpSpec(
     "ge.Tensor", aten.ge.Tensor, E.ge_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
@@ -1537,11 +1547,13 @@ S_ge__Tensor = OpSpec(
 S_ge_Scalar = OpSpec(
     "ge.Scalar", aten.ge.Scalar, E.ge_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='always_bool', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"ge_cpu" not implemented for \'{scalar_type}\''),),
     out_overload=aten.ge.Scalar_out,
 )
 S_ge__Scalar = OpSpec(
     "ge_.Scalar", aten.ge_.Scalar, E.ge_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='always_bool', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"ge_cpu" not implemented for \'{scalar_type}\''),),
 )
 S_logical_not = OpSpec(
     "logical_not.default", aten.logical_not.default, E.logical_not, ('self',), (TENSOR,), (False,), ONE,

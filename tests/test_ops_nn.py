@@ -320,6 +320,8 @@ _NO_KERNEL = {
     "maximum(complex)": lambda d: torch.maximum(
         torch.ones(2, dtype=torch.cfloat, device=d), torch.ones(2, dtype=torch.cfloat, device=d)
     ),
+    "complex >= 0": lambda d: torch.ones(2, dtype=torch.cfloat, device=d) >= 0,
+    "clamp_min(complex, 0)": lambda d: torch.clamp_min(torch.ones(2, dtype=torch.cfloat, device=d), 0),
     "topk(complex)": lambda d: torch.ones(3, dtype=torch.cfloat, device=d).topk(1),
     "interpolate(int64)": lambda d: F.interpolate(
         torch.ones(1, 1, 2, 2, dtype=torch.long, device=d), scale_factor=2, mode="bilinear"
