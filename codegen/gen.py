@@ -107,6 +107,7 @@ class _Spec:
         self.copies = False
         self.distinct_out = False
         self.out_overload = None
+        self.validate_out = "None"
         self.__dict__.update(kw)
 
 
@@ -148,6 +149,10 @@ def build(entries):
         if e.validate is not None:
             validate = f"_validate_{fn}"
             validators.append(dict(fn=validate, params=", ".join(pys), body=e.validate))
+        validate_out = "None"
+        if e.validate_out is not None:
+            validate_out = f"_validate_out_{fn}"
+            validators.append(dict(fn=validate_out, params=", ".join(["outs", "results"] + pys), body=e.validate_out))
         call_args = ", ".join([a.py for a in fargs] + (["None"] if e.random else []))
         call_args = f"({call_args},)" if call_args else "()"
         common = dict(
@@ -188,7 +193,8 @@ def build(entries):
                                check="None", check_integral=False, index_dtype="None", validate="None",
                                refuse_dtypes="None"))  # fmt: skip
         main = _Spec(var=var, name=e.name, overload=_aten(e.name), view=s.view, scatter=scatter_var,
-                     meta=meta, copies=e.copies, distinct_out=e.distinct_out, **common)  # fmt: skip
+                     meta=meta, copies=e.copies, distinct_out=e.distinct_out, validate_out=validate_out,
+                     **common)  # fmt: skip
         specs.append(main)
         entry_shim = "call_inplace" if s.inplace else "call"
         if e.dispatch == "shim":

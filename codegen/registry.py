@@ -14,7 +14,7 @@ from codegen.schema import Schema
 KEYS = {
     "lower", "helper", "decompose", "fallback", "promote", "promote_args", "static", "random", "scatter",
     "variants", "dispatch", "test", "note", "check", "check_if", "index_dtype", "host_scalars", "copies",
-    "distinct_out", "validate", "refuse_dtypes",
+    "distinct_out", "validate", "refuse_dtypes", "validate_out",
 }  # fmt: skip
 # How an entry is executed: exactly one of these fields, except for dispatch runtime/metadata.
 RULES = ("lower", "helper", "decompose", "fallback")
@@ -66,6 +66,9 @@ class Entry:
     # expression over the arguments as meta tensors calling runtime/trace/validate.py (V), run
     # when the op is traced (once per signature), so CPU's error is raised at the call.
     validate: str | None = None
+    # CPU's rules for an out= tensor's dtype that the out= overload's meta kernel skips: an
+    # expression over ``outs`` and ``results`` (their dtypes) and the arguments, calling V.
+    validate_out: str | None = None
     # The computation dtypes CPU's kernel has no implementation for, and its error ("abs_cpu" not
     # implemented for 'Bool'): a list of {dtypes, error}, checked when the op is traced.
     refuse_dtypes: list = field(default_factory=list)
@@ -244,6 +247,9 @@ def load(path: str, schemas: dict) -> list[Entry]:
             if traced:  # it runs once per signature, which holds no traced number's value
                 raise RegistryError(f"ops.yaml entry '{name}': validate reads the traced number(s) {sorted(traced)}; "
                                     f"list them in static or check them on the device (check:)")  # fmt: skip
+        if e.validate_out is not None:
+            _check_expr(f"ops.yaml entry '{name}' (validate_out)", e.validate_out,
+                        argnames | {"V", "torch", "outs", "results"})  # fmt: skip
         if e.check_if is not None and (e.check is None or e.check_if not in CHECK_IF):
             raise RegistryError(f"ops.yaml entry '{name}': check_if needs a check and is one of {sorted(CHECK_IF)}")
         if e.index_dtype:

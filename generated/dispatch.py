@@ -33,12 +33,24 @@ def _validate_randint_like_low_dtype(self, low, high, dtype, layout, device, pin
     V.random_bounds(dtype or self.dtype, low, high)
 
 
+def _validate_out_normal_Tensor_float(outs, results, mean, std, generator, seed):
+    V.normal_out(outs)
+
+
 def _validate_normal_float_Tensor(mean, std, generator, seed):
     V.normal_std(std)
 
 
+def _validate_out_normal_float_Tensor(outs, results, mean, std, generator, seed):
+    V.normal_out(outs)
+
+
 def _validate_normal_Tensor_Tensor(mean, std, generator, seed):
     V.normal_std(std)
+
+
+def _validate_out_normal_Tensor_Tensor(outs, results, mean, std, generator, seed):
+    V.normal_out(outs)
 
 
 def _validate_scatter_reduce_two(self, dim, index, src, reduce, include_self):
@@ -73,8 +85,56 @@ def _validate_bucketize_Tensor(self, boundaries, out_int32, right):
     V.bucketize(boundaries)
 
 
+def _validate_out_bucketize_Tensor(outs, results, self, boundaries, out_int32, right):
+    V.bucketize_out(outs, out_int32)
+
+
 def _validate_bucketize_Scalar(self, boundaries, out_int32, right):
     V.bucketize(boundaries)
+
+
+def _validate_out_bucketize_Scalar(outs, results, self, boundaries, out_int32, right):
+    V.bucketize_out(outs, out_int32)
+
+
+def _validate_out_isin_Tensor_Tensor(outs, results, elements, test_elements, assume_unique, invert):
+    V.out_exact(outs, results)
+
+
+def _validate_out_isin_Tensor_Scalar(outs, results, elements, test_element, assume_unique, invert):
+    V.out_exact(outs, results)
+
+
+def _validate_out_isin_Scalar_Tensor(outs, results, element, test_elements, assume_unique, invert):
+    V.out_exact(outs, results)
+
+
+def _validate_out_all(outs, results, self):
+    V.out_bool("all", outs)
+
+
+def _validate_out_any(outs, results, self):
+    V.out_bool("any", outs)
+
+
+def _validate_out_any_dim(outs, results, self, dim, keepdim):
+    V.out_bool("any", outs)
+
+
+def _validate_out_any_dims(outs, results, self, dim, keepdim):
+    V.out_bool("any", outs)
+
+
+def _validate_out_all_dim(outs, results, self, dim, keepdim):
+    V.out_bool("all", outs)
+
+
+def _validate_out_all_dims(outs, results, self, dim, keepdim):
+    V.out_bool("all", outs)
+
+
+def _validate_out_aminmax(outs, results, self, dim, keepdim):
+    V.out_exact(outs, results)
 
 
 def _validate_mm(self, mat2):
@@ -91,6 +151,10 @@ def _validate_addmm(self, mat1, mat2, beta, alpha):
 
 def _validate_addmv(self, mat, vec, beta, alpha):
     V.addmv(self, mat, vec)
+
+
+def _validate_out_linalg_solve_triangular(outs, results, self, B, upper, left, unitriangular):
+    V.out_scalar_type(outs, results)
 
 
 def _validate_convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
@@ -376,18 +440,21 @@ S_normal_Tensor_float = OpSpec(
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64), NotImplementedError, '"normal_kernel_cpu" not implemented for \'{scalar_type}\''),),
     out_overload=aten.normal.Tensor_float_out,
+    validate_out=_validate_out_normal_Tensor_float,
 )
 S_normal_float_Tensor = OpSpec(
     "normal.float_Tensor", aten.normal.float_Tensor, E.normal_float_Tensor, ('mean', 'std', 'generator', 'seed'), (SCALAR, TENSOR, STATIC, GENERATOR,), (False, False, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     validate=_validate_normal_float_Tensor,
     out_overload=aten.normal.float_Tensor_out,
+    validate_out=_validate_out_normal_float_Tensor,
 )
 S_normal_Tensor_Tensor = OpSpec(
     "normal.Tensor_Tensor", aten.normal.Tensor_Tensor, E.normal_Tensor_Tensor, ('mean', 'std', 'generator', 'seed'), (TENSOR, TENSOR, STATIC, GENERATOR,), (False, False, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     validate=_validate_normal_Tensor_Tensor,
     out_overload=aten.normal.Tensor_Tensor_out,
+    validate_out=_validate_out_normal_Tensor_Tensor,
 )
 S_multinomial = OpSpec(
     "multinomial.default", aten.multinomial.default, E.multinomial, ('self', 'num_samples', 'replacement', 'generator', 'seed'), (TENSOR, STATIC, STATIC, STATIC, GENERATOR,), (False, False, False, True, True), ONE,
@@ -1094,27 +1161,32 @@ S_bucketize_Tensor = OpSpec(
     validate=_validate_bucketize_Tensor,
     refuse_dtypes=(((torch.bool, torch.complex64, torch.complex128), NotImplementedError, '"searchsorted_out_cpu" not implemented for \'{scalar_type}\''),),
     out_overload=aten.bucketize.Tensor_out,
+    validate_out=_validate_out_bucketize_Tensor,
 )
 S_bucketize_Scalar = OpSpec(
     "bucketize.Scalar", aten.bucketize.Scalar, E.bucketize_Scalar, ('self', 'boundaries', 'out_int32', 'right'), (SCALAR, TENSOR, STATIC, STATIC,), (False, False, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     validate=_validate_bucketize_Scalar,
     out_overload=aten.bucketize.Scalar_out,
+    validate_out=_validate_out_bucketize_Scalar,
 )
 S_isin_Tensor_Tensor = OpSpec(
     "isin.Tensor_Tensor", aten.isin.Tensor_Tensor, E.isin_Tensor_Tensor, ('elements', 'test_elements', 'assume_unique', 'invert'), (TENSOR, TENSOR, STATIC, STATIC,), (False, False, True, True), ONE,
     promote='always_bool', promote_args=['elements', 'test_elements'], view=False, scatter=None, meta_overload=None,
     out_overload=aten.isin.Tensor_Tensor_out,
+    validate_out=_validate_out_isin_Tensor_Tensor,
 )
 S_isin_Tensor_Scalar = OpSpec(
     "isin.Tensor_Scalar", aten.isin.Tensor_Scalar, E.isin_Tensor_Scalar, ('elements', 'test_element', 'assume_unique', 'invert'), (TENSOR, SCALAR, STATIC, STATIC,), (False, False, True, True), ONE,
     promote='always_bool', promote_args=['elements', 'test_element'], view=False, scatter=None, meta_overload=None,
     out_overload=aten.isin.Tensor_Scalar_out,
+    validate_out=_validate_out_isin_Tensor_Scalar,
 )
 S_isin_Scalar_Tensor = OpSpec(
     "isin.Scalar_Tensor", aten.isin.Scalar_Tensor, E.isin_Scalar_Tensor, ('element', 'test_elements', 'assume_unique', 'invert'), (SCALAR, TENSOR, STATIC, STATIC,), (False, False, True, True), ONE,
     promote='always_bool', promote_args=['element', 'test_elements'], view=False, scatter=None, meta_overload=None,
     out_overload=aten.isin.Scalar_Tensor_out,
+    validate_out=_validate_out_isin_Scalar_Tensor,
 )
 S_add_Tensor = OpSpec(
     "add.Tensor", aten.add.Tensor, E.add_Tensor, ('self', 'other', 'alpha'), (TENSOR, TENSOR, SCALAR,), (False, False, True), ONE,
@@ -2653,31 +2725,37 @@ S_all = OpSpec(
     "all.default", aten.all.default, E.all, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     out_overload=aten.all.all_out,
+    validate_out=_validate_out_all,
 )
 S_any = OpSpec(
     "any.default", aten.any.default, E.any, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     out_overload=aten.any.all_out,
+    validate_out=_validate_out_any,
 )
 S_any_dim = OpSpec(
     "any.dim", aten.any.dim, E.any_dim, ('self', 'dim', 'keepdim'), (TENSOR, STATIC, STATIC,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     out_overload=aten.any.out,
+    validate_out=_validate_out_any_dim,
 )
 S_any_dims = OpSpec(
     "any.dims", aten.any.dims, E.any_dims, ('self', 'dim', 'keepdim'), (TENSOR, STATIC, STATIC,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     out_overload=aten.any.dims_out,
+    validate_out=_validate_out_any_dims,
 )
 S_all_dim = OpSpec(
     "all.dim", aten.all.dim, E.all_dim, ('self', 'dim', 'keepdim'), (TENSOR, STATIC, STATIC,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     out_overload=aten.all.out,
+    validate_out=_validate_out_all_dim,
 )
 S_all_dims = OpSpec(
     "all.dims", aten.all.dims, E.all_dims, ('self', 'dim', 'keepdim'), (TENSOR, STATIC, STATIC,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     out_overload=aten.all.dims_out,
+    validate_out=_validate_out_all_dims,
 )
 S_prod = OpSpec(
     "prod.default", aten.prod.default, E.prod, ('self', 'dtype'), (TENSOR, STATIC,), (False, True), ONE,
@@ -2731,6 +2809,7 @@ S_aminmax = OpSpec(
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"aminmax_cpu" not implemented for \'{scalar_type}\''),),
     out_overload=aten.aminmax.out,
+    validate_out=_validate_out_aminmax,
 )
 S_logsumexp = OpSpec(
     "logsumexp.default", aten.logsumexp.default, E.logsumexp, ('self', 'dim', 'keepdim'), (TENSOR, STATIC, STATIC,), (False, False, False), ONE,
@@ -2902,6 +2981,7 @@ S_linalg_solve_triangular = OpSpec(
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64), NotImplementedError, '"triangular_solve_cpu" not implemented for \'{scalar_type}\''),),
     out_overload=aten.linalg_solve_triangular.out,
+    validate_out=_validate_out_linalg_solve_triangular,
 )
 S_triangular_solve = OpSpec(
     "triangular_solve.default", aten.triangular_solve.default, E.triangular_solve, ('self', 'A', 'upper', 'transpose', 'unitriangular'), (TENSOR, TENSOR, STATIC, STATIC, STATIC,), (False, False, False, False, False), TUPLE,

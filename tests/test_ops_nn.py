@@ -361,3 +361,45 @@ def test_a_dtype_cpu_runs_in_is_not_refused(name):
     got = _KERNEL[name]("xla")
     assert got.dtype == want.dtype and got.shape == want.shape
     torch.testing.assert_close(got.cpu(), want)
+
+
+# out= tensors of a dtype CPU refuses, which the out= overloads' meta kernels take (ops.yaml
+# validate_out): the device wrote converted values.
+_OUT = {
+    "all(out=float)": lambda d: torch.all(_t(3)(d), out=torch.empty((), device=d)),
+    "any(dim, out=long)": lambda d: torch.any(_t(3, 1)(d), 0, out=torch.empty(1, dtype=torch.long, device=d)),
+    "isin(out=uint8)": lambda d: torch.isin(_t(3)(d), _t(3)(d), out=torch.empty(3, dtype=torch.uint8, device=d)),
+    "aminmax(out=double)": lambda d: torch.aminmax(_t(3)(d), out=(_t((), dtype=_F64)(d), _t((), dtype=_F64)(d))),
+    "bucketize(out=int32)": lambda d: torch.bucketize(
+        _t(3)(d), _t(3)(d), out=torch.empty(3, dtype=torch.int32, device=d)
+    ),
+    "solve_triangular(out=double)": lambda d: torch.linalg.solve_triangular(
+        torch.eye(2, device=d), _t(2, 2)(d), upper=True, out=_t(2, 2, dtype=_F64)(d)
+    ),
+    "normal(out=long)": lambda d: torch.normal(_t(3)(d), _t(3)(d), out=torch.empty(3, dtype=torch.long, device=d)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_OUT))
+def test_an_out_of_a_dtype_cpu_refuses_raises_at_the_call(name):
+    with pytest.raises((RuntimeError, NotImplementedError)) as cpu:
+        _OUT[name]("cpu")
+    with pytest.raises(type(cpu.value)) as xla:
+        _OUT[name]("xla")
+    assert str(xla.value) == str(cpu.value)
+
+
+_OUT_TAKEN = {
+    "all(out=uint8)": lambda d: torch.all(_t(3)(d), out=torch.empty((), dtype=torch.uint8, device=d)),
+    "bucketize(out_int32, out=int32)": lambda d: torch.bucketize(
+        _t(3)(d), _t(3)(d), out_int32=True, out=torch.empty(3, dtype=torch.int32, device=d)
+    ),
+    "isin(out=bool)": lambda d: torch.isin(_t(3)(d), _t(3)(d), out=torch.empty(3, dtype=torch.bool, device=d)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_OUT_TAKEN))
+def test_an_out_of_a_dtype_cpu_takes_still_runs(name):
+    want, got = _OUT_TAKEN[name]("cpu"), _OUT_TAKEN[name]("xla")
+    assert got.dtype == want.dtype and torch.equal(got.cpu(), want)
+    assert torch.normal(_t(3)("xla"), 1.0, out=torch.empty(3, dtype=_F64, device="xla")).dtype == _F64

@@ -70,14 +70,14 @@ class OpSpec:
         "name", "overload", "emit", "arg_names", "kinds", "kwarg_only", "returns",
         "promote", "promote_idx", "view", "scatter", "cache", "meta_overload", "check", "check_integral", "check_reads",
         "counter", "mutates", "born", "index_dtype", "prepare", "copies", "distinct_out",
-        "out_overload", "validate", "refuse_dtypes",
+        "out_overload", "validate", "refuse_dtypes", "validate_out",
     )  # fmt: skip
 
     def __init__(self, name, overload, emit, arg_names, kinds, kwarg_only, returns,
                  promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
                  check=None, check_integral=False, mutates=(), index_dtype=None, copies=False,
                  check_reads=None, distinct_out=False, out_overload=None, validate=None,
-                 refuse_dtypes=None):  # fmt: skip
+                 refuse_dtypes=None, validate_out=None):  # fmt: skip
         self.name = name
         self.overload = overload
         self.emit = emit
@@ -116,6 +116,9 @@ class OpSpec:
         # ops.yaml ``refuse_dtypes``: ``((dtypes, exception, message), ...)``, the computation dtypes
         # CPU's kernel refuses (checked with the signature's inference, after the meta kernel).
         self.refuse_dtypes = refuse_dtypes
+        # ops.yaml ``validate_out``: called with the out= tensors' dtypes, the results' and the meta
+        # arguments when an out= signature is first seen (trace/dispatch.py, ``_check_out``)
+        self.validate_out = validate_out
         # torch_xla's per-op counter: how many times the op was recorded for the device
         self.counter = "xla::" + (name.split("::")[-1].split(".")[0])
         # An in-place op writing several arguments (``_amp_update_scale_``): their positions, in

@@ -573,6 +573,11 @@ def _check_out(spec: OpSpec, vals: tuple, sig: tuple, outs: tuple) -> None:
                 call_meta(spec, overload, meta, kw)
             except NotImplementedError:
                 pass  # no meta kernel for it: nothing to check by
+    if spec.validate_out is not None:
+        meta = meta_args(spec, vals)
+        res = call_meta(spec, spec.meta_overload, meta)
+        results = [r.dtype for r in (res if isinstance(res, (tuple, list)) else (res,))]
+        spec.validate_out([t.dtype for t in outs], results, *meta)
     _OUT_CHECKED.add(key)
 
 

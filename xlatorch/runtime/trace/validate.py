@@ -17,7 +17,8 @@ import torch
 from xlatorch.runtime.trace.nodes import dtype_name
 
 __all__ = ["index_put", "index_copy", "index_add", "put", "mm", "addmm", "addmv", "norm_params", "convolution",
-           "scatter_reduce", "normal_std", "random_bounds", "bucketize", "as_strided_scatter"]  # fmt: skip
+           "scatter_reduce", "normal_std", "random_bounds", "bucketize", "as_strided_scatter", "out_bool",
+           "out_exact", "out_scalar_type", "bucketize_out", "normal_out"]  # fmt: skip
 
 aten = torch.ops.aten
 
@@ -129,6 +130,41 @@ def as_strided_scatter(self, size, stride, storage_offset):
         raise RuntimeError(f"setStorage: sizes {list(size)}, strides {list(stride)}, storage offset {offset}, and "
                            f"itemsize {item} requiring a storage size of {need} are out of bounds for storage of "
                            f"size {self.numel() * item}")  # fmt: skip
+
+
+def out_bool(name: str, outs):
+    """``all`` / ``any``: a bool (or uint8) out= tensor."""
+    for dt in outs:
+        if dt not in (torch.bool, torch.uint8):
+            raise RuntimeError(f"{name} only supports bool tensor for result, got: {dtype_name(dt)}")
+
+
+def out_exact(outs, results):
+    """An out= tensor of exactly the result's dtype (``isin``, ``aminmax``)."""
+    for dt, want in zip(outs, results):
+        if dt != want:
+            raise RuntimeError(f"Expected out tensor to have dtype {_cpp_name(want)}, but got {_cpp_name(dt)} instead")
+
+
+def out_scalar_type(outs, results):
+    """An out= tensor of exactly the result's dtype, in the kernels' words (``solve_triangular``)."""
+    for dt, want in zip(outs, results):
+        if dt != want:
+            raise RuntimeError(f"expected scalar type {dtype_name(want)} but found {dtype_name(dt)}")
+
+
+def bucketize_out(outs, out_int32: bool):
+    """``bucketize`` / ``searchsorted``: int32 out= with ``out_int32``, else int64."""
+    if outs[0] != (torch.int32 if out_int32 else torch.int64):
+        raise RuntimeError("torch.searchsorted(): output tensor's dtype is wrong, it can only be Int(int32) or "
+                           "Long(int64) depending on whether out_int32 flag is True, but we got output tensor's "
+                           f"dtype {dtype_name(outs[0])} and out_int32 flag is {out_int32}")  # fmt: skip
+
+
+def normal_out(outs):
+    """``normal``'s CPU kernel fills floating and complex tensors only."""
+    if not (outs[0].is_floating_point or outs[0].is_complex):
+        raise NotImplementedError(f'"normal_kernel_cpu" not implemented for \'{dtype_name(outs[0])}\'')
 
 
 def _cpp_name(dtype: torch.dtype) -> str:
