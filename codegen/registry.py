@@ -160,9 +160,25 @@ def _check_test(name: str, t: dict) -> None:
         t["opinfo"] = [t["opinfo"]]
 
 
-def _check_index_dtype(name: str, e: Entry) -> None:
+def _check_dtype_rule(where: str, r: dict) -> None:
+    """A rule's ``dtypes`` (torch dtype names) and ``error`` ("<exception>: <message>", the
+    message naming the dtype as ``{scalar_type}`` / ``{tensor_type}`` only)."""
     import torch
 
+    for d in r["dtypes"]:
+        if not isinstance(getattr(torch, str(d), None), torch.dtype):
+            raise RegistryError(f"{where}: '{d}' is not a torch dtype")
+    exc, _, msg = str(r["error"]).partition(": ")
+    if exc not in INDEX_DTYPE_ERRORS or not msg:
+        raise RegistryError(f"{where}: error is '<exception>: <message>', the exception one of "
+                            f"{sorted(INDEX_DTYPE_ERRORS)}")  # fmt: skip
+    fields = {f for _, f, _, _ in string.Formatter().parse(msg) if f is not None}
+    if fields - INDEX_DTYPE_NAMES:
+        raise RegistryError(f"{where}: the message may name the dtype as {sorted(INDEX_DTYPE_NAMES)}, "
+                            f"not {sorted(fields - INDEX_DTYPE_NAMES)}")  # fmt: skip
+
+
+def _check_index_dtype(name: str, e: Entry) -> None:
     rules = e.index_dtype if isinstance(e.index_dtype, list) else [e.index_dtype]
     tensors = {a.py for a in e.schema.args if not a.is_out and a.type in ("Tensor", "Tensor?", "Tensor?[]", "Tensor[]")}
     for r in rules:
@@ -173,38 +189,17 @@ def _check_index_dtype(name: str, e: Entry) -> None:
         for a in [r["arg"]] if isinstance(r["arg"], str) else r["arg"]:
             if a not in tensors:
                 raise RegistryError(f"{where} names '{a}', not a tensor argument (those are {sorted(tensors)})")
-        for d in r["dtypes"]:
-            if not isinstance(getattr(torch, str(d), None), torch.dtype):
-                raise RegistryError(f"{where}: '{d}' is not a torch dtype")
-        exc, _, msg = str(r["error"]).partition(": ")
-        if exc not in INDEX_DTYPE_ERRORS or not msg:
-            raise RegistryError(f"{where}: error is '<exception>: <message>', the exception one of "
-                                f"{sorted(INDEX_DTYPE_ERRORS)}")  # fmt: skip
-        fields = {f for _, f, _, _ in string.Formatter().parse(msg) if f is not None}
-        if fields - INDEX_DTYPE_NAMES:
-            raise RegistryError(f"{where}: the message may name the dtype as {sorted(INDEX_DTYPE_NAMES)}, "
-                                f"not {sorted(fields - INDEX_DTYPE_NAMES)}")  # fmt: skip
+        _check_dtype_rule(where, r)
     e.index_dtype = rules
 
 
 def _check_refuse_dtypes(name: str, e: Entry) -> None:
-    import torch
-
     rules = e.refuse_dtypes if isinstance(e.refuse_dtypes, list) else [e.refuse_dtypes]
     where = f"ops.yaml entry '{name}': refuse_dtypes"
     for r in rules:
         if not isinstance(r, dict) or set(r) != {"dtypes", "error"}:
             raise RegistryError(f"{where} is a mapping (or a list of them) with keys dtypes and error")
-        for d in r["dtypes"]:
-            if not isinstance(getattr(torch, str(d), None), torch.dtype):
-                raise RegistryError(f"{where}: '{d}' is not a torch dtype")
-        exc, _, msg = str(r["error"]).partition(": ")
-        if exc not in INDEX_DTYPE_ERRORS or not msg:
-            raise RegistryError(f"{where}: error is '<exception>: <message>', the exception one of "
-                                f"{sorted(INDEX_DTYPE_ERRORS)}")  # fmt: skip
-        fields = {f for _, f, _, _ in string.Formatter().parse(msg) if f is not None}
-        if fields - INDEX_DTYPE_NAMES:
-            raise RegistryError(f"{where}: the message may name the dtype as {sorted(INDEX_DTYPE_NAMES)}")
+        _check_dtype_rule(where, r)
     e.refuse_dtypes = rules
 
 

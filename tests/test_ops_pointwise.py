@@ -12,6 +12,7 @@ import torch
 
 import xlatorch.core.xla_model as xm
 import xlatorch.debug.metrics as met
+from tests.cpu_twin import runs_as_on_cpu
 
 N = 4096  # samples for moment checks: 5-sigma bounds stay tight enough to catch a wrong law
 
@@ -220,10 +221,7 @@ def test_a_write_cpu_refuses_raises_on_the_device(name):
 
 @pytest.mark.parametrize("name", sorted(_TAKEN))
 def test_a_write_cpu_takes_runs_on_the_device_as_on_cpu(name):
-    want = _TAKEN[name]("cpu")
-    got = _TAKEN[name]("xla")
-    assert got.dtype == want.dtype and got.shape == want.shape
-    torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0)
+    runs_as_on_cpu(_TAKEN[name])
 
 
 @pytest.mark.parametrize(
