@@ -164,7 +164,7 @@ def bucketize_out(outs, out_int32: bool):
 def normal_out(outs):
     """``normal``'s CPU kernel fills floating and complex tensors only."""
     if not (outs[0].is_floating_point or outs[0].is_complex):
-        raise NotImplementedError(f'"normal_kernel_cpu" not implemented for \'{dtype_name(outs[0])}\'')
+        raise NotImplementedError(f"\"normal_kernel_cpu\" not implemented for '{dtype_name(outs[0])}'")
 
 
 def _cpp_name(dtype: torch.dtype) -> str:
