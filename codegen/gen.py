@@ -107,7 +107,7 @@ class _Spec:
         self.copies = False
         self.distinct_out = False
         self.out_overload = None
-        self.validate_out = "None"
+        self.validate = self.refuse_dtypes = self.validate_out = "None"
         self.__dict__.update(kw)
 
 
@@ -190,8 +190,7 @@ def build(entries):
                                kinds=", ".join(["TENSOR", "TENSOR"] + ["STATIC"] * len(fargs)),
                                kwarg_only=tuple([False] * (len(fargs) + 2)), returns="ONE", promote="None",
                                promote_args="None", view=False, scatter="None", meta="_scatter_meta",
-                               check="None", check_integral=False, index_dtype="None", validate="None",
-                               refuse_dtypes="None"))  # fmt: skip
+                               check="None", check_integral=False, index_dtype="None"))  # fmt: skip
         main = _Spec(var=var, name=e.name, overload=_aten(e.name), view=s.view, scatter=scatter_var,
                      meta=meta, copies=e.copies, distinct_out=e.distinct_out, validate_out=validate_out,
                      **common)  # fmt: skip

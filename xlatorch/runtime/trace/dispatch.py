@@ -558,6 +558,7 @@ def _check_out(spec: OpSpec, vals: tuple, sig: tuple, outs: tuple) -> None:
     if key in _OUT_CHECKED:
         return
     overload = spec.out_overload
+    meta = meta_args(spec, vals)
     # A random op's meta refuses outs its CPU kernel takes (bernoulli's ints): left to the op
     if overload is not None and GENERATOR not in spec.kinds:
         params = [a for a in overload._schema.arguments if a.is_out]
@@ -566,7 +567,6 @@ def _check_out(spec: OpSpec, vals: tuple, sig: tuple, outs: tuple) -> None:
             kw = {params[0].name: metas}
         else:
             kw = {a.name: m for a, m in zip(params, metas)}
-        meta = meta_args(spec, vals)
         with warnings.catch_warnings():  # a resized out= warns once per call, not here
             warnings.simplefilter("ignore")
             try:
@@ -574,7 +574,6 @@ def _check_out(spec: OpSpec, vals: tuple, sig: tuple, outs: tuple) -> None:
             except NotImplementedError:
                 pass  # no meta kernel for it: nothing to check by
     if spec.validate_out is not None:
-        meta = meta_args(spec, vals)
         res = call_meta(spec, spec.meta_overload, meta)
         results = [r.dtype for r in (res if isinstance(res, (tuple, list)) else (res,))]
         spec.validate_out([t.dtype for t in outs], results, *meta)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from xlatorch.runtime.trace.dynamic import _is_mask
 from xlatorch.runtime.trace.nodes import dtype_name
 
 __all__ = ["index_put", "index_copy", "index_add", "put", "mm", "addmm", "addmv", "norm_params", "convolution",
@@ -26,10 +27,6 @@ aten = torch.ops.aten
 def _broadcasts(shape, to) -> bool:
     """Whether a tensor of ``shape`` expands to ``to`` (CPU's ``expand``: no new leading dims)."""
     return len(shape) <= len(to) and all(a in (1, b) for a, b in zip(reversed(shape), reversed(to)))
-
-
-def _is_mask(t) -> bool:
-    return t is not None and t.dtype in (torch.bool, torch.uint8)
 
 
 def index_put(self, indices, values):
