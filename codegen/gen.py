@@ -77,13 +77,16 @@ def _index_dtype(e: registry.Entry, args) -> str:
 
 
 def _refuse_dtypes(e: registry.Entry) -> str:
-    """Python source of the spec's ``refuse_dtypes`` rules: ``((dtypes, exception, message), ...)``."""
+    """Python source of the spec's ``refuse_dtypes`` rules: ``((dtypes, exception, message,
+    scalar_ok, empty_ok), ...)``."""
     if not e.refuse_dtypes:
         return "None"
     rules = []
     for r in e.refuse_dtypes:
         exc, _, msg = r["error"].partition(": ")
-        rules.append(_tuple([_tuple([f"torch.{d}" for d in r["dtypes"]]), exc, repr(msg)]))
+        dtypes = _tuple([f"torch.{d}" for d in r["dtypes"]])
+        flags = [repr(bool(r.get("scalar_ok"))), repr(bool(r.get("empty_ok")))]
+        rules.append(_tuple([dtypes, exc, repr(msg), *flags]))
     return _tuple(rules)
 
 

@@ -197,8 +197,9 @@ def _check_refuse_dtypes(name: str, e: Entry) -> None:
     rules = e.refuse_dtypes if isinstance(e.refuse_dtypes, list) else [e.refuse_dtypes]
     where = f"ops.yaml entry '{name}': refuse_dtypes"
     for r in rules:
-        if not isinstance(r, dict) or set(r) != {"dtypes", "error"}:
-            raise RegistryError(f"{where} is a mapping (or a list of them) with keys dtypes and error")
+        if not isinstance(r, dict) or not {"dtypes", "error"} <= set(r) <= {"dtypes", "error", "scalar_ok", "empty_ok"}:
+            raise RegistryError(f"{where} is a mapping (or a list of them) with keys dtypes and error (optionally "
+                                f"scalar_ok, empty_ok)")  # fmt: skip
         _check_dtype_rule(where, r)
     e.refuse_dtypes = rules
 

@@ -17,6 +17,14 @@ def _scatter_meta(self, *args):
     return self
 
 
+def _validate_linspace(start, end, steps, dtype, layout, device, pin_memory):
+    V.spaced(steps, dtype, "linspace_cpu")
+
+
+def _validate_logspace(start, end, steps, base, dtype, layout, device, pin_memory):
+    V.spaced(steps, dtype, "logspace_cpu")
+
+
 def _validate_randint(high, size, dtype, layout, device, pin_memory, seed):
     V.random_bounds(dtype, 0, high)
 
@@ -69,6 +77,10 @@ def _validate_index_add(self, dim, index, source, alpha):
     V.index_add(self, dim, index, source)
 
 
+def _validate_index_reduce(self, dim, index, source, reduce, include_self):
+    V.index_reduce(self, reduce, include_self)
+
+
 def _validate_index_copy(self, dim, index, source):
     V.index_copy(self, source)
 
@@ -107,6 +119,10 @@ def _validate_out_isin_Tensor_Scalar(outs, results, elements, test_element, assu
 
 def _validate_out_isin_Scalar_Tensor(outs, results, element, test_elements, assume_unique, invert):
     V.out_exact(outs, results)
+
+
+def _validate_clamp_Tensor(self, min, max):
+    V.clamp_tensor(self, min, max)
 
 
 def _validate_out_all(outs, results, self):
@@ -215,17 +231,17 @@ S_scalar_tensor = OpSpec(
 S_arange_start_step = OpSpec(
     "arange.start_step", aten.arange.start_step, E.arange_start_step, ('start', 'end', 'step', 'dtype', 'layout', 'device', 'pin_memory'), (STATIC, STATIC, STATIC, STATIC, STATIC, STATIC, STATIC,), (False, False, False, True, True, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.complex64, torch.complex128), NotImplementedError, '"arange_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.complex64, torch.complex128), NotImplementedError, '"arange_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_arange = OpSpec(
     "arange.default", aten.arange.default, E.arange, ('end', 'dtype', 'layout', 'device', 'pin_memory'), (STATIC, STATIC, STATIC, STATIC, STATIC,), (False, True, True, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.complex64, torch.complex128), NotImplementedError, '"arange_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.complex64, torch.complex128), NotImplementedError, '"arange_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_arange_start = OpSpec(
     "arange.start", aten.arange.start, E.arange_start, ('start', 'end', 'dtype', 'layout', 'device', 'pin_memory'), (STATIC, STATIC, STATIC, STATIC, STATIC, STATIC,), (False, False, True, True, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.complex64, torch.complex128), NotImplementedError, '"arange_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.complex64, torch.complex128), NotImplementedError, '"arange_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_empty_like = OpSpec(
     "empty_like.default", aten.empty_like.default, E.empty_like, ('self', 'dtype', 'layout', 'device', 'pin_memory', 'memory_format'), (TENSOR, STATIC, STATIC, STATIC, STATIC, STATIC,), (False, True, True, True, True, True), ONE,
@@ -246,7 +262,7 @@ S_full_like = OpSpec(
 S_linspace = OpSpec(
     "linspace.default", aten.linspace.default, E.linspace, ('start', 'end', 'steps', 'dtype', 'layout', 'device', 'pin_memory'), (SCALAR, SCALAR, STATIC, STATIC, STATIC, STATIC, STATIC,), (False, False, False, True, True, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool,), NotImplementedError, '"linspace_cpu" not implemented for \'{scalar_type}\''),),
+    validate=_validate_linspace,
 )
 S_linspace_Tensor_Tensor = OpSpec(
     "linspace.Tensor_Tensor", aten.linspace.Tensor_Tensor, E.linspace_Tensor_Tensor, ('start', 'end', 'steps', 'dtype', 'layout', 'device', 'pin_memory'), (TENSOR, TENSOR, STATIC, STATIC, STATIC, STATIC, STATIC,), (False, False, False, True, True, True, True), ONE,
@@ -263,7 +279,7 @@ S_linspace_Scalar_Tensor = OpSpec(
 S_logspace = OpSpec(
     "logspace.default", aten.logspace.default, E.logspace, ('start', 'end', 'steps', 'base', 'dtype', 'layout', 'device', 'pin_memory'), (SCALAR, SCALAR, STATIC, SCALAR, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, True, True, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool,), NotImplementedError, '"logspace_cpu" not implemented for \'{scalar_type}\''),),
+    validate=_validate_logspace,
 )
 S_logspace_Tensor_Tensor = OpSpec(
     "logspace.Tensor_Tensor", aten.logspace.Tensor_Tensor, E.logspace_Tensor_Tensor, ('start', 'end', 'steps', 'base', 'dtype', 'layout', 'device', 'pin_memory'), (TENSOR, TENSOR, STATIC, SCALAR, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, True, True, True, True), ONE,
@@ -438,7 +454,7 @@ S_bernoulli = OpSpec(
 S_normal_Tensor_float = OpSpec(
     "normal.Tensor_float", aten.normal.Tensor_float, E.normal_Tensor_float, ('mean', 'std', 'generator', 'seed'), (TENSOR, SCALAR, STATIC, GENERATOR,), (False, False, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64), NotImplementedError, '"normal_kernel_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64), NotImplementedError, '"normal_kernel_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.normal.Tensor_float_out,
     validate_out=_validate_out_normal_Tensor_float,
 )
@@ -969,7 +985,7 @@ S_index_reduce = OpSpec(
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.index_reduce__check, check_integral=False, check_reads=('L.checks.index_range(self, dim, index)', (0, 1, 2), False),
     index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'index_reduce_(): Expected dtype int32/int64 for index but got: {scalar_type}', False),),
-    refuse_dtypes=(((torch.bool, torch.complex64, torch.complex128), NotImplementedError, '"index_func_" not implemented for \'{scalar_type}\''),),
+    validate=_validate_index_reduce,
     out_overload=aten.index_reduce.out,
 )
 S_index_reduce_ = OpSpec(
@@ -977,7 +993,7 @@ S_index_reduce_ = OpSpec(
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.index_reduce__check, check_integral=False, check_reads=('L.checks.index_range(self, dim, index)', (0, 1, 2), False),
     index_dtype=(((2,), (torch.int64, torch.int32), RuntimeError, 'index_reduce_(): Expected dtype int32/int64 for index but got: {scalar_type}', False),),
-    refuse_dtypes=(((torch.bool, torch.complex64, torch.complex128), NotImplementedError, '"index_func_" not implemented for \'{scalar_type}\''),),
+    validate=_validate_index_reduce,
 )
 S_index_copy = OpSpec(
     "index_copy.default", aten.index_copy.default, E.index_copy, ('self', 'dim', 'index', 'source'), (TENSOR, STATIC, TENSOR, TENSOR,), (False, False, False, False), ONE,
@@ -1093,56 +1109,56 @@ S_masked_select = OpSpec(
 S_sort = OpSpec(
     "sort.default", aten.sort.default, E.sort, ('self', 'dim', 'descending'), (TENSOR, STATIC, STATIC,), (False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), RuntimeError, ' Sort does not support complex dtypes on CPU'),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), RuntimeError, ' Sort does not support complex dtypes on CPU', False, False),),
     out_overload=aten.sort.values,
 )
 S_sort_stable = OpSpec(
     "sort.stable", aten.sort.stable, E.sort_stable, ('self', 'stable', 'dim', 'descending'), (TENSOR, STATIC, STATIC, STATIC,), (False, True, True, True), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), RuntimeError, ' Sort does not support complex dtypes on CPU'),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), RuntimeError, ' Sort does not support complex dtypes on CPU', False, False),),
     out_overload=aten.sort.values_stable,
 )
 S_topk = OpSpec(
     "topk.default", aten.topk.default, E.topk, ('self', 'k', 'dim', 'largest', 'sorted'), (TENSOR, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool,), RuntimeError, 'topk does not support bool dtypes on CPU'), ((torch.complex64, torch.complex128), RuntimeError, ' topk does not support complex dtypes on CPU')),
+    refuse_dtypes=(((torch.bool,), RuntimeError, 'topk does not support bool dtypes on CPU', False, False), ((torch.complex64, torch.complex128), RuntimeError, ' topk does not support complex dtypes on CPU', False, False)),
     out_overload=aten.topk.values,
 )
 S_kthvalue = OpSpec(
     "kthvalue.default", aten.kthvalue.default, E.kthvalue, ('self', 'k', 'dim', 'keepdim'), (TENSOR, STATIC, STATIC, STATIC,), (False, False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.complex64, torch.complex128), NotImplementedError, '"kthvalue_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.complex64, torch.complex128), NotImplementedError, '"kthvalue_cpu" not implemented for \'{scalar_type}\'', True, False),),
     distinct_out=True,
     out_overload=aten.kthvalue.values,
 )
 S_median = OpSpec(
     "median.default", aten.median.default, E.median, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.complex64, torch.complex128), NotImplementedError, '"median_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.complex64, torch.complex128), NotImplementedError, '"median_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.median.out,
 )
 S_median_dim = OpSpec(
     "median.dim", aten.median.dim, E.median_dim, ('self', 'dim', 'keepdim'), (TENSOR, STATIC, STATIC,), (False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.complex64, torch.complex128), NotImplementedError, '"median_out" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.complex64, torch.complex128), NotImplementedError, '"median_out" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.median.dim_values,
 )
 S_nanmedian = OpSpec(
     "nanmedian.default", aten.nanmedian.default, E.nanmedian, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.complex64, torch.complex128), NotImplementedError, '"median_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.complex64, torch.complex128), NotImplementedError, '"median_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.nanmedian.out,
 )
 S_nanmedian_dim = OpSpec(
     "nanmedian.dim", aten.nanmedian.dim, E.nanmedian_dim, ('self', 'dim', 'keepdim'), (TENSOR, STATIC, STATIC,), (False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.complex64, torch.complex128), NotImplementedError, '"median_out" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.complex64, torch.complex128), NotImplementedError, '"median_out" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.nanmedian.dim_values,
 )
 S_mode = OpSpec(
     "mode.default", aten.mode.default, E.mode, ('self', 'dim', 'keepdim'), (TENSOR, STATIC, STATIC,), (False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"mode_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"mode_cpu" not implemented for \'{scalar_type}\'', True, False),),
     out_overload=aten.mode.values,
 )
 S_searchsorted_Tensor = OpSpec(
@@ -1159,7 +1175,7 @@ S_bucketize_Tensor = OpSpec(
     "bucketize.Tensor", aten.bucketize.Tensor, E.bucketize_Tensor, ('self', 'boundaries', 'out_int32', 'right'), (TENSOR, TENSOR, STATIC, STATIC,), (False, False, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     validate=_validate_bucketize_Tensor,
-    refuse_dtypes=(((torch.bool, torch.complex64, torch.complex128), NotImplementedError, '"searchsorted_out_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.complex64, torch.complex128), NotImplementedError, '"searchsorted_out_cpu" not implemented for \'{scalar_type}\'', False, True),),
     out_overload=aten.bucketize.Tensor_out,
     validate_out=_validate_out_bucketize_Tensor,
 )
@@ -1293,13 +1309,13 @@ S_neg_ = OpSpec(
 S_abs = OpSpec(
     "abs.default", aten.abs.default, E.abs, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool,), NotImplementedError, '"abs_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool,), NotImplementedError, '"abs_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.abs.out,
 )
 S_abs_ = OpSpec(
     "abs_.default", aten.abs_.default, E.abs, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool,), NotImplementedError, '"abs_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool,), NotImplementedError, '"abs_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_exp = OpSpec(
     "exp.default", aten.exp.default, E.exp, ('self',), (TENSOR,), (False,), ONE,
@@ -1405,13 +1421,13 @@ S_pow__Scalar = OpSpec(
 S_pow_Tensor_Tensor = OpSpec(
     "pow.Tensor_Tensor", aten.pow.Tensor_Tensor, E.pow_Tensor_Tensor, ('self', 'exponent'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool,), NotImplementedError, '"pow" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool,), NotImplementedError, '"pow" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.pow.Tensor_Tensor_out,
 )
 S_pow__Tensor = OpSpec(
     "pow_.Tensor", aten.pow_.Tensor, E.pow_Tensor_Tensor, ('self', 'exponent'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool,), NotImplementedError, '"pow" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool,), NotImplementedError, '"pow" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_pow_Scalar = OpSpec(
     "pow.Scalar", aten.pow.Scalar, E.pow_Scalar, ('self', 'exponent'), (SCALAR, TENSOR,), (False, False), ONE,
@@ -1421,13 +1437,13 @@ S_pow_Scalar = OpSpec(
 S_maximum = OpSpec(
     "maximum.default", aten.maximum.default, E.maximum, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), RuntimeError, 'maximum not implemented for complex tensors.'),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), RuntimeError, 'maximum not implemented for complex tensors.', False, False),),
     out_overload=aten.maximum.out,
 )
 S_minimum = OpSpec(
     "minimum.default", aten.minimum.default, E.minimum, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), RuntimeError, 'minimum not implemented for complex tensors.'),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), RuntimeError, 'minimum not implemented for complex tensors.', False, False),),
     out_overload=aten.minimum.out,
 )
 S_clamp = OpSpec(
@@ -1442,35 +1458,35 @@ S_clamp_ = OpSpec(
 S_clamp_min = OpSpec(
     "clamp_min.default", aten.clamp_min.default, E.clamp_min, ('self', 'min'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, 'clamp is not supported for complex types'),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, 'clamp is not supported for complex types', False, False),),
     out_overload=aten.clamp_min.out,
 )
 S_clamp_min_ = OpSpec(
     "clamp_min_.default", aten.clamp_min_.default, E.clamp_min, ('self', 'min'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, 'clamp is not supported for complex types'),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, 'clamp is not supported for complex types', False, False),),
 )
 S_clamp_max = OpSpec(
     "clamp_max.default", aten.clamp_max.default, E.clamp_max, ('self', 'max'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, 'clamp is not supported for complex types'),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, 'clamp is not supported for complex types', False, False),),
     out_overload=aten.clamp_max.out,
 )
 S_clamp_max_ = OpSpec(
     "clamp_max_.default", aten.clamp_max_.default, E.clamp_max, ('self', 'max'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, 'clamp is not supported for complex types'),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, 'clamp is not supported for complex types', False, False),),
 )
 S_lerp_Scalar = OpSpec(
     "lerp.Scalar", aten.lerp.Scalar, E.lerp_Scalar, ('self', 'end', 'weight'), (TENSOR, TENSOR, SCALAR,), (False, False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64), NotImplementedError, '"lerp_kernel_scalar" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64), NotImplementedError, '"lerp_kernel_scalar" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.lerp.Scalar_out,
 )
 S_lerp__Scalar = OpSpec(
     "lerp_.Scalar", aten.lerp_.Scalar, E.lerp_Scalar, ('self', 'end', 'weight'), (TENSOR, TENSOR, SCALAR,), (False, False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64), NotImplementedError, '"lerp_kernel_scalar" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64), NotImplementedError, '"lerp_kernel_scalar" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_lerp_Tensor = OpSpec(
     "lerp.Tensor", aten.lerp.Tensor, E.lerp_Tensor, ('self', 'end', 'weight'), (TENSOR, TENSOR, TENSOR,), (False, False, False), ONE,
@@ -1484,24 +1500,24 @@ S_lerp__Tensor = OpSpec(
 S_addcmul = OpSpec(
     "addcmul.default", aten.addcmul.default, E.addcmul, ('self', 'tensor1', 'tensor2', 'value'), (TENSOR, TENSOR, TENSOR, SCALAR,), (False, False, False, True), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool,), NotImplementedError, '"addcmul_cpu_out" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool,), NotImplementedError, '"addcmul_cpu_out" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.addcmul.out,
 )
 S_addcmul_ = OpSpec(
     "addcmul_.default", aten.addcmul_.default, E.addcmul, ('self', 'tensor1', 'tensor2', 'value'), (TENSOR, TENSOR, TENSOR, SCALAR,), (False, False, False, True), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool,), NotImplementedError, '"addcmul_cpu_out" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool,), NotImplementedError, '"addcmul_cpu_out" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_addcdiv = OpSpec(
     "addcdiv.default", aten.addcdiv.default, E.addcdiv, ('self', 'tensor1', 'tensor2', 'value'), (TENSOR, TENSOR, TENSOR, SCALAR,), (False, False, False, True), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64), RuntimeError, 'Integer division with addcdiv is no longer supported, and in a future  release addcdiv will perform a true division of tensor1 and tensor2. The historic addcdiv behavior can be implemented as (input + value * torch.trunc(tensor1 / tensor2)).to(input.dtype) for integer inputs and as (input + value * tensor1 / tensor2) for float inputs. The future addcdiv behavior is just the latter implementation: (input + value * tensor1 / tensor2), for all dtypes.'),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64), RuntimeError, 'Integer division with addcdiv is no longer supported, and in a future  release addcdiv will perform a true division of tensor1 and tensor2. The historic addcdiv behavior can be implemented as (input + value * torch.trunc(tensor1 / tensor2)).to(input.dtype) for integer inputs and as (input + value * tensor1 / tensor2) for float inputs. The future addcdiv behavior is just the latter implementation: (input + value * tensor1 / tensor2), for all dtypes.', False, False),),
     out_overload=aten.addcdiv.out,
 )
 S_addcdiv_ = OpSpec(
     "addcdiv_.default", aten.addcdiv_.default, E.addcdiv, ('self', 'tensor1', 'tensor2', 'value'), (TENSOR, TENSOR, TENSOR, SCALAR,), (False, False, False, True), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64), RuntimeError, 'Integer division with addcdiv is no longer supported, and in a future  release addcdiv will perform a true division of tensor1 and tensor2. The historic addcdiv behavior can be implemented as (input + value * torch.trunc(tensor1 / tensor2)).to(input.dtype) for integer inputs and as (input + value * tensor1 / tensor2) for float inputs. The future addcdiv behavior is just the latter implementation: (input + value * tensor1 / tensor2), for all dtypes.'),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64), RuntimeError, 'Integer division with addcdiv is no longer supported, and in a future  release addcdiv will perform a true division of tensor1 and tensor2. The historic addcdiv behavior can be implemented as (input + value * torch.trunc(tensor1 / tensor2)).to(input.dtype) for integer inputs and as (input + value * tensor1 / tensor2) for float inputs. The future addcdiv behavior is just the latter implementation: (input + value * tensor1 / tensor2), for all dtypes.', False, False),),
 )
 S_eq_Tensor = OpSpec(
     "eq.Tensor", aten.eq.Tensor, E.eq_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
@@ -1542,90 +1558,90 @@ S_ne__Scalar = OpSpec(
 S_lt_Tensor = OpSpec(
     "lt.Tensor", aten.lt.Tensor, E.lt_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='always_bool', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"lt_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"lt_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.lt.Tensor_out,
 )
 S_lt__Tensor = OpSpec(
     "lt_.Tensor", aten.lt_.Tensor, E.lt_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='always_bool', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"lt_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"lt_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_lt_Scalar = OpSpec(
     "lt.Scalar", aten.lt.Scalar, E.lt_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='always_bool', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"lt_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"lt_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.lt.Scalar_out,
 )
 S_lt__Scalar = OpSpec(
     "lt_.Scalar", aten.lt_.Scalar, E.lt_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='always_bool', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"lt_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"lt_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_le_Tensor = OpSpec(
     "le.Tensor", aten.le.Tensor, E.le_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='always_bool', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"le_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"le_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.le.Tensor_out,
 )
 S_le__Tensor = OpSpec(
     "le_.Tensor", aten.le_.Tensor, E.le_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='always_bool', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"le_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"le_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_le_Scalar = OpSpec(
     "le.Scalar", aten.le.Scalar, E.le_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='always_bool', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"le_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"le_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.le.Scalar_out,
 )
 S_le__Scalar = OpSpec(
     "le_.Scalar", aten.le_.Scalar, E.le_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='always_bool', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"le_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"le_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_gt_Tensor = OpSpec(
     "gt.Tensor", aten.gt.Tensor, E.gt_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='always_bool', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"gt_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"gt_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.gt.Tensor_out,
 )
 S_gt__Tensor = OpSpec(
     "gt_.Tensor", aten.gt_.Tensor, E.gt_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='always_bool', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"gt_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"gt_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_gt_Scalar = OpSpec(
     "gt.Scalar", aten.gt.Scalar, E.gt_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='always_bool', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"gt_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"gt_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.gt.Scalar_out,
 )
 S_gt__Scalar = OpSpec(
     "gt_.Scalar", aten.gt_.Scalar, E.gt_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='always_bool', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"gt_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"gt_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_ge_Tensor = OpSpec(
     "ge.Tensor", aten.ge.Tensor, E.ge_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='always_bool', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"ge_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"ge_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.ge.Tensor_out,
 )
 S_ge__Tensor = OpSpec(
     "ge_.Tensor", aten.ge_.Tensor, E.ge_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='always_bool', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"ge_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"ge_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_ge_Scalar = OpSpec(
     "ge.Scalar", aten.ge.Scalar, E.ge_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='always_bool', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"ge_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"ge_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.ge.Scalar_out,
 )
 S_ge__Scalar = OpSpec(
     "ge_.Scalar", aten.ge_.Scalar, E.ge_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='always_bool', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"ge_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"ge_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_logical_not = OpSpec(
     "logical_not.default", aten.logical_not.default, E.logical_not, ('self',), (TENSOR,), (False,), ONE,
@@ -1657,13 +1673,13 @@ S_logical_or_ = OpSpec(
 S_relu = OpSpec(
     "relu.default", aten.relu.default, E.relu, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool,), RuntimeError, 'Boolean inputs not supported for relu'), ((torch.complex64, torch.complex128), NotImplementedError, 'clamp is not supported for complex types')),
+    refuse_dtypes=(((torch.bool,), RuntimeError, 'Boolean inputs not supported for relu', False, False), ((torch.complex64, torch.complex128), NotImplementedError, 'clamp is not supported for complex types', False, False)),
     out_overload=aten.relu.out,
 )
 S_relu_ = OpSpec(
     "relu_.default", aten.relu_.default, E.relu, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool,), RuntimeError, 'Boolean inputs not supported for relu'), ((torch.complex64, torch.complex128), NotImplementedError, 'clamp is not supported for complex types')),
+    refuse_dtypes=(((torch.bool,), RuntimeError, 'Boolean inputs not supported for relu', False, False), ((torch.complex64, torch.complex128), NotImplementedError, 'clamp is not supported for complex types', False, False)),
 )
 S_threshold_backward = OpSpec(
     "threshold_backward.default", aten.threshold_backward.default, E.threshold_backward, ('grad_output', 'self', 'threshold'), (TENSOR, TENSOR, SCALAR,), (False, False, False), ONE,
@@ -1673,13 +1689,13 @@ S_threshold_backward = OpSpec(
 S_gelu = OpSpec(
     "gelu.default", aten.gelu.default, E.gelu, ('self', 'approximate'), (TENSOR, STATIC,), (False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"GeluKernelImpl" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"GeluKernelImpl" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.gelu.out,
 )
 S_gelu_ = OpSpec(
     "gelu_.default", aten.gelu_.default, E.gelu, ('self', 'approximate'), (TENSOR, STATIC,), (False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"GeluKernelImpl" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"GeluKernelImpl" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_gelu_backward = OpSpec(
     "gelu_backward.default", aten.gelu_backward.default, E.gelu_backward, ('grad_output', 'self', 'approximate'), (TENSOR, TENSOR, STATIC,), (False, False, True), ONE,
@@ -1753,13 +1769,13 @@ S_atanh_ = OpSpec(
 S_atan2 = OpSpec(
     "atan2.default", aten.atan2.default, E.atan2, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"atan2_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"atan2_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.atan2.out,
 )
 S_atan2_ = OpSpec(
     "atan2_.default", aten.atan2_.default, E.atan2, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"atan2_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"atan2_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_cosh = OpSpec(
     "cosh.default", aten.cosh.default, E.cosh, ('self',), (TENSOR,), (False,), ONE,
@@ -1928,31 +1944,31 @@ S_special_i1e = OpSpec(
 S_special_ndtri = OpSpec(
     "special_ndtri.default", aten.special_ndtri.default, E.special_ndtri, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"ndtri_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"ndtri_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.special_ndtri.out,
 )
 S_special_log_ndtr = OpSpec(
     "special_log_ndtr.default", aten.special_log_ndtr.default, E.special_log_ndtr, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"log_ndtr_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"log_ndtr_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.special_log_ndtr.out,
 )
 S_special_entr = OpSpec(
     "special_entr.default", aten.special_entr.default, E.special_entr, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"entr_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"entr_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.special_entr.out,
 )
 S_logit = OpSpec(
     "logit.default", aten.logit.default, E.logit, ('self', 'eps'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"logit_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"logit_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.logit.out,
 )
 S_logit_ = OpSpec(
     "logit_.default", aten.logit_.default, E.logit, ('self', 'eps'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"logit_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"logit_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_logit_backward = OpSpec(
     "logit_backward.default", aten.logit_backward.default, E.logit_backward, ('grad_output', 'self', 'eps'), (TENSOR, TENSOR, SCALAR,), (False, False, False), ONE,
@@ -1962,79 +1978,79 @@ S_logit_backward = OpSpec(
 S_ceil = OpSpec(
     "ceil.default", aten.ceil.default, E.ceil, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool,), NotImplementedError, '"ceil_vml_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool,), NotImplementedError, '"ceil_vml_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.ceil.out,
 )
 S_ceil_ = OpSpec(
     "ceil_.default", aten.ceil_.default, E.ceil, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool,), NotImplementedError, '"ceil_vml_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool,), NotImplementedError, '"ceil_vml_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_floor = OpSpec(
     "floor.default", aten.floor.default, E.floor, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool,), NotImplementedError, '"floor_vml_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool,), NotImplementedError, '"floor_vml_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.floor.out,
 )
 S_floor_ = OpSpec(
     "floor_.default", aten.floor_.default, E.floor, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool,), NotImplementedError, '"floor_vml_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool,), NotImplementedError, '"floor_vml_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_trunc = OpSpec(
     "trunc.default", aten.trunc.default, E.trunc, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool,), NotImplementedError, '"trunc_vml_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool,), NotImplementedError, '"trunc_vml_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.trunc.out,
 )
 S_trunc_ = OpSpec(
     "trunc_.default", aten.trunc_.default, E.trunc, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool,), NotImplementedError, '"trunc_vml_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool,), NotImplementedError, '"trunc_vml_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_round = OpSpec(
     "round.default", aten.round.default, E.round, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.complex64, torch.complex128), NotImplementedError, '"round_vml_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.complex64, torch.complex128), NotImplementedError, '"round_vml_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.round.out,
 )
 S_round_ = OpSpec(
     "round_.default", aten.round_.default, E.round, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.complex64, torch.complex128), NotImplementedError, '"round_vml_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.complex64, torch.complex128), NotImplementedError, '"round_vml_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_round_decimals = OpSpec(
     "round.decimals", aten.round.decimals, E.round_decimals, ('self', 'decimals'), (TENSOR, STATIC,), (False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"round_vml_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"round_vml_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.round.decimals_out,
 )
 S_round__decimals = OpSpec(
     "round_.decimals", aten.round_.decimals, E.round_decimals, ('self', 'decimals'), (TENSOR, STATIC,), (False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"round_vml_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"round_vml_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_frac = OpSpec(
     "frac.default", aten.frac.default, E.frac, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"frac_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"frac_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.frac.out,
 )
 S_frac_ = OpSpec(
     "frac_.default", aten.frac_.default, E.frac, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"frac_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"frac_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_sign = OpSpec(
     "sign.default", aten.sign.default, E.sign, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, 'Unlike NumPy, torch.sign is not intended to support complex numbers. Please use torch.sgn instead.'),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, 'Unlike NumPy, torch.sign is not intended to support complex numbers. Please use torch.sgn instead.', False, False),),
     out_overload=aten.sign.out,
 )
 S_sign_ = OpSpec(
     "sign_.default", aten.sign_.default, E.sign, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, 'Unlike NumPy, torch.sign is not intended to support complex numbers. Please use torch.sgn instead.'),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, 'Unlike NumPy, torch.sign is not intended to support complex numbers. Please use torch.sgn instead.', False, False),),
 )
 S_sgn = OpSpec(
     "sgn.default", aten.sgn.default, E.sgn, ('self',), (TENSOR,), (False,), ONE,
@@ -2191,14 +2207,14 @@ S_fmod_Tensor = OpSpec(
     "fmod.Tensor", aten.fmod.Tensor, E.fmod_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.fmod_Tensor__check, check_integral=True, check_reads=('L.checks.divisor(out, other)', (1,), True),
-    refuse_dtypes=(((torch.bool, torch.complex64, torch.complex128), NotImplementedError, '"fmod_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.complex64, torch.complex128), NotImplementedError, '"fmod_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.fmod.Tensor_out,
 )
 S_fmod__Tensor = OpSpec(
     "fmod_.Tensor", aten.fmod_.Tensor, E.fmod_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.fmod_Tensor__check, check_integral=True, check_reads=('L.checks.divisor(out, other)', (1,), True),
-    refuse_dtypes=(((torch.bool, torch.complex64, torch.complex128), NotImplementedError, '"fmod_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.complex64, torch.complex128), NotImplementedError, '"fmod_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_fmod_Scalar = OpSpec(
     "fmod.Scalar", aten.fmod.Scalar, E.fmod_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
@@ -2215,14 +2231,14 @@ S_remainder_Tensor = OpSpec(
     "remainder.Tensor", aten.remainder.Tensor, E.remainder_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.remainder_Tensor__check, check_integral=True, check_reads=('L.checks.divisor(out, other)', (1,), True),
-    refuse_dtypes=(((torch.bool, torch.complex64, torch.complex128), NotImplementedError, '"remainder_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.complex64, torch.complex128), NotImplementedError, '"remainder_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.remainder.Tensor_out,
 )
 S_remainder__Tensor = OpSpec(
     "remainder_.Tensor", aten.remainder_.Tensor, E.remainder_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.remainder_Tensor__check, check_integral=True, check_reads=('L.checks.divisor(out, other)', (1,), True),
-    refuse_dtypes=(((torch.bool, torch.complex64, torch.complex128), NotImplementedError, '"remainder_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.complex64, torch.complex128), NotImplementedError, '"remainder_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_remainder_Scalar = OpSpec(
     "remainder.Scalar", aten.remainder.Scalar, E.remainder_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
@@ -2277,13 +2293,13 @@ S_floor_divide__Scalar = OpSpec(
 S_hypot = OpSpec(
     "hypot.default", aten.hypot.default, E.hypot, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"hypot_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"hypot_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.hypot.out,
 )
 S_hypot_ = OpSpec(
     "hypot_.default", aten.hypot_.default, E.hypot, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"hypot_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"hypot_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_copysign_Tensor = OpSpec(
     "copysign.Tensor", aten.copysign.Tensor, E.copysign_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
@@ -2306,35 +2322,35 @@ S_copysign__Scalar = OpSpec(
 S_nextafter = OpSpec(
     "nextafter.default", aten.nextafter.default, E.nextafter, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"nextafter_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"nextafter_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.nextafter.out,
 )
 S_nextafter_ = OpSpec(
     "nextafter_.default", aten.nextafter_.default, E.nextafter, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"nextafter_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"nextafter_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_heaviside = OpSpec(
     "heaviside.default", aten.heaviside.default, E.heaviside, ('self', 'values'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), RuntimeError, 'heaviside is not yet implemented for complex tensors.'),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), RuntimeError, 'heaviside is not yet implemented for complex tensors.', False, False),),
     out_overload=aten.heaviside.out,
 )
 S_heaviside_ = OpSpec(
     "heaviside_.default", aten.heaviside_.default, E.heaviside, ('self', 'values'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), RuntimeError, 'heaviside is not yet implemented for complex tensors.'),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), RuntimeError, 'heaviside is not yet implemented for complex tensors.', False, False),),
 )
 S_xlogy_Tensor = OpSpec(
     "xlogy.Tensor", aten.xlogy.Tensor, E.xlogy_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"xlogy_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"xlogy_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.xlogy.OutTensor,
 )
 S_xlogy__Tensor = OpSpec(
     "xlogy_.Tensor", aten.xlogy_.Tensor, E.xlogy_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"xlogy_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"xlogy_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_xlogy_Scalar_Self = OpSpec(
     "xlogy.Scalar_Self", aten.xlogy.Scalar_Self, E.xlogy_Scalar_Self, ('self', 'other'), (SCALAR, TENSOR,), (False, False), ONE,
@@ -2353,65 +2369,65 @@ S_xlogy__Scalar_Other = OpSpec(
 S_special_xlog1py = OpSpec(
     "special_xlog1py.default", aten.special_xlog1py.default, E.special_xlog1py, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"xlog1py_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"xlog1py_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.special_xlog1py.out,
 )
 S_logaddexp = OpSpec(
     "logaddexp.default", aten.logaddexp.default, E.logaddexp, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64), NotImplementedError, '"logaddexp_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64), NotImplementedError, '"logaddexp_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.logaddexp.out,
 )
 S_logaddexp2 = OpSpec(
     "logaddexp2.default", aten.logaddexp2.default, E.logaddexp2, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"logaddexp2_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"logaddexp2_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.logaddexp2.out,
 )
 S_fmax = OpSpec(
     "fmax.default", aten.fmax.default, E.fmax, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), RuntimeError, 'fmax not implemented for complex tensors.'),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), RuntimeError, 'fmax not implemented for complex tensors.', False, False),),
     out_overload=aten.fmax.out,
 )
 S_fmin = OpSpec(
     "fmin.default", aten.fmin.default, E.fmin, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), RuntimeError, 'fmin not implemented for complex tensors.'),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), RuntimeError, 'fmin not implemented for complex tensors.', False, False),),
     out_overload=aten.fmin.out,
 )
 S_clamp_Tensor = OpSpec(
     "clamp.Tensor", aten.clamp.Tensor, E.clamp_Tensor, ('self', 'min', 'max'), (TENSOR, OPT_TENSOR, OPT_TENSOR,), (False, False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool,), NotImplementedError, '"clamp_cpu" not implemented for \'{scalar_type}\''), ((torch.complex64, torch.complex128), NotImplementedError, 'clamp is not supported for complex types')),
+    validate=_validate_clamp_Tensor,
     out_overload=aten.clamp.Tensor_out,
 )
 S_clamp__Tensor = OpSpec(
     "clamp_.Tensor", aten.clamp_.Tensor, E.clamp_Tensor, ('self', 'min', 'max'), (TENSOR, OPT_TENSOR, OPT_TENSOR,), (False, False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool,), NotImplementedError, '"clamp_cpu" not implemented for \'{scalar_type}\''), ((torch.complex64, torch.complex128), NotImplementedError, 'clamp is not supported for complex types')),
+    validate=_validate_clamp_Tensor,
 )
 S_clamp_min_Tensor = OpSpec(
     "clamp_min.Tensor", aten.clamp_min.Tensor, E.clamp_min_Tensor, ('self', 'min'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"maximum_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"maximum_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.clamp_min.Tensor_out,
 )
 S_clamp_min__Tensor = OpSpec(
     "clamp_min_.Tensor", aten.clamp_min_.Tensor, E.clamp_min_Tensor, ('self', 'min'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"maximum_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"maximum_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_clamp_max_Tensor = OpSpec(
     "clamp_max.Tensor", aten.clamp_max.Tensor, E.clamp_max_Tensor, ('self', 'max'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"minimum_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"minimum_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.clamp_max.Tensor_out,
 )
 S_clamp_max__Tensor = OpSpec(
     "clamp_max_.Tensor", aten.clamp_max_.Tensor, E.clamp_max_Tensor, ('self', 'max'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"minimum_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"minimum_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_fill_Scalar = OpSpec(
     "fill.Scalar", aten.fill.Scalar, E.fill_Scalar, ('self', 'value'), (TENSOR, SCALAR,), (False, False), ONE,
@@ -2424,13 +2440,13 @@ S_fill_Tensor = OpSpec(
 S_hardtanh = OpSpec(
     "hardtanh.default", aten.hardtanh.default, E.hardtanh, ('self', 'min_val', 'max_val'), (TENSOR, SCALAR, SCALAR,), (False, False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, 'clamp is not supported for complex types'),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, 'clamp is not supported for complex types', False, False),),
     out_overload=aten.hardtanh.out,
 )
 S_hardtanh_ = OpSpec(
     "hardtanh_.default", aten.hardtanh_.default, E.hardtanh, ('self', 'min_val', 'max_val'), (TENSOR, SCALAR, SCALAR,), (False, False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, 'clamp is not supported for complex types'),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, 'clamp is not supported for complex types', False, False),),
 )
 S_hardtanh_backward = OpSpec(
     "hardtanh_backward.default", aten.hardtanh_backward.default, E.hardtanh_backward, ('grad_output', 'self', 'min_val', 'max_val'), (TENSOR, TENSOR, SCALAR, SCALAR,), (False, False, False, False), ONE,
@@ -2440,13 +2456,13 @@ S_hardtanh_backward = OpSpec(
 S_elu = OpSpec(
     "elu.default", aten.elu.default, E.elu, ('self', 'alpha', 'scale', 'input_scale'), (TENSOR, SCALAR, SCALAR, SCALAR,), (False, False, False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"elu_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"elu_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.elu.out,
 )
 S_elu_ = OpSpec(
     "elu_.default", aten.elu_.default, E.elu, ('self', 'alpha', 'scale', 'input_scale'), (TENSOR, SCALAR, SCALAR, SCALAR,), (False, False, False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"elu_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"elu_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_elu_backward = OpSpec(
     "elu_backward.default", aten.elu_backward.default, E.elu_backward, ('grad_output', 'alpha', 'scale', 'input_scale', 'is_result', 'self_or_result'), (TENSOR, SCALAR, SCALAR, SCALAR, STATIC, TENSOR,), (False, False, False, False, False, False), ONE,
@@ -2456,24 +2472,24 @@ S_elu_backward = OpSpec(
 S_celu = OpSpec(
     "celu.default", aten.celu.default, E.celu, ('self', 'alpha'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"elu_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"elu_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.celu.out,
 )
 S_celu_ = OpSpec(
     "celu_.default", aten.celu_.default, E.celu, ('self', 'alpha'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"elu_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"elu_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_leaky_relu = OpSpec(
     "leaky_relu.default", aten.leaky_relu.default, E.leaky_relu, ('self', 'negative_slope'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"leaky_relu_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"leaky_relu_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.leaky_relu.out,
 )
 S_leaky_relu_ = OpSpec(
     "leaky_relu_.default", aten.leaky_relu_.default, E.leaky_relu, ('self', 'negative_slope'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"leaky_relu_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"leaky_relu_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_leaky_relu_backward = OpSpec(
     "leaky_relu_backward.default", aten.leaky_relu_backward.default, E.leaky_relu_backward, ('grad_output', 'self', 'negative_slope', 'self_is_result'), (TENSOR, TENSOR, SCALAR, STATIC,), (False, False, False, False), ONE,
@@ -2483,24 +2499,24 @@ S_leaky_relu_backward = OpSpec(
 S_threshold = OpSpec(
     "threshold.default", aten.threshold.default, E.threshold, ('self', 'threshold', 'value'), (TENSOR, SCALAR, SCALAR,), (False, False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.complex64, torch.complex128), NotImplementedError, '"threshold_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.complex64, torch.complex128), NotImplementedError, '"threshold_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.threshold.out,
 )
 S_threshold_ = OpSpec(
     "threshold_.default", aten.threshold_.default, E.threshold, ('self', 'threshold', 'value'), (TENSOR, SCALAR, SCALAR,), (False, False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.complex64, torch.complex128), NotImplementedError, '"threshold_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.complex64, torch.complex128), NotImplementedError, '"threshold_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_silu = OpSpec(
     "silu.default", aten.silu.default, E.silu, ('self',), (TENSOR,), (False,), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64), NotImplementedError, '"silu_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64), NotImplementedError, '"silu_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.silu.out,
 )
 S_silu_ = OpSpec(
     "silu_.default", aten.silu_.default, E.silu, ('self',), (TENSOR,), (False,), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64), NotImplementedError, '"silu_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64), NotImplementedError, '"silu_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_silu_backward = OpSpec(
     "silu_backward.default", aten.silu_backward.default, E.silu_backward, ('grad_output', 'self'), (TENSOR, TENSOR,), (False, False), ONE,
@@ -2510,13 +2526,13 @@ S_silu_backward = OpSpec(
 S_mish = OpSpec(
     "mish.default", aten.mish.default, E.mish, ('self',), (TENSOR,), (False,), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"mish_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"mish_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.mish.out,
 )
 S_mish_ = OpSpec(
     "mish_.default", aten.mish_.default, E.mish, ('self',), (TENSOR,), (False,), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"mish_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"mish_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_mish_backward = OpSpec(
     "mish_backward.default", aten.mish_backward.default, E.mish_backward, ('grad_output', 'self'), (TENSOR, TENSOR,), (False, False), ONE,
@@ -2525,7 +2541,7 @@ S_mish_backward = OpSpec(
 S_softplus = OpSpec(
     "softplus.default", aten.softplus.default, E.softplus, ('self', 'beta', 'threshold'), (TENSOR, SCALAR, SCALAR,), (False, False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"softplus_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"softplus_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.softplus.out,
 )
 S_softplus_backward = OpSpec(
@@ -2536,13 +2552,13 @@ S_softplus_backward = OpSpec(
 S_hardswish = OpSpec(
     "hardswish.default", aten.hardswish.default, E.hardswish, ('self',), (TENSOR,), (False,), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"hardswish_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"hardswish_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.hardswish.out,
 )
 S_hardswish_ = OpSpec(
     "hardswish_.default", aten.hardswish_.default, E.hardswish, ('self',), (TENSOR,), (False,), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"hardswish_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"hardswish_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_hardswish_backward = OpSpec(
     "hardswish_backward.default", aten.hardswish_backward.default, E.hardswish_backward, ('grad_output', 'self'), (TENSOR, TENSOR,), (False, False), ONE,
@@ -2552,13 +2568,13 @@ S_hardswish_backward = OpSpec(
 S_hardsigmoid = OpSpec(
     "hardsigmoid.default", aten.hardsigmoid.default, E.hardsigmoid, ('self',), (TENSOR,), (False,), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"hardsigmoid_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"hardsigmoid_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.hardsigmoid.out,
 )
 S_hardsigmoid_ = OpSpec(
     "hardsigmoid_.default", aten.hardsigmoid_.default, E.hardsigmoid, ('self',), (TENSOR,), (False,), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"hardsigmoid_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"hardsigmoid_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_hardsigmoid_backward = OpSpec(
     "hardsigmoid_backward.default", aten.hardsigmoid_backward.default, E.hardsigmoid_backward, ('grad_output', 'self'), (TENSOR, TENSOR,), (False, False), ONE,
@@ -2568,7 +2584,7 @@ S_hardsigmoid_backward = OpSpec(
 S_hardshrink = OpSpec(
     "hardshrink.default", aten.hardshrink.default, E.hardshrink, ('self', 'lambd'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"hardshrink_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"hardshrink_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.hardshrink.out,
 )
 S_hardshrink_backward = OpSpec(
@@ -2579,7 +2595,7 @@ S_hardshrink_backward = OpSpec(
 S_softshrink = OpSpec(
     "softshrink.default", aten.softshrink.default, E.softshrink, ('self', 'lambd'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"softshrink_check" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"softshrink_check" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.softshrink.out,
 )
 S_softshrink_backward = OpSpec(
@@ -2590,7 +2606,7 @@ S_softshrink_backward = OpSpec(
 S_log_sigmoid_forward = OpSpec(
     "log_sigmoid_forward.default", aten.log_sigmoid_forward.default, E.log_sigmoid_forward, ('self',), (TENSOR,), (False,), TUPLE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"log_sigmoid_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"log_sigmoid_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.log_sigmoid_forward.output,
 )
 S_log_sigmoid_backward = OpSpec(
@@ -2601,7 +2617,7 @@ S_log_sigmoid_backward = OpSpec(
 S_glu = OpSpec(
     "glu.default", aten.glu.default, E.glu, ('self', 'dim'), (TENSOR, STATIC,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"glu_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"glu_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.glu.out,
 )
 S_glu_backward = OpSpec(
@@ -2612,7 +2628,7 @@ S_glu_backward = OpSpec(
 S__prelu_kernel = OpSpec(
     "_prelu_kernel.default", aten._prelu_kernel.default, E._prelu_kernel, ('self', 'weight'), (TENSOR, TENSOR,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"prelu_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"prelu_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S__prelu_kernel_backward = OpSpec(
     "_prelu_kernel_backward.default", aten._prelu_kernel_backward.default, E._prelu_kernel_backward, ('grad_output', 'self', 'weight'), (TENSOR, TENSOR, TENSOR,), (False, False, False), TUPLE,
@@ -2670,55 +2686,55 @@ S_mean_dim = OpSpec(
 S_amax = OpSpec(
     "amax.default", aten.amax.default, E.amax, ('self', 'dim', 'keepdim'), (TENSOR, STATIC, STATIC,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"max_values_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"max_values_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.amax.out,
 )
 S_amin = OpSpec(
     "amin.default", aten.amin.default, E.amin, ('self', 'dim', 'keepdim'), (TENSOR, STATIC, STATIC,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"min_values_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"min_values_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.amin.out,
 )
 S_max = OpSpec(
     "max.default", aten.max.default, E.max, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"max_all" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"max_all" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.max.unary_out,
 )
 S_min = OpSpec(
     "min.default", aten.min.default, E.min, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"min_all" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"min_all" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.min.unary_out,
 )
 S_max_dim = OpSpec(
     "max.dim", aten.max.dim, E.max_dim, ('self', 'dim', 'keepdim'), (TENSOR, STATIC, STATIC,), (False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), RuntimeError, 'max(): does not support complex input'),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), RuntimeError, 'max(): does not support complex input', False, False),),
     out_overload=aten.max.dim_max,
 )
 S_min_dim = OpSpec(
     "min.dim", aten.min.dim, E.min_dim, ('self', 'dim', 'keepdim'), (TENSOR, STATIC, STATIC,), (False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), RuntimeError, 'min(): does not support complex input'),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), RuntimeError, 'min(): does not support complex input', False, False),),
     out_overload=aten.min.dim_min,
 )
 S_argmax = OpSpec(
     "argmax.default", aten.argmax.default, E.argmax, ('self', 'dim', 'keepdim'), (TENSOR, STATIC, STATIC,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool,), RuntimeError, 'argmax(): does not support bool input'),),
+    refuse_dtypes=(((torch.bool,), RuntimeError, 'argmax(): does not support bool input', False, False),),
     out_overload=aten.argmax.out,
 )
 S_argmin = OpSpec(
     "argmin.default", aten.argmin.default, E.argmin, ('self', 'dim', 'keepdim'), (TENSOR, STATIC, STATIC,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool,), RuntimeError, 'argmin(): does not support bool input'),),
+    refuse_dtypes=(((torch.bool,), RuntimeError, 'argmin(): does not support bool input', False, False),),
     out_overload=aten.argmin.out,
 )
 S_var_correction = OpSpec(
     "var.correction", aten.var.correction, E.var_correction, ('self', 'dim', 'correction', 'keepdim'), (TENSOR, STATIC, STATIC, STATIC,), (False, False, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64), RuntimeError, 'std and var only support floating point and complex dtypes'),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64), RuntimeError, 'std and var only support floating point and complex dtypes', False, False),),
     out_overload=aten.var.correction_out,
 )
 S_all = OpSpec(
@@ -2775,7 +2791,7 @@ S_var_dim = OpSpec(
 S_std_correction = OpSpec(
     "std.correction", aten.std.correction, E.std_correction, ('self', 'dim', 'correction', 'keepdim'), (TENSOR, STATIC, STATIC, STATIC,), (False, False, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64), RuntimeError, 'std and var only support floating point and complex dtypes'),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64), RuntimeError, 'std and var only support floating point and complex dtypes', False, False),),
     out_overload=aten.std.correction_out,
 )
 S_var_mean_correction = OpSpec(
@@ -2791,7 +2807,7 @@ S_std_mean_correction = OpSpec(
 S_nansum = OpSpec(
     "nansum.default", aten.nansum.default, E.nansum, ('self', 'dim', 'keepdim', 'dtype'), (TENSOR, STATIC, STATIC, STATIC,), (False, False, False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), RuntimeError, 'nansum on CPU does not support complex inputs'),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), RuntimeError, 'nansum on CPU does not support complex inputs', False, False),),
     out_overload=aten.nansum.out,
 )
 S_count_nonzero = OpSpec(
@@ -2807,7 +2823,7 @@ S_count_nonzero_dim_IntList = OpSpec(
 S_aminmax = OpSpec(
     "aminmax.default", aten.aminmax.default, E.aminmax, ('self', 'dim', 'keepdim'), (TENSOR, STATIC, STATIC,), (False, True, True), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"aminmax_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"aminmax_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.aminmax.out,
     validate_out=_validate_out_aminmax,
 )
@@ -2819,13 +2835,13 @@ S_logsumexp = OpSpec(
 S_cumsum = OpSpec(
     "cumsum.default", aten.cumsum.default, E.cumsum, ('self', 'dim', 'dtype'), (TENSOR, STATIC, STATIC,), (False, False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool,), NotImplementedError, '"cumsum_out_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool,), NotImplementedError, '"cumsum_out_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.cumsum.out,
 )
 S_cumsum_ = OpSpec(
     "cumsum_.default", aten.cumsum_.default, E.cumsum, ('self', 'dim', 'dtype'), (TENSOR, STATIC, STATIC,), (False, False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool,), NotImplementedError, '"cumsum_out_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool,), NotImplementedError, '"cumsum_out_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_cumprod = OpSpec(
     "cumprod.default", aten.cumprod.default, E.cumprod, ('self', 'dim', 'dtype'), (TENSOR, STATIC, STATIC,), (False, False, True), ONE,
@@ -2839,7 +2855,7 @@ S_cumprod_ = OpSpec(
 S_logcumsumexp = OpSpec(
     "logcumsumexp.default", aten.logcumsumexp.default, E.logcumsumexp, ('self', 'dim'), (TENSOR, STATIC,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64), NotImplementedError, '"logcumsumexp_out_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64), NotImplementedError, '"logcumsumexp_out_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.logcumsumexp.out,
 )
 S_segment_reduce = OpSpec(
@@ -2847,7 +2863,7 @@ S_segment_reduce = OpSpec(
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.segment_reduce__check, check_integral=False, check_reads=('L.checks.segments(data, lengths, offsets, unsafe)', (0, 2, 4, 6), False),
     index_dtype=(((2,), (torch.int64, torch.int32), NotImplementedError, '"_segment_reduce_lengths_cpu_kernel1" not implemented for \'{scalar_type}\'', False), ((4,), (torch.int64, torch.int32), NotImplementedError, '"_segment_reduce_offsets_cpu_kernel1" not implemented for \'{scalar_type}\'', False)),
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"_segment_reduce_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"_segment_reduce_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.segment_reduce.out,
 )
 S__segment_reduce_backward = OpSpec(
@@ -2858,88 +2874,88 @@ S__segment_reduce_backward = OpSpec(
 S_cummax = OpSpec(
     "cummax.default", aten.cummax.default, E.cummax, ('self', 'dim'), (TENSOR, STATIC,), (False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"cummax_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"cummax_cpu" not implemented for \'{scalar_type}\'', True, False),),
     out_overload=aten.cummax.out,
 )
 S_cummin = OpSpec(
     "cummin.default", aten.cummin.default, E.cummin, ('self', 'dim'), (TENSOR, STATIC,), (False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"cummin_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"cummin_cpu" not implemented for \'{scalar_type}\'', True, False),),
     out_overload=aten.cummin.out,
 )
 S_mm = OpSpec(
     "mm.default", aten.mm.default, E.mm, ('self', 'mat2'), (TENSOR, TENSOR,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     validate=_validate_mm,
-    refuse_dtypes=(((torch.bool,), NotImplementedError, '"addmm_impl_cpu_" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool,), NotImplementedError, '"addmm_impl_cpu_" not implemented for \'{scalar_type}\'', False, True),),
     out_overload=aten.mm.out,
 )
 S_bmm = OpSpec(
     "bmm.default", aten.bmm.default, E.bmm, ('self', 'mat2'), (TENSOR, TENSOR,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool,), NotImplementedError, '"bmm" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool,), NotImplementedError, '"bmm" not implemented for \'{scalar_type}\'', False, True),),
     out_overload=aten.bmm.out,
 )
 S_mv = OpSpec(
     "mv.default", aten.mv.default, E.mv, ('self', 'vec'), (TENSOR, TENSOR,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     validate=_validate_mv,
-    refuse_dtypes=(((torch.bool,), NotImplementedError, '"addmv_impl_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool,), NotImplementedError, '"addmv_impl_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.mv.out,
 )
 S_dot = OpSpec(
     "dot.default", aten.dot.default, E.dot, ('self', 'tensor'), (TENSOR, TENSOR,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool,), NotImplementedError, '"dot" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool,), NotImplementedError, '"dot" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.dot.out,
 )
 S_addmm = OpSpec(
     "addmm.default", aten.addmm.default, E.addmm, ('self', 'mat1', 'mat2', 'beta', 'alpha'), (TENSOR, TENSOR, TENSOR, SCALAR, SCALAR,), (False, False, False, True, True), ONE,
     promote='default', promote_args=['self', 'mat1', 'mat2'], view=False, scatter=None, meta_overload=None,
     validate=_validate_addmm,
-    refuse_dtypes=(((torch.bool,), NotImplementedError, '"addmm_impl_cpu_" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool,), NotImplementedError, '"addmm_impl_cpu_" not implemented for \'{scalar_type}\'', False, True),),
     out_overload=aten.addmm.out,
 )
 S_addmm_ = OpSpec(
     "addmm_.default", aten.addmm_.default, E.addmm, ('self', 'mat1', 'mat2', 'beta', 'alpha'), (TENSOR, TENSOR, TENSOR, SCALAR, SCALAR,), (False, False, False, True, True), ONE,
     promote='default', promote_args=['self', 'mat1', 'mat2'], view=False, scatter=None, meta_overload=None,
     validate=_validate_addmm,
-    refuse_dtypes=(((torch.bool,), NotImplementedError, '"addmm_impl_cpu_" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool,), NotImplementedError, '"addmm_impl_cpu_" not implemented for \'{scalar_type}\'', False, True),),
 )
 S_baddbmm = OpSpec(
     "baddbmm.default", aten.baddbmm.default, E.baddbmm, ('self', 'batch1', 'batch2', 'beta', 'alpha'), (TENSOR, TENSOR, TENSOR, SCALAR, SCALAR,), (False, False, False, True, True), ONE,
     promote='default', promote_args=['self', 'batch1', 'batch2'], view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool,), NotImplementedError, '"baddbmm" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool,), NotImplementedError, '"baddbmm" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.baddbmm.out,
 )
 S_baddbmm_ = OpSpec(
     "baddbmm_.default", aten.baddbmm_.default, E.baddbmm, ('self', 'batch1', 'batch2', 'beta', 'alpha'), (TENSOR, TENSOR, TENSOR, SCALAR, SCALAR,), (False, False, False, True, True), ONE,
     promote='default', promote_args=['self', 'batch1', 'batch2'], view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool,), NotImplementedError, '"baddbmm" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool,), NotImplementedError, '"baddbmm" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_addbmm = OpSpec(
     "addbmm.default", aten.addbmm.default, E.addbmm, ('self', 'batch1', 'batch2', 'beta', 'alpha'), (TENSOR, TENSOR, TENSOR, SCALAR, SCALAR,), (False, False, False, True, True), ONE,
     promote='default', promote_args=['self', 'batch1', 'batch2'], view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool,), NotImplementedError, '"addmm_impl_cpu_" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool,), NotImplementedError, '"addmm_impl_cpu_" not implemented for \'{scalar_type}\'', False, True),),
     out_overload=aten.addbmm.out,
 )
 S_addbmm_ = OpSpec(
     "addbmm_.default", aten.addbmm_.default, E.addbmm, ('self', 'batch1', 'batch2', 'beta', 'alpha'), (TENSOR, TENSOR, TENSOR, SCALAR, SCALAR,), (False, False, False, True, True), ONE,
     promote='default', promote_args=['self', 'batch1', 'batch2'], view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool,), NotImplementedError, '"addmm_impl_cpu_" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool,), NotImplementedError, '"addmm_impl_cpu_" not implemented for \'{scalar_type}\'', False, True),),
 )
 S_addmv = OpSpec(
     "addmv.default", aten.addmv.default, E.addmv, ('self', 'mat', 'vec', 'beta', 'alpha'), (TENSOR, TENSOR, TENSOR, SCALAR, SCALAR,), (False, False, False, True, True), ONE,
     promote='default', promote_args=['self', 'mat', 'vec'], view=False, scatter=None, meta_overload=None,
     validate=_validate_addmv,
-    refuse_dtypes=(((torch.bool,), NotImplementedError, '"addmv_impl_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool,), NotImplementedError, '"addmv_impl_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.addmv.out,
 )
 S_addmv_ = OpSpec(
     "addmv_.default", aten.addmv_.default, E.addmv, ('self', 'mat', 'vec', 'beta', 'alpha'), (TENSOR, TENSOR, TENSOR, SCALAR, SCALAR,), (False, False, False, True, True), ONE,
     promote='default', promote_args=['self', 'mat', 'vec'], view=False, scatter=None, meta_overload=None,
     validate=_validate_addmv,
-    refuse_dtypes=(((torch.bool,), NotImplementedError, '"addmv_impl_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool,), NotImplementedError, '"addmv_impl_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_addr = OpSpec(
     "addr.default", aten.addr.default, E.addr, ('self', 'vec1', 'vec2', 'beta', 'alpha'), (TENSOR, TENSOR, TENSOR, SCALAR, SCALAR,), (False, False, False, True, True), ONE,
@@ -2968,7 +2984,7 @@ S__linalg_slogdet = OpSpec(
 S_linalg_lu_factor_ex = OpSpec(
     "linalg_lu_factor_ex.default", aten.linalg_lu_factor_ex.default, E.linalg_lu_factor_ex, ('A', 'pivot', 'check_errors'), (TENSOR, STATIC, STATIC,), (False, True, True), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64), NotImplementedError, '"lu_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64), NotImplementedError, '"lu_cpu" not implemented for \'{scalar_type}\'', False, True),),
     out_overload=aten.linalg_lu_factor_ex.out,
 )
 S_linalg_lu_solve = OpSpec(
@@ -2979,7 +2995,7 @@ S_linalg_lu_solve = OpSpec(
 S_linalg_solve_triangular = OpSpec(
     "linalg_solve_triangular.default", aten.linalg_solve_triangular.default, E.linalg_solve_triangular, ('self', 'B', 'upper', 'left', 'unitriangular'), (TENSOR, TENSOR, STATIC, STATIC, STATIC,), (False, False, True, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64), NotImplementedError, '"triangular_solve_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64), NotImplementedError, '"triangular_solve_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.linalg_solve_triangular.out,
     validate_out=_validate_out_linalg_solve_triangular,
 )
@@ -3047,7 +3063,7 @@ S_lu_unpack = OpSpec(
 S__trilinear = OpSpec(
     "_trilinear.default", aten._trilinear.default, E._trilinear, ('i1', 'i2', 'i3', 'expand1', 'expand2', 'expand3', 'sumdim', 'unroll_dim'), (TENSOR, TENSOR, TENSOR, STATIC, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool,), NotImplementedError, '"bmm" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool,), NotImplementedError, '"bmm" not implemented for \'{scalar_type}\'', False, True),),
     out_overload=aten._trilinear.out,
 )
 S_diag_embed = OpSpec(
@@ -3108,7 +3124,6 @@ S_convolution = OpSpec(
     "convolution.default", aten.convolution.default, E.convolution, ('input', 'weight', 'bias', 'stride', 'padding', 'dilation', 'transposed', 'output_padding', 'groups'), (TENSOR, TENSOR, OPT_TENSOR, STATIC, STATIC, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     validate=_validate_convolution,
-    refuse_dtypes=(((torch.bool, torch.complex64, torch.complex128), NotImplementedError, '"slow_conv2d_cpu" not implemented for \'{scalar_type}\''), ((torch.uint8, torch.int8, torch.int16, torch.int32), NotImplementedError, '"slow_conv_dilated<>" not implemented for \'{scalar_type}\'')),
     out_overload=aten.convolution.out,
 )
 S_convolution_backward = OpSpec(
@@ -3125,13 +3140,13 @@ S_max_pool2d_with_indices_backward = OpSpec(
     "max_pool2d_with_indices_backward.default", aten.max_pool2d_with_indices_backward.default, E.max_pool2d_with_indices_backward, ('grad_output', 'self', 'kernel_size', 'stride', 'padding', 'dilation', 'ceil_mode', 'indices'), (TENSOR, TENSOR, STATIC, STATIC, STATIC, STATIC, STATIC, TENSOR,), (False, False, False, False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     index_dtype=(((7,), (torch.int64,), RuntimeError, 'expected scalar type Long but found {scalar_type}', False),),
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"max_pool2d_backward" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"max_pool2d_backward" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.max_pool2d_with_indices_backward.grad_input,
 )
 S__log_softmax = OpSpec(
     "_log_softmax.default", aten._log_softmax.default, E._log_softmax, ('self', 'dim', 'half_to_float'), (TENSOR, STATIC, STATIC,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"log_softmax_lastdim_kernel_impl" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"log_softmax_lastdim_kernel_impl" not implemented for \'{scalar_type}\'', False, True),),
     out_overload=aten._log_softmax.out,
 )
 S__log_softmax_backward_data = OpSpec(
@@ -3142,7 +3157,7 @@ S__log_softmax_backward_data = OpSpec(
 S__softmax = OpSpec(
     "_softmax.default", aten._softmax.default, E._softmax, ('self', 'dim', 'half_to_float'), (TENSOR, STATIC, STATIC,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"softmax_lastdim_kernel_impl" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"softmax_lastdim_kernel_impl" not implemented for \'{scalar_type}\'', False, True),),
     out_overload=aten._softmax.out,
 )
 S__softmax_backward_data = OpSpec(
@@ -3155,7 +3170,7 @@ S_nll_loss_forward = OpSpec(
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.nll_loss_forward__check, check_integral=False, check_reads=('L.checks.targets(self, target, ignore_index)', (0, 1, 4), False),
     index_dtype=(((1,), (torch.int64, torch.uint8), RuntimeError, 'expected target dtype to be Long or Byte, but got {scalar_type}', False),),
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"nll_loss_out_frame" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"nll_loss_out_frame" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.nll_loss_forward.output,
 )
 S_nll_loss_backward = OpSpec(
@@ -3200,7 +3215,7 @@ S_avg_pool1d = OpSpec(
 S_avg_pool2d = OpSpec(
     "avg_pool2d.default", aten.avg_pool2d.default, E.avg_pool2d, ('self', 'kernel_size', 'stride', 'padding', 'ceil_mode', 'count_include_pad', 'divisor_override'), (TENSOR, STATIC, STATIC, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.complex64, torch.complex128), NotImplementedError, '"avg_pool2d" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.complex64, torch.complex128), NotImplementedError, '"avg_pool2d" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.avg_pool2d.out,
 )
 S_avg_pool2d_backward = OpSpec(
@@ -3211,7 +3226,7 @@ S_avg_pool2d_backward = OpSpec(
 S_avg_pool3d = OpSpec(
     "avg_pool3d.default", aten.avg_pool3d.default, E.avg_pool3d, ('self', 'kernel_size', 'stride', 'padding', 'ceil_mode', 'count_include_pad', 'divisor_override'), (TENSOR, STATIC, STATIC, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.complex64, torch.complex128), NotImplementedError, '"avg_pool3d_out_frame" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.complex64, torch.complex128), NotImplementedError, '"avg_pool3d_out_frame" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.avg_pool3d.out,
 )
 S_avg_pool3d_backward = OpSpec(
@@ -3227,7 +3242,7 @@ S_adaptive_avg_pool1d = OpSpec(
 S__adaptive_avg_pool2d = OpSpec(
     "_adaptive_avg_pool2d.default", aten._adaptive_avg_pool2d.default, E._adaptive_avg_pool2d, ('self', 'output_size'), (TENSOR, STATIC,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"adaptive_avg_pool2d" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"adaptive_avg_pool2d" not implemented for \'{scalar_type}\'', False, True),),
     out_overload=aten._adaptive_avg_pool2d.out,
 )
 S__adaptive_avg_pool2d_backward = OpSpec(
@@ -3238,7 +3253,7 @@ S__adaptive_avg_pool2d_backward = OpSpec(
 S__adaptive_avg_pool3d = OpSpec(
     "_adaptive_avg_pool3d.default", aten._adaptive_avg_pool3d.default, E._adaptive_avg_pool3d, ('self', 'output_size'), (TENSOR, STATIC,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"adaptive_avg_pool3d_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"adaptive_avg_pool3d_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten._adaptive_avg_pool3d.out,
 )
 S__adaptive_avg_pool3d_backward = OpSpec(
@@ -3249,7 +3264,7 @@ S__adaptive_avg_pool3d_backward = OpSpec(
 S_adaptive_max_pool2d = OpSpec(
     "adaptive_max_pool2d.default", aten.adaptive_max_pool2d.default, E.adaptive_max_pool2d, ('self', 'output_size'), (TENSOR, STATIC,), (False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"adaptive_max_pool2d" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"adaptive_max_pool2d" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.adaptive_max_pool2d.out,
 )
 S_adaptive_max_pool2d_backward = OpSpec(
@@ -3261,7 +3276,7 @@ S_adaptive_max_pool2d_backward = OpSpec(
 S_adaptive_max_pool3d = OpSpec(
     "adaptive_max_pool3d.default", aten.adaptive_max_pool3d.default, E.adaptive_max_pool3d, ('self', 'output_size'), (TENSOR, STATIC,), (False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"adaptive_max_pool3d_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"adaptive_max_pool3d_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.adaptive_max_pool3d.out,
 )
 S_adaptive_max_pool3d_backward = OpSpec(
@@ -3308,7 +3323,7 @@ S_native_group_norm = OpSpec(
     "native_group_norm.default", aten.native_group_norm.default, E.native_group_norm, ('input', 'weight', 'bias', 'N', 'C', 'HxW', 'group', 'eps'), (TENSOR, OPT_TENSOR, OPT_TENSOR, STATIC, STATIC, STATIC, STATIC, SCALAR,), (False, False, False, False, False, False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     validate=_validate_native_group_norm,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"GroupNormKernelImpl" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"GroupNormKernelImpl" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.native_group_norm.out,
 )
 S_native_group_norm_backward = OpSpec(
@@ -3319,7 +3334,7 @@ S_native_group_norm_backward = OpSpec(
 S_mse_loss = OpSpec(
     "mse_loss.default", aten.mse_loss.default, E.mse_loss, ('self', 'target', 'reduction'), (TENSOR, TENSOR, STATIC,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"mse_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"mse_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.mse_loss.out,
 )
 S_mse_loss_backward = OpSpec(
@@ -3330,7 +3345,7 @@ S_mse_loss_backward = OpSpec(
 S_binary_cross_entropy = OpSpec(
     "binary_cross_entropy.default", aten.binary_cross_entropy.default, E.binary_cross_entropy, ('self', 'target', 'weight', 'reduction'), (TENSOR, TENSOR, OPT_TENSOR, STATIC,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"binary_cross_entropy" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"binary_cross_entropy" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.binary_cross_entropy.out,
 )
 S_binary_cross_entropy_backward = OpSpec(
@@ -3341,13 +3356,13 @@ S_binary_cross_entropy_backward = OpSpec(
 S_binary_cross_entropy_with_logits = OpSpec(
     "binary_cross_entropy_with_logits.default", aten.binary_cross_entropy_with_logits.default, E.binary_cross_entropy_with_logits, ('self', 'target', 'weight', 'pos_weight', 'reduction'), (TENSOR, TENSOR, OPT_TENSOR, OPT_TENSOR, STATIC,), (False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"log_sigmoid_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"log_sigmoid_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.binary_cross_entropy_with_logits.out,
 )
 S_smooth_l1_loss = OpSpec(
     "smooth_l1_loss.default", aten.smooth_l1_loss.default, E.smooth_l1_loss, ('self', 'target', 'reduction', 'beta'), (TENSOR, TENSOR, STATIC, SCALAR,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"smooth_l1_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"smooth_l1_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.smooth_l1_loss.out,
 )
 S_smooth_l1_loss_backward = OpSpec(
@@ -3358,7 +3373,7 @@ S_smooth_l1_loss_backward = OpSpec(
 S_huber_loss = OpSpec(
     "huber_loss.default", aten.huber_loss.default, E.huber_loss, ('self', 'target', 'reduction', 'delta'), (TENSOR, TENSOR, STATIC, SCALAR,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"huber_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"huber_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.huber_loss.out,
 )
 S_huber_loss_backward = OpSpec(
@@ -3369,7 +3384,7 @@ S_huber_loss_backward = OpSpec(
 S_soft_margin_loss = OpSpec(
     "soft_margin_loss.default", aten.soft_margin_loss.default, E.soft_margin_loss, ('self', 'target', 'reduction'), (TENSOR, TENSOR, STATIC,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64), RuntimeError, "result type Float can't be cast to the desired output type {scalar_type}"),),
+    refuse_dtypes=(((torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64), RuntimeError, "result type Float can't be cast to the desired output type {scalar_type}", False, False),),
     out_overload=aten.soft_margin_loss.out,
 )
 S_soft_margin_loss_backward = OpSpec(
@@ -3394,7 +3409,7 @@ S_nll_loss2d_backward = OpSpec(
 S_reflection_pad1d = OpSpec(
     "reflection_pad1d.default", aten.reflection_pad1d.default, E.reflection_pad1d, ('self', 'padding'), (TENSOR, STATIC,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool,), NotImplementedError, '"reflection_pad1d" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool,), NotImplementedError, '"reflection_pad1d" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.reflection_pad1d.out,
 )
 S_reflection_pad1d_backward = OpSpec(
@@ -3455,7 +3470,7 @@ S_replication_pad3d_backward = OpSpec(
 S_upsample_nearest1d = OpSpec(
     "upsample_nearest1d.default", aten.upsample_nearest1d.default, E.upsample_nearest1d, ('self', 'output_size', 'scales'), (TENSOR, STATIC, STATIC,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"compute_indices_weights_nearest" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"compute_indices_weights_nearest" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.upsample_nearest1d.out,
 )
 S_upsample_nearest1d_vec = OpSpec(
@@ -3499,7 +3514,7 @@ S_upsample_nearest3d_backward = OpSpec(
 S__upsample_nearest_exact1d = OpSpec(
     "_upsample_nearest_exact1d.default", aten._upsample_nearest_exact1d.default, E._upsample_nearest_exact1d, ('self', 'output_size', 'scales'), (TENSOR, STATIC, STATIC,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"compute_indices_weights_nearest" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"compute_indices_weights_nearest" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten._upsample_nearest_exact1d.out,
 )
 S__upsample_nearest_exact1d_vec = OpSpec(
@@ -3542,7 +3557,7 @@ S__upsample_nearest_exact3d_backward = OpSpec(
 S_upsample_linear1d = OpSpec(
     "upsample_linear1d.default", aten.upsample_linear1d.default, E.upsample_linear1d, ('self', 'output_size', 'align_corners', 'scales'), (TENSOR, STATIC, STATIC, STATIC,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"compute_indices_weights_linear" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"compute_indices_weights_linear" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.upsample_linear1d.out,
 )
 S_upsample_linear1d_vec = OpSpec(
@@ -3557,7 +3572,7 @@ S_upsample_linear1d_backward = OpSpec(
 S_upsample_bilinear2d = OpSpec(
     "upsample_bilinear2d.default", aten.upsample_bilinear2d.default, E.upsample_bilinear2d, ('self', 'output_size', 'align_corners', 'scales_h', 'scales_w'), (TENSOR, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"upsample_bilinear2d_channels_last" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"upsample_bilinear2d_channels_last" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.upsample_bilinear2d.out,
 )
 S_upsample_bilinear2d_vec = OpSpec(
@@ -3573,7 +3588,7 @@ S_upsample_bilinear2d_backward = OpSpec(
 S_upsample_trilinear3d = OpSpec(
     "upsample_trilinear3d.default", aten.upsample_trilinear3d.default, E.upsample_trilinear3d, ('self', 'output_size', 'align_corners', 'scales_d', 'scales_h', 'scales_w'), (TENSOR, STATIC, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"compute_indices_weights_linear" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"compute_indices_weights_linear" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.upsample_trilinear3d.out,
 )
 S_upsample_trilinear3d_vec = OpSpec(
@@ -3588,7 +3603,7 @@ S_upsample_trilinear3d_backward = OpSpec(
 S_grid_sampler_2d = OpSpec(
     "grid_sampler_2d.default", aten.grid_sampler_2d.default, E.grid_sampler_2d, ('input', 'grid', 'interpolation_mode', 'padding_mode', 'align_corners'), (TENSOR, TENSOR, STATIC, STATIC, STATIC,), (False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"grid_sampler_2d_cpu_kernel_impl" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"grid_sampler_2d_cpu_kernel_impl" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.grid_sampler_2d.out,
 )
 S_grid_sampler_2d_backward = OpSpec(
@@ -3599,7 +3614,7 @@ S_grid_sampler_2d_backward = OpSpec(
 S_grid_sampler_3d = OpSpec(
     "grid_sampler_3d.default", aten.grid_sampler_3d.default, E.grid_sampler_3d, ('input', 'grid', 'interpolation_mode', 'padding_mode', 'align_corners'), (TENSOR, TENSOR, STATIC, STATIC, STATIC,), (False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"grid_sampler3d_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"grid_sampler3d_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.grid_sampler_3d.out,
 )
 S_grid_sampler_3d_backward = OpSpec(
@@ -3610,7 +3625,7 @@ S_grid_sampler_3d_backward = OpSpec(
 S_im2col = OpSpec(
     "im2col.default", aten.im2col.default, E.im2col, ('self', 'kernel_size', 'dilation', 'padding', 'stride'), (TENSOR, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64), NotImplementedError, '"im2col_out_cpu" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64), NotImplementedError, '"im2col_out_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.im2col.out,
 )
 S_col2im = OpSpec(
@@ -3690,7 +3705,7 @@ S__euclidean_dist = OpSpec(
 S__pdist_forward = OpSpec(
     "_pdist_forward.default", aten._pdist_forward.default, E._pdist_forward, ('self', 'p'), (TENSOR, STATIC,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"pdist" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"pdist" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten._pdist_forward.out,
 )
 S__pdist_backward = OpSpec(
@@ -3701,12 +3716,12 @@ S__pdist_backward = OpSpec(
 S__safe_softmax = OpSpec(
     "_safe_softmax.default", aten._safe_softmax.default, E._safe_softmax, ('self', 'dim', 'dtype'), (TENSOR, STATIC, STATIC,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"softmax_lastdim_kernel_impl" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"softmax_lastdim_kernel_impl" not implemented for \'{scalar_type}\'', False, True),),
 )
 S_upsample_bicubic2d = OpSpec(
     "upsample_bicubic2d.default", aten.upsample_bicubic2d.default, E.upsample_bicubic2d, ('self', 'output_size', 'align_corners', 'scales_h', 'scales_w'), (TENSOR, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"compute_indices_weights_cubic" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"compute_indices_weights_cubic" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.upsample_bicubic2d.out,
 )
 S_upsample_bicubic2d_vec = OpSpec(
@@ -3722,13 +3737,13 @@ S_max_unpool2d = OpSpec(
     "max_unpool2d.default", aten.max_unpool2d.default, E.max_unpool2d, ('self', 'indices', 'output_size'), (TENSOR, TENSOR, STATIC,), (False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     index_dtype=(((1,), (torch.int64,), RuntimeError, 'elements in indices should be type int64 but got: {scalar_type}', False),),
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"max_unpool2d" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"max_unpool2d" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.max_unpool2d.out,
 )
 S_max_unpool3d = OpSpec(
     "max_unpool3d.default", aten.max_unpool3d.default, E.max_unpool3d, ('self', 'indices', 'output_size', 'stride', 'padding'), (TENSOR, TENSOR, STATIC, STATIC, STATIC,), (False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"max_unpool3d" not implemented for \'{scalar_type}\''),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"max_unpool3d" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.max_unpool3d.out,
 )
 S__foreach_add_Scalar = OpSpec(
@@ -11239,10 +11254,10 @@ DECOMPOSED = (
 # Decomposed ops with an ops.yaml ``validate`` or ``refuse_dtypes``: (validator, rules), applied to the
 # op's arguments before its decomposition.
 VALIDATE_DECOMPOSED = {
-    aten.trace.default: (None, (((torch.bool,), NotImplementedError, '"trace" not implemented for \'{scalar_type}\''),)),
-    aten.vdot.default: (None, (((torch.bool,), NotImplementedError, '"dot" not implemented for \'{scalar_type}\''),)),
-    aten.native_batch_norm.default: (_validate_native_batch_norm, (((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"batch_norm" not implemented for \'{scalar_type}\''),)),
-    aten._native_batch_norm_legit.default: (_validate__native_batch_norm_legit, (((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"batch_norm" not implemented for \'{scalar_type}\''),)),
+    aten.trace.default: (None, (((torch.bool,), NotImplementedError, '"trace" not implemented for \'{scalar_type}\'', False, False),)),
+    aten.vdot.default: (None, (((torch.bool,), NotImplementedError, '"dot" not implemented for \'{scalar_type}\'', False, False),)),
+    aten.native_batch_norm.default: (_validate_native_batch_norm, (((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"batch_norm" not implemented for \'{scalar_type}\'', False, False),)),
+    aten._native_batch_norm_legit.default: (_validate__native_batch_norm_legit, (((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"batch_norm" not implemented for \'{scalar_type}\'', False, False),)),
 }
 
 # Ops with a hand-written handler in xlatorch/runtime (each must be installed in RUNTIME_OPS).

@@ -8,6 +8,8 @@ the conformance suite compares only shapes there).
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -337,6 +339,74 @@ _KERNEL = {
     "lerp(float16)": lambda d: torch.lerp(
         torch.zeros(3, dtype=torch.half, device=d), torch.ones(3, dtype=torch.half, device=d), 0.5
     ),
+}
+
+
+# Where CPU's kernel for a dtype depends on the arguments (a dilated or transposed convolution
+# of int32 has none, an undilated one has), or where CPU runs no kernel at all (an empty result,
+# a 0-d input it returns): the device refuses exactly what CPU refuses.
+_I32 = torch.int32
+
+
+def _ints(*shape, dtype=_I32):
+    return lambda d: torch.arange(math.prod(shape), device=d).reshape(shape).remainder(5).to(dtype)
+
+
+def _index_reduce(dtype, reduce, include_self):
+    def program(d):
+        x = torch.arange(25, device=d).reshape(5, 5).remainder(3).to(dtype)
+        src = torch.arange(50, device=d).reshape(5, 10).remainder(4).to(dtype)
+        return x.index_reduce(1, torch.arange(10, device=d).remainder(5), src, reduce, include_self=include_self)
+
+    return program
+
+
+_B = torch.bool
+_NO_KERNEL |= {
+    "conv2d(int32, dilation=2)": lambda d: F.conv2d(_ints(1, 2, 6, 6)(d), _ints(2, 2, 2, 2)(d), dilation=2),
+    "conv_transpose2d(int32)": lambda d: F.conv_transpose2d(_ints(1, 2, 6, 6)(d), _ints(2, 2, 2, 2)(d)),
+    "conv1d(bool)": lambda d: F.conv1d(_ints(1, 2, 6, dtype=_B)(d), _ints(2, 2, 2, dtype=_B)(d)),
+    "conv3d(int16)": lambda d: F.conv3d(
+        _ints(1, 2, 4, 4, 4, dtype=torch.int16)(d), _ints(2, 2, 2, 2, 2, dtype=torch.int16)(d), dilation=2
+    ),
+    "clamp(bool, bool min, bool max)": lambda d: torch.clamp(
+        _ints(3, dtype=_B)(d), _ints(3, dtype=_B)(d), _ints(3, dtype=_B)(d)
+    ),
+    "clamp(complex, complex min)": lambda d: torch.clamp(
+        _ints(3, dtype=torch.cfloat)(d), min=_ints(3, dtype=torch.cfloat)(d)
+    ),
+    "index_reduce(bool, mean)": _index_reduce(_B, "mean", True),
+    "index_reduce(bool, amax, include_self=False)": _index_reduce(_B, "amax", False),
+    "index_reduce(complex, amin)": _index_reduce(torch.cfloat, "amin", True),
+    "index_reduce(1-d bool, amax)": lambda d: torch.ones(5, dtype=_B, device=d).index_reduce(
+        0, torch.zeros(1, dtype=torch.long, device=d), torch.ones(1, dtype=_B, device=d), "amax"
+    ),
+    "kthvalue(bool 1-d)": lambda d: torch.ones(1, dtype=_B, device=d).kthvalue(1)[0],
+    "linspace(bool, 3 steps)": lambda d: torch.linspace(0, 1, 3, dtype=_B, device=d),
+    "bucketize(bool, empty boundaries)": lambda d: torch.bucketize(_ints(3, dtype=_B)(d), _ints(0, dtype=_B)(d)),
+}
+_KERNEL |= {
+    "conv2d(int32)": lambda d: F.conv2d(_ints(1, 2, 6, 6)(d), _ints(2, 2, 2, 2)(d), stride=2),
+    "conv1d(uint8, groups=2)": lambda d: F.conv1d(
+        _ints(1, 2, 6, dtype=torch.uint8)(d), _ints(2, 1, 2, dtype=torch.uint8)(d), groups=2
+    ),
+    "conv3d(int64, dilation=2)": lambda d: F.conv3d(
+        _ints(1, 2, 5, 5, 5, dtype=torch.long)(d), _ints(2, 2, 2, 2, 2, dtype=torch.long)(d), dilation=2
+    ),
+    "conv2d(bool, empty batch)": lambda d: F.conv2d(_ints(0, 2, 6, 6, dtype=_B)(d), _ints(2, 2, 2, 2, dtype=_B)(d)),
+    "clamp(bool, bool min)": lambda d: torch.clamp(_ints(3, dtype=_B)(d), min=_ints(3, dtype=_B)(d)),
+    "clamp(bool, float min, float max)": lambda d: torch.clamp(_ints(3, dtype=_B)(d), _t(3)(d), _t(3)(d)),
+    "index_reduce(bool, amax)": _index_reduce(_B, "amax", True),
+    "index_reduce(bool, prod)": _index_reduce(_B, "prod", True),
+    "index_reduce(complex, mean)": _index_reduce(torch.cfloat, "mean", True),
+    "kthvalue(0-d bool)": lambda d: torch.tensor(True, device=d).kthvalue(1)[0],
+    "mode(0-d complex)": lambda d: torch.tensor(1 + 2j, device=d).mode()[0],
+    "cummax(0-d complex)": lambda d: torch.tensor(1 + 2j, device=d).cummax(0)[0],
+    "softmax(int64, empty)": lambda d: F.softmax(_ints(2, 0, dtype=torch.long)(d), -1),
+    "mm(bool, no rows)": lambda d: torch.mm(_ints(0, 5, dtype=_B)(d), _ints(5, 10, dtype=_B)(d)),
+    "linspace(bool, 1 step)": lambda d: torch.linspace(0, 1, 1, dtype=_B, device=d),
+    "bucketize(bool, empty input)": lambda d: torch.bucketize(_ints(0, dtype=_B)(d), _ints(3, dtype=_B)(d)),
+    "lu_factor_ex(int64, empty batch)": lambda d: torch.linalg.lu_factor_ex(_ints(0, 3, 3, dtype=torch.long)(d))[0],
 }
 
 

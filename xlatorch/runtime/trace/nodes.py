@@ -110,7 +110,7 @@ def _infer(spec: OpSpec, vals: tuple) -> Info:
     # None: an output PyTorch leaves undefined (e.g. a gradient masked out by output_mask).
     avals = tuple(None if r is None else (tuple(r.shape), r.dtype) for r in res)
     if spec.refuse_dtypes is not None:
-        check_refused(spec.refuse_dtypes, _kernel_dtype(spec, meta) or avals[0][1])
+        check_refused(spec.refuse_dtypes, _kernel_dtype(spec, meta) or avals[0][1], meta, avals)
     return info_of(spec, meta, avals)
 
 
@@ -138,12 +138,30 @@ def first_dtype(args) -> torch.dtype | None:
     return None
 
 
-def check_refused(rules, dtype: torch.dtype) -> None:
+def check_refused(rules, dtype: torch.dtype, args=(), avals=()) -> None:
     """Raise CPU's error when the op computes in a dtype its CPU kernel has no implementation for
-    (ops.yaml ``refuse_dtypes``: ``abs`` of a bool tensor, ``softmax`` of an integer one)."""
-    for dtypes, exc, msg in rules:
-        if dtype in dtypes:
-            raise exc(msg.format(**_dtype_names(dtype)))
+    (ops.yaml ``refuse_dtypes``: ``abs`` of a bool tensor, ``softmax`` of an integer one).
+
+    Where CPU runs no kernel it takes any dtype: a rule with ``empty_ok`` is not applied when
+    a result (``avals``) has no elements (``softmax`` of an empty int tensor, ``linspace`` of
+    0 steps), one with ``scalar_ok`` when the first tensor among ``args`` is 0-d (``kthvalue``
+    / ``mode`` / ``cummax`` of a 0-d tensor: CPU returns it)."""
+    for dtypes, exc, msg, scalar_ok, empty_ok in rules:
+        if dtype not in dtypes:
+            continue
+        if empty_ok and any(a is not None and type(a) is tuple and 0 in a[0] for a in avals):
+            continue
+        if scalar_ok and _first_tensor(args) is not None and _first_tensor(args).dim() == 0:
+            continue
+        raise exc(msg.format(**_dtype_names(dtype)))
+
+
+def _first_tensor(args) -> torch.Tensor | None:
+    for a in args:
+        a = a[0] if type(a) in (list, tuple) and a else a
+        if isinstance(a, torch.Tensor):
+            return a
+    return None
 
 
 def _in_place(op) -> bool:

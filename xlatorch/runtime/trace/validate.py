@@ -13,13 +13,16 @@ checks (``lowering/checks.py``).
 from __future__ import annotations
 
 import torch
+from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
 from xlatorch.runtime.trace.dynamic import _is_mask
 from xlatorch.runtime.trace.nodes import dtype_name
 
-__all__ = ["index_put", "index_copy", "index_add", "put", "mm", "addmm", "addmv", "norm_params", "convolution",
-           "scatter_reduce", "normal_std", "random_bounds", "bucketize", "as_strided_scatter", "out_bool",
-           "out_exact", "out_scalar_type", "bucketize_out", "normal_out"]  # fmt: skip
+__all__ = [
+    "index_put", "index_copy", "index_add", "put", "mm", "addmm", "addmv", "norm_params", "convolution",
+    "scatter_reduce", "index_reduce", "clamp_tensor", "spaced", "normal_std", "random_bounds", "bucketize",
+    "as_strided_scatter", "out_bool", "out_exact", "out_scalar_type", "bucketize_out", "normal_out",
+]  # fmt: skip
 
 aten = torch.ops.aten
 
@@ -88,6 +91,43 @@ def scatter_reduce(self, reduce: str):
     if self.dtype in refused:
         raise NotImplementedError(f'"scatter_gather_tensor_cpu_reduce_{reduce}" not implemented for '
                                   f"'{dtype_name(self.dtype)}'")  # fmt: skip
+
+
+def index_reduce(self, reduce: str, include_self: bool):
+    """``index_reduce``: CPU's kernels for bool and complex tensors, as it picks them. Without
+    ``self``'s values, or for a ``self`` of at most one dimension, it has none; otherwise it
+    reduces slice by slice, with no bool mean (its division) and no complex amax / amin (their
+    maximum and minimum)."""
+    dt = self.dtype
+    if dt not in (torch.bool, torch.complex64, torch.complex128):
+        return
+    if not include_self:
+        kernel = "index_reduce_func_exclude_input_init"
+    elif self.dim() <= 1:
+        kernel = "index_func_"
+    else:
+        kernel = {"mean": "div_floor_cpu"} if dt is torch.bool else {"amax": "maximum_cpu", "amin": "minimum_cpu"}
+        kernel = kernel.get(reduce)
+    if kernel is not None:
+        raise NotImplementedError(f"\"{kernel}\" not implemented for '{dtype_name(dt)}'")
+
+
+def clamp_tensor(self, min, max):
+    """``clamp`` with tensor bounds: no complex kernel, and a bool one only for a single bound
+    (CPU clamps by ``maximum`` / ``minimum`` then), in the dtype the three promote to."""
+    tensors = [t for t in (self, min, max) if t is not None]
+    dt = elementwise_dtypes(*tensors, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)[1]
+    if dt.is_complex:
+        raise NotImplementedError("clamp is not supported for complex types")
+    if dt is torch.bool and min is not None and max is not None:
+        raise NotImplementedError("\"clamp_cpu\" not implemented for 'Bool'")
+
+
+def spaced(steps: int, dtype, kernel: str) -> None:
+    """``linspace`` / ``logspace``: no bool kernel, which CPU runs only for two steps or more
+    (one step is filled with ``start``)."""
+    if steps > 1 and dtype is torch.bool:
+        raise NotImplementedError(f"\"{kernel}\" not implemented for 'Bool'")
 
 
 def normal_std(std):
@@ -276,6 +316,7 @@ def convolution(input, weight, bias, stride, padding, dilation, transposed, outp
         if 0 in dilation:
             raise RuntimeError("dilation should be greater than zero, but got "
                                + ", ".join(f"dilation_{x}: {v}" for x, v in zip(names, lift(dilation, 1))))  # fmt: skip
+        _conv_kernel(input, n, dilation, transposed)
         if _conv_dtype:
             raise RuntimeError(_conv_dtype)
         if any(o >= s and o >= d for o, s, d in zip(output_padding, stride, dilation)):
@@ -298,5 +339,29 @@ def convolution(input, weight, bias, stride, padding, dilation, transposed, outp
                            f"Kernel size can't be greater than actual input size")  # fmt: skip
     if 0 in dilation:
         raise RuntimeError(f"dilation should be greater than zero, but got {[1, *dilation] if n == 1 else dilation}")
+    _conv_kernel(input, n, dilation, transposed)
     if _conv_dtype:
         raise RuntimeError(_conv_dtype)
+
+
+# CPU's convolution kernels for a dtype mkldnn does not take (integers, bool, complex), as
+# ``_select_conv_backend`` picks them (a 1-d convolution runs as a 2-d one): each kernel's name
+# in its error, and the dtypes it has no implementation for. Probed on CPU: a dilated or
+# transposed convolution of int32 raises, an undilated one computes it.
+_SMALL_INTS = (torch.uint8, torch.int8, torch.int16, torch.int32)
+_NO_KERNEL = (torch.bool, torch.complex64, torch.complex128)
+
+
+def _conv_kernel(input, n: int, dilation, transposed: bool) -> None:
+    """Raise CPU's error where the kernel CPU runs this convolution with has no implementation
+    for the input's dtype. An input with no elements runs no kernel."""
+    if input.numel() == 0:
+        return
+    if transposed:
+        name, refused = f"slow_conv_transpose{3 if n == 3 else 2}d_out_cpu", _NO_KERNEL + _SMALL_INTS
+    elif any(d != 1 for d in dilation):
+        name, refused = "slow_conv_dilated<>", _NO_KERNEL + _SMALL_INTS
+    else:
+        name, refused = "compute_columns3d" if n == 3 else "slow_conv2d_cpu", _NO_KERNEL
+    if input.dtype in refused:
+        raise NotImplementedError(f"\"{name}\" not implemented for '{dtype_name(input.dtype)}'")
