@@ -21,7 +21,31 @@ def _validate_linspace(start, end, steps, dtype, layout, device, pin_memory):
     V.spaced(steps, dtype, "linspace_cpu")
 
 
+def _validate_linspace_Tensor_Tensor(start, end, steps, dtype, layout, device, pin_memory):
+    V.spaced(steps, dtype, "linspace_cpu")
+
+
+def _validate_linspace_Tensor_Scalar(start, end, steps, dtype, layout, device, pin_memory):
+    V.spaced(steps, dtype, "linspace_cpu")
+
+
+def _validate_linspace_Scalar_Tensor(start, end, steps, dtype, layout, device, pin_memory):
+    V.spaced(steps, dtype, "linspace_cpu")
+
+
 def _validate_logspace(start, end, steps, base, dtype, layout, device, pin_memory):
+    V.spaced(steps, dtype, "logspace_cpu")
+
+
+def _validate_logspace_Tensor_Tensor(start, end, steps, base, dtype, layout, device, pin_memory):
+    V.spaced(steps, dtype, "logspace_cpu")
+
+
+def _validate_logspace_Tensor_Scalar(start, end, steps, base, dtype, layout, device, pin_memory):
+    V.spaced(steps, dtype, "logspace_cpu")
+
+
+def _validate_logspace_Scalar_Tensor(start, end, steps, base, dtype, layout, device, pin_memory):
     V.spaced(steps, dtype, "logspace_cpu")
 
 
@@ -267,14 +291,17 @@ S_linspace = OpSpec(
 S_linspace_Tensor_Tensor = OpSpec(
     "linspace.Tensor_Tensor", aten.linspace.Tensor_Tensor, E.linspace_Tensor_Tensor, ('start', 'end', 'steps', 'dtype', 'layout', 'device', 'pin_memory'), (TENSOR, TENSOR, STATIC, STATIC, STATIC, STATIC, STATIC,), (False, False, False, True, True, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    validate=_validate_linspace_Tensor_Tensor,
 )
 S_linspace_Tensor_Scalar = OpSpec(
     "linspace.Tensor_Scalar", aten.linspace.Tensor_Scalar, E.linspace_Tensor_Scalar, ('start', 'end', 'steps', 'dtype', 'layout', 'device', 'pin_memory'), (TENSOR, SCALAR, STATIC, STATIC, STATIC, STATIC, STATIC,), (False, False, False, True, True, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    validate=_validate_linspace_Tensor_Scalar,
 )
 S_linspace_Scalar_Tensor = OpSpec(
     "linspace.Scalar_Tensor", aten.linspace.Scalar_Tensor, E.linspace_Scalar_Tensor, ('start', 'end', 'steps', 'dtype', 'layout', 'device', 'pin_memory'), (SCALAR, TENSOR, STATIC, STATIC, STATIC, STATIC, STATIC,), (False, False, False, True, True, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    validate=_validate_linspace_Scalar_Tensor,
 )
 S_logspace = OpSpec(
     "logspace.default", aten.logspace.default, E.logspace, ('start', 'end', 'steps', 'base', 'dtype', 'layout', 'device', 'pin_memory'), (SCALAR, SCALAR, STATIC, SCALAR, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, True, True, True, True), ONE,
@@ -284,14 +311,17 @@ S_logspace = OpSpec(
 S_logspace_Tensor_Tensor = OpSpec(
     "logspace.Tensor_Tensor", aten.logspace.Tensor_Tensor, E.logspace_Tensor_Tensor, ('start', 'end', 'steps', 'base', 'dtype', 'layout', 'device', 'pin_memory'), (TENSOR, TENSOR, STATIC, SCALAR, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, True, True, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    validate=_validate_logspace_Tensor_Tensor,
 )
 S_logspace_Tensor_Scalar = OpSpec(
     "logspace.Tensor_Scalar", aten.logspace.Tensor_Scalar, E.logspace_Tensor_Scalar, ('start', 'end', 'steps', 'base', 'dtype', 'layout', 'device', 'pin_memory'), (TENSOR, SCALAR, STATIC, SCALAR, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, True, True, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    validate=_validate_logspace_Tensor_Scalar,
 )
 S_logspace_Scalar_Tensor = OpSpec(
     "logspace.Scalar_Tensor", aten.logspace.Scalar_Tensor, E.logspace_Scalar_Tensor, ('start', 'end', 'steps', 'base', 'dtype', 'layout', 'device', 'pin_memory'), (SCALAR, TENSOR, STATIC, SCALAR, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, True, True, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    validate=_validate_logspace_Scalar_Tensor,
 )
 S_triu_indices = OpSpec(
     "triu_indices.default", aten.triu_indices.default, E.triu_indices, ('row', 'col', 'offset', 'dtype', 'layout', 'device', 'pin_memory'), (STATIC, STATIC, STATIC, STATIC, STATIC, STATIC, STATIC,), (False, False, False, True, True, True, True), ONE,
@@ -1164,11 +1194,13 @@ S_mode = OpSpec(
 S_searchsorted_Tensor = OpSpec(
     "searchsorted.Tensor", aten.searchsorted.Tensor, E.searchsorted_Tensor, ('sorted_sequence', 'self', 'out_int32', 'right', 'side', 'sorter'), (TENSOR, TENSOR, STATIC, STATIC, STATIC, OPT_TENSOR,), (False, False, True, True, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.bool, torch.complex64, torch.complex128), NotImplementedError, '"searchsorted_out_cpu" not implemented for \'{scalar_type}\'', False, True),),
     out_overload=aten.searchsorted.Tensor_out,
 )
 S_searchsorted_Scalar = OpSpec(
     "searchsorted.Scalar", aten.searchsorted.Scalar, E.searchsorted_Scalar, ('sorted_sequence', 'self', 'out_int32', 'right', 'side', 'sorter'), (TENSOR, SCALAR, STATIC, STATIC, STATIC, OPT_TENSOR,), (False, False, True, True, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.bool, torch.complex64, torch.complex128), NotImplementedError, '"searchsorted_out_cpu" not implemented for \'{scalar_type}\'', False, True),),
     out_overload=aten.searchsorted.Scalar_out,
 )
 S_bucketize_Tensor = OpSpec(
@@ -1491,11 +1523,13 @@ S_lerp__Scalar = OpSpec(
 S_lerp_Tensor = OpSpec(
     "lerp.Tensor", aten.lerp.Tensor, E.lerp_Tensor, ('self', 'end', 'weight'), (TENSOR, TENSOR, TENSOR,), (False, False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64), NotImplementedError, '"lerp_kernel_tensor" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.lerp.Tensor_out,
 )
 S_lerp__Tensor = OpSpec(
     "lerp_.Tensor", aten.lerp_.Tensor, E.lerp_Tensor, ('self', 'end', 'weight'), (TENSOR, TENSOR, TENSOR,), (False, False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64), NotImplementedError, '"lerp_kernel_tensor" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_addcmul = OpSpec(
     "addcmul.default", aten.addcmul.default, E.addcmul, ('self', 'tensor1', 'tensor2', 'value'), (TENSOR, TENSOR, TENSOR, SCALAR,), (False, False, False, True), ONE,
@@ -2846,11 +2880,13 @@ S_cumsum_ = OpSpec(
 S_cumprod = OpSpec(
     "cumprod.default", aten.cumprod.default, E.cumprod, ('self', 'dim', 'dtype'), (TENSOR, STATIC, STATIC,), (False, False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.bool,), NotImplementedError, '"cumprod_out_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.cumprod.out,
 )
 S_cumprod_ = OpSpec(
     "cumprod_.default", aten.cumprod_.default, E.cumprod, ('self', 'dim', 'dtype'), (TENSOR, STATIC, STATIC,), (False, False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.bool,), NotImplementedError, '"cumprod_out_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_logcumsumexp = OpSpec(
     "logcumsumexp.default", aten.logcumsumexp.default, E.logcumsumexp, ('self', 'dim'), (TENSOR, STATIC,), (False, False), ONE,
@@ -3305,6 +3341,7 @@ S__native_batch_norm_legit_no_stats = OpSpec(
     "_native_batch_norm_legit.no_stats", aten._native_batch_norm_legit.no_stats, E._native_batch_norm_legit_no_stats, ('input', 'weight', 'bias', 'training', 'momentum', 'eps'), (TENSOR, OPT_TENSOR, OPT_TENSOR, STATIC, SCALAR, SCALAR,), (False, False, False, False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     validate=_validate__native_batch_norm_legit_no_stats,
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"batch_norm" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten._native_batch_norm_legit.no_stats_out,
 )
 S__native_batch_norm_legit_no_training = OpSpec(
@@ -3397,6 +3434,7 @@ S_nll_loss2d_forward = OpSpec(
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.nll_loss2d_forward__check, check_integral=False, check_reads=('L.checks.targets(self, target, ignore_index, 1)', (0, 1, 4), False),
     index_dtype=(((1,), (torch.int64, torch.uint8), RuntimeError, 'expected target dtype to be Long or Byte, but got {scalar_type}', False), ((1,), (torch.int64,), RuntimeError, 'expected scalar type Long but found {scalar_type}', False)),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"nll_loss2d_forward_out_frame" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.nll_loss2d_forward.output,
 )
 S_nll_loss2d_backward = OpSpec(
@@ -3420,6 +3458,7 @@ S_reflection_pad1d_backward = OpSpec(
 S_reflection_pad2d = OpSpec(
     "reflection_pad2d.default", aten.reflection_pad2d.default, E.reflection_pad2d, ('self', 'padding'), (TENSOR, STATIC,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.bool,), NotImplementedError, '"reflection_pad2d" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.reflection_pad2d.out,
 )
 S_reflection_pad2d_backward = OpSpec(
@@ -3430,6 +3469,7 @@ S_reflection_pad2d_backward = OpSpec(
 S_reflection_pad3d = OpSpec(
     "reflection_pad3d.default", aten.reflection_pad3d.default, E.reflection_pad3d, ('self', 'padding'), (TENSOR, STATIC,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.bool,), NotImplementedError, '"reflection_pad3d" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.reflection_pad3d.out,
 )
 S_reflection_pad3d_backward = OpSpec(
@@ -3440,6 +3480,7 @@ S_reflection_pad3d_backward = OpSpec(
 S_replication_pad1d = OpSpec(
     "replication_pad1d.default", aten.replication_pad1d.default, E.replication_pad1d, ('self', 'padding'), (TENSOR, STATIC,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.bool,), NotImplementedError, '"replication_pad1d" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.replication_pad1d.out,
 )
 S_replication_pad1d_backward = OpSpec(
@@ -3450,6 +3491,7 @@ S_replication_pad1d_backward = OpSpec(
 S_replication_pad2d = OpSpec(
     "replication_pad2d.default", aten.replication_pad2d.default, E.replication_pad2d, ('self', 'padding'), (TENSOR, STATIC,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.bool,), NotImplementedError, '"replication_pad2d" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.replication_pad2d.out,
 )
 S_replication_pad2d_backward = OpSpec(
@@ -3460,6 +3502,7 @@ S_replication_pad2d_backward = OpSpec(
 S_replication_pad3d = OpSpec(
     "replication_pad3d.default", aten.replication_pad3d.default, E.replication_pad3d, ('self', 'padding'), (TENSOR, STATIC,), (False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.bool,), NotImplementedError, '"replication_pad3d" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.replication_pad3d.out,
 )
 S_replication_pad3d_backward = OpSpec(
@@ -3485,6 +3528,7 @@ S_upsample_nearest1d_backward = OpSpec(
 S_upsample_nearest2d = OpSpec(
     "upsample_nearest2d.default", aten.upsample_nearest2d.default, E.upsample_nearest2d, ('self', 'output_size', 'scales_h', 'scales_w'), (TENSOR, STATIC, STATIC, STATIC,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.bool, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"upsample_nearest2d_channels_last" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.upsample_nearest2d.out,
 )
 S_upsample_nearest2d_vec = OpSpec(
@@ -3500,6 +3544,7 @@ S_upsample_nearest2d_backward = OpSpec(
 S_upsample_nearest3d = OpSpec(
     "upsample_nearest3d.default", aten.upsample_nearest3d.default, E.upsample_nearest3d, ('self', 'output_size', 'scales_d', 'scales_h', 'scales_w'), (TENSOR, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.bool, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"compute_indices_weights_nearest" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.upsample_nearest3d.out,
 )
 S_upsample_nearest3d_vec = OpSpec(
@@ -3529,6 +3574,7 @@ S__upsample_nearest_exact1d_backward = OpSpec(
 S__upsample_nearest_exact2d = OpSpec(
     "_upsample_nearest_exact2d.default", aten._upsample_nearest_exact2d.default, E._upsample_nearest_exact2d, ('self', 'output_size', 'scales_h', 'scales_w'), (TENSOR, STATIC, STATIC, STATIC,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.bool, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"upsample_nearest2d_channels_last" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten._upsample_nearest_exact2d.out,
 )
 S__upsample_nearest_exact2d_vec = OpSpec(
@@ -3543,6 +3589,7 @@ S__upsample_nearest_exact2d_backward = OpSpec(
 S__upsample_nearest_exact3d = OpSpec(
     "_upsample_nearest_exact3d.default", aten._upsample_nearest_exact3d.default, E._upsample_nearest_exact3d, ('self', 'output_size', 'scales_d', 'scales_h', 'scales_w'), (TENSOR, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.bool, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"compute_indices_weights_nearest" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten._upsample_nearest_exact3d.out,
 )
 S__upsample_nearest_exact3d_vec = OpSpec(
@@ -3666,12 +3713,14 @@ S_embedding_renorm = OpSpec(
     "embedding_renorm.default", aten.embedding_renorm.default, E.embedding_renorm, ('self', 'indices', 'max_norm', 'norm_type'), (TENSOR, TENSOR, STATIC, STATIC,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     index_dtype=(((1,), (torch.int64, torch.int32), RuntimeError, "Expected tensor for argument #2 'indices' to have one of the following scalar types: Long, Int; but got {tensor_type} instead (while checking arguments for embedding_renorm_)", False),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64), RuntimeError, 'norm(): input dtype should be either floating point or complex. Got {scalar_type} instead.', False, False),),
     out_overload=aten.embedding_renorm.out,
 )
 S_embedding_renorm_ = OpSpec(
     "embedding_renorm_.default", aten.embedding_renorm_.default, E.embedding_renorm, ('self', 'indices', 'max_norm', 'norm_type'), (TENSOR, TENSOR, STATIC, STATIC,), (False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     index_dtype=(((1,), (torch.int64, torch.int32), RuntimeError, "Expected tensor for argument #2 'indices' to have one of the following scalar types: Long, Int; but got {tensor_type} instead (while checking arguments for embedding_renorm_)", False),),
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64), RuntimeError, 'norm(): input dtype should be either floating point or complex. Got {scalar_type} instead.', False, False),),
 )
 S__embedding_bag_backward = OpSpec(
     "_embedding_bag_backward.default", aten._embedding_bag_backward.default, E._embedding_bag_backward, ('grad', 'indices', 'offsets', 'offset2bag', 'bag_size', 'maximum_indices', 'num_weights', 'scale_grad_by_freq', 'mode', 'sparse', 'per_sample_weights', 'padding_idx'), (TENSOR, TENSOR, TENSOR, TENSOR, TENSOR, TENSOR, STATIC, STATIC, STATIC, STATIC, OPT_TENSOR, STATIC,), (False, False, False, False, False, False, False, False, False, False, False, False), ONE,

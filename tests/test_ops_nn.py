@@ -384,6 +384,24 @@ _NO_KERNEL |= {
     "kthvalue(bool 1-d)": lambda d: torch.ones(1, dtype=_B, device=d).kthvalue(1)[0],
     "linspace(bool, 3 steps)": lambda d: torch.linspace(0, 1, 3, dtype=_B, device=d),
     "bucketize(bool, empty boundaries)": lambda d: torch.bucketize(_ints(3, dtype=_B)(d), _ints(0, dtype=_B)(d)),
+    # sibling kernels a first sample does not reach (a 2-d pad, a tensor weight, nearest in 2-d)
+    "interpolate(int64, nearest, 2-d)": lambda d: F.interpolate(_ints(1, 1, 2, 2, dtype=torch.long)(d), scale_factor=2),
+    "pad(bool, reflect, 2-d)": lambda d: F.pad(_ints(1, 1, 3, 3, dtype=_B)(d), (1, 1, 1, 1), mode="reflect"),
+    "pad(bool, replicate, 1-d)": lambda d: F.pad(_ints(1, 1, 3, dtype=_B)(d), (1, 1), mode="replicate"),
+    "searchsorted(bool, True)": lambda d: torch.searchsorted(_ints(3, dtype=_B)(d), True),
+    "cumprod(bool, dtype=bool)": lambda d: torch.cumprod(_ints(3, dtype=_B)(d), 0, dtype=_B),
+    "lerp(int64, int64 weight)": lambda d: torch.lerp(
+        _ints(3, dtype=torch.long)(d), _ints(3, dtype=torch.long)(d), _ints(3, dtype=torch.long)(d)
+    ),
+    "nll_loss(int64, 2-d)": lambda d: F.nll_loss(
+        _ints(2, 3, 2, 2, dtype=torch.long)(d), _ints(2, 2, 2, dtype=torch.long)(d) % 3
+    ),
+    "embedding(int64 weight, max_norm)": lambda d: F.embedding(
+        _ints(2, dtype=torch.long)(d), _ints(5, 3, dtype=torch.long)(d), max_norm=1.0
+    ),
+    "linspace(tensor ends, bool)": lambda d: torch.linspace(
+        torch.tensor(0, device=d), torch.tensor(1, device=d), 3, dtype=_B
+    ),
 }
 _KERNEL |= {
     "conv2d(int32)": lambda d: F.conv2d(_ints(1, 2, 6, 6)(d), _ints(2, 2, 2, 2)(d), stride=2),
@@ -407,6 +425,14 @@ _KERNEL |= {
     "linspace(bool, 1 step)": lambda d: torch.linspace(0, 1, 1, dtype=_B, device=d),
     "bucketize(bool, empty input)": lambda d: torch.bucketize(_ints(0, dtype=_B)(d), _ints(3, dtype=_B)(d)),
     "lu_factor_ex(int64, empty batch)": lambda d: torch.linalg.lu_factor_ex(_ints(0, 3, 3, dtype=torch.long)(d))[0],
+    "interpolate(uint8, nearest, 2-d)": lambda d: F.interpolate(
+        _ints(1, 1, 2, 2, dtype=torch.uint8)(d), scale_factor=2
+    ),
+    "searchsorted(bool, no values)": lambda d: torch.searchsorted(_ints(3, dtype=_B)(d), _ints(0, dtype=_B)(d)),
+    "cumprod(bool) gives int64": lambda d: torch.cumprod(_ints(3, dtype=_B)(d), 0),
+    "embedding(complex weight, max_norm)": lambda d: F.embedding(
+        _ints(2, dtype=torch.long)(d), _ints(5, 3, dtype=torch.cfloat)(d), max_norm=10.0
+    ),
 }
 
 

@@ -1,12 +1,13 @@
 """Which dtypes CPU's kernels refuse, as ``ops.yaml`` ``refuse_dtypes`` rules.
 
-For every OpInfo that exercises a lowered entry, each sample in a dtype the OpInfo says CPU
+For every OpInfo that exercises a lowered entry, every sample in a dtype the OpInfo says CPU
 does not support (int64, bool, complex64) is run on CPU; where CPU raises, the ATen op that
-raised is found (a dispatch mode records it) and called again with those tensors in each of
-twelve dtypes. The dtypes that raise the same error, with the dtype's name replaced by
-``{scalar_type}``, are the op's refused dtypes. Prints one rule per op, for review: an entry
-already holding a rule is marked, and float16 / bfloat16 are left out (where CPU merely lacks a
-kernel the device computes what an accelerator does).
+raised is found (a dispatch mode records it; each one the samples reach: a 2-d ``pad`` reaches
+another kernel than a 1-d one) and called again with those tensors in each of twelve dtypes.
+The dtypes that raise the same error, with the dtype's name replaced by ``{scalar_type}``, are
+the op's refused dtypes. Prints one rule per op, for review: an entry already holding a rule is
+marked, and float16 / bfloat16 are left out (where CPU merely lacks a kernel the device
+computes what an accelerator does).
 
     python tools/cpu_dtypes.py [OpInfo name ...]
 """
@@ -72,9 +73,10 @@ def _failures(names) -> dict:
             continue
         for dtype in set(SAMPLED) - set(op.supported_dtypes("cpu")):
             try:
-                samples = list(op.sample_inputs("cpu", dtype))[:4]
+                samples = list(op.sample_inputs("cpu", dtype))
             except Exception:  # noqa: BLE001, S112 - no samples of this dtype
                 continue
+            seen = set()  # one call per ATen op and dtype: samples reach several (a 1-d and a 2-d pad)
             for s in samples:
                 rec = _FirstFailure()
                 try:
@@ -82,9 +84,9 @@ def _failures(names) -> dict:
                         op(s.input, *s.args, **s.kwargs)
                 except Exception:  # noqa: BLE001, S110 - recorded
                     pass
-                if rec.failed is not None:
+                if rec.failed is not None and str(rec.failed[0]) not in seen:
+                    seen.add(str(rec.failed[0]))
                     found.setdefault(str(rec.failed[0]), []).append((dtype, rec.failed))
-                    break
     return found
 
 

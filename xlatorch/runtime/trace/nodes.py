@@ -101,7 +101,16 @@ def _infer(spec: OpSpec, vals: tuple) -> Info:
         _check_index_dtype(spec.index_dtype, meta)
     if spec.validate is not None:
         spec.validate(*meta)
-    res = call_meta(spec, spec.meta_overload, meta)
+    refused = spec.refuse_dtypes
+    try:
+        res = call_meta(spec, spec.meta_overload, meta)
+    except Exception:
+        # A meta kernel may refuse the dtype in words of its own (replication_pad1d's
+        # RuntimeError "... for 'torch.bool'"): CPU's error, where a rule says it.
+        kernel = None if refused is None else _kernel_dtype(spec, meta)
+        if kernel is not None:
+            check_refused(refused, kernel, meta)
+        raise
     res = [res] if isinstance(res, torch.Tensor) else list(res)
     if spec.meta_overload is spec.overload and isinstance(vals[0], VALUE_TYPES) and _in_place(spec.overload):
         _check_in_place(spec, vals)
@@ -109,8 +118,8 @@ def _infer(spec: OpSpec, vals: tuple) -> Info:
         res = [x for r in res for x in (r if isinstance(r, (list, tuple)) else (r,))]
     # None: an output PyTorch leaves undefined (e.g. a gradient masked out by output_mask).
     avals = tuple(None if r is None else (tuple(r.shape), r.dtype) for r in res)
-    if spec.refuse_dtypes is not None:
-        check_refused(spec.refuse_dtypes, _kernel_dtype(spec, meta) or avals[0][1], meta, avals)
+    if refused is not None:  # an op taking ``dtype`` runs its kernel in the result's
+        check_refused(refused, _kernel_dtype(spec, meta) or avals[0][1], meta, avals)
     return info_of(spec, meta, avals)
 
 
@@ -138,18 +147,19 @@ def first_dtype(args) -> torch.dtype | None:
     return None
 
 
-def check_refused(rules, dtype: torch.dtype, args=(), avals=()) -> None:
+def check_refused(rules, dtype: torch.dtype, args=(), avals=None) -> None:
     """Raise CPU's error when the op computes in a dtype its CPU kernel has no implementation for
     (ops.yaml ``refuse_dtypes``: ``abs`` of a bool tensor, ``softmax`` of an integer one).
 
     Where CPU runs no kernel it takes any dtype: a rule with ``empty_ok`` is not applied when
     a result (``avals``) has no elements (``softmax`` of an empty int tensor, ``linspace`` of
     0 steps), one with ``scalar_ok`` when the first tensor among ``args`` is 0-d (``kthvalue``
-    / ``mode`` / ``cummax`` of a 0-d tensor: CPU returns it)."""
+    / ``mode`` / ``cummax`` of a 0-d tensor: CPU returns it). ``avals`` None: the results are
+    not known yet, and ``empty_ok`` rules wait for them."""
     for dtypes, exc, msg, scalar_ok, empty_ok in rules:
         if dtype not in dtypes:
             continue
-        if empty_ok and any(a is not None and type(a) is tuple and 0 in a[0] for a in avals):
+        if empty_ok and (avals is None or any(a is not None and type(a) is tuple and 0 in a[0] for a in avals)):
             continue
         if scalar_ok and _first_tensor(args) is not None and _first_tensor(args).dim() == 0:
             continue
