@@ -145,6 +145,10 @@ def _validate_out_isin_Scalar_Tensor(outs, results, element, test_elements, assu
     V.out_exact(outs, results)
 
 
+def _validate_polygamma(n, self):
+    V.polygamma(n, self)
+
+
 def _validate_clamp_Tensor(self, min, max):
     V.clamp_tensor(self, min, max)
 
@@ -479,6 +483,7 @@ S_cauchy_ = OpSpec(
 S_bernoulli = OpSpec(
     "bernoulli.default", aten.bernoulli.default, E.bernoulli, ('self', 'generator', 'seed'), (TENSOR, STATIC, GENERATOR,), (False, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64), NotImplementedError, '"bernoulli_tensor_cpu_p_" not implemented for \'{scalar_type}\'', False, True), ((torch.complex64, torch.complex128), NotImplementedError, '"bernoulli_tensor_cpu_self_" not implemented for \'{scalar_type}\'', False, True)),
     out_overload=aten.bernoulli.out,
 )
 S_normal_Tensor_float = OpSpec(
@@ -1433,11 +1438,13 @@ S_cos_ = OpSpec(
 S_erf = OpSpec(
     "erf.default", aten.erf.default, E.erf, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"erf_vml_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.erf.out,
 )
 S_erf_ = OpSpec(
     "erf_.default", aten.erf_.default, E.erf, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"erf_vml_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_pow_Tensor_Scalar = OpSpec(
     "pow.Tensor_Scalar", aten.pow.Tensor_Scalar, E.pow_Tensor_Scalar, ('self', 'exponent'), (TENSOR, SCALAR,), (False, False), ONE,
@@ -1913,66 +1920,80 @@ S_rad2deg_ = OpSpec(
 S_erfc = OpSpec(
     "erfc.default", aten.erfc.default, E.erfc, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"erfc_vml_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.erfc.out,
 )
 S_erfc_ = OpSpec(
     "erfc_.default", aten.erfc_.default, E.erfc, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"erfc_vml_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_erfinv = OpSpec(
     "erfinv.default", aten.erfinv.default, E.erfinv, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"erfinv_vml_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.erfinv.out,
 )
 S_erfinv_ = OpSpec(
     "erfinv_.default", aten.erfinv_.default, E.erfinv, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"erfinv_vml_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_lgamma = OpSpec(
     "lgamma.default", aten.lgamma.default, E.lgamma, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"lgamma_vml_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.lgamma.out,
 )
 S_lgamma_ = OpSpec(
     "lgamma_.default", aten.lgamma_.default, E.lgamma, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"lgamma_vml_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_digamma = OpSpec(
     "digamma.default", aten.digamma.default, E.digamma, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"digamma" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.digamma.out,
 )
 S_digamma_ = OpSpec(
     "digamma_.default", aten.digamma_.default, E.digamma, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"digamma" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_polygamma = OpSpec(
     "polygamma.default", aten.polygamma.default, E.polygamma, ('n', 'self'), (STATIC, TENSOR,), (False, False), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    validate=_validate_polygamma,
     out_overload=aten.polygamma.out,
 )
 S_i0 = OpSpec(
     "i0.default", aten.i0.default, E.i0, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"i0_vml_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.i0.out,
 )
 S_i0_ = OpSpec(
     "i0_.default", aten.i0_.default, E.i0, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"i0_vml_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_special_i0e = OpSpec(
     "special_i0e.default", aten.special_i0e.default, E.special_i0e, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"i0e_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.special_i0e.out,
 )
 S_special_i1 = OpSpec(
     "special_i1.default", aten.special_i1.default, E.special_i1, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"i1_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.special_i1.out,
 )
 S_special_i1e = OpSpec(
     "special_i1e.default", aten.special_i1e.default, E.special_i1e, ('self',), (TENSOR,), (False,), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"i1e_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.special_i1e.out,
 )
 S_special_ndtri = OpSpec(
@@ -2098,6 +2119,7 @@ S_sgn_ = OpSpec(
 S_signbit = OpSpec(
     "signbit.default", aten.signbit.default, E.signbit, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, 'signbit is not implemented for complex tensors.', False, False),),
     out_overload=aten.signbit.out,
 )
 S_isinf = OpSpec(
@@ -2141,74 +2163,90 @@ S_logical_xor_ = OpSpec(
 S_bitwise_not = OpSpec(
     "bitwise_not.default", aten.bitwise_not.default, E.bitwise_not, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.float32, torch.float64, torch.complex64, torch.complex128), NotImplementedError, '"bitwise_not_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.bitwise_not.out,
 )
 S_bitwise_not_ = OpSpec(
     "bitwise_not_.default", aten.bitwise_not_.default, E.bitwise_not, ('self',), (TENSOR,), (False,), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.float32, torch.float64, torch.complex64, torch.complex128), NotImplementedError, '"bitwise_not_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_bitwise_and_Tensor = OpSpec(
     "bitwise_and.Tensor", aten.bitwise_and.Tensor, E.bitwise_and_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.float32, torch.float64, torch.complex64, torch.complex128), NotImplementedError, '"bitwise_and_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.bitwise_and.Tensor_out,
 )
 S_bitwise_and__Tensor = OpSpec(
     "bitwise_and_.Tensor", aten.bitwise_and_.Tensor, E.bitwise_and_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.float32, torch.float64, torch.complex64, torch.complex128), NotImplementedError, '"bitwise_and_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_bitwise_and_Scalar = OpSpec(
     "bitwise_and.Scalar", aten.bitwise_and.Scalar, E.bitwise_and_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.float32, torch.float64, torch.complex64, torch.complex128), NotImplementedError, '"bitwise_and_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.bitwise_and.Scalar_out,
 )
 S_bitwise_and__Scalar = OpSpec(
     "bitwise_and_.Scalar", aten.bitwise_and_.Scalar, E.bitwise_and_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.float32, torch.float64, torch.complex64, torch.complex128), NotImplementedError, '"bitwise_and_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_bitwise_or_Tensor = OpSpec(
     "bitwise_or.Tensor", aten.bitwise_or.Tensor, E.bitwise_or_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.float32, torch.float64, torch.complex64, torch.complex128), NotImplementedError, '"bitwise_or_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.bitwise_or.Tensor_out,
 )
 S_bitwise_or__Tensor = OpSpec(
     "bitwise_or_.Tensor", aten.bitwise_or_.Tensor, E.bitwise_or_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.float32, torch.float64, torch.complex64, torch.complex128), NotImplementedError, '"bitwise_or_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_bitwise_or_Scalar = OpSpec(
     "bitwise_or.Scalar", aten.bitwise_or.Scalar, E.bitwise_or_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.float32, torch.float64, torch.complex64, torch.complex128), NotImplementedError, '"bitwise_or_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.bitwise_or.Scalar_out,
 )
 S_bitwise_or__Scalar = OpSpec(
     "bitwise_or_.Scalar", aten.bitwise_or_.Scalar, E.bitwise_or_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.float32, torch.float64, torch.complex64, torch.complex128), NotImplementedError, '"bitwise_or_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_bitwise_xor_Tensor = OpSpec(
     "bitwise_xor.Tensor", aten.bitwise_xor.Tensor, E.bitwise_xor_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.float32, torch.float64, torch.complex64, torch.complex128), NotImplementedError, '"bitwise_xor_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.bitwise_xor.Tensor_out,
 )
 S_bitwise_xor__Tensor = OpSpec(
     "bitwise_xor_.Tensor", aten.bitwise_xor_.Tensor, E.bitwise_xor_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.float32, torch.float64, torch.complex64, torch.complex128), NotImplementedError, '"bitwise_xor_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_bitwise_xor_Scalar = OpSpec(
     "bitwise_xor.Scalar", aten.bitwise_xor.Scalar, E.bitwise_xor_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.float32, torch.float64, torch.complex64, torch.complex128), NotImplementedError, '"bitwise_xor_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.bitwise_xor.Scalar_out,
 )
 S_bitwise_xor__Scalar = OpSpec(
     "bitwise_xor_.Scalar", aten.bitwise_xor_.Scalar, E.bitwise_xor_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.float32, torch.float64, torch.complex64, torch.complex128), NotImplementedError, '"bitwise_xor_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_bitwise_left_shift_Tensor = OpSpec(
     "bitwise_left_shift.Tensor", aten.bitwise_left_shift.Tensor, E.bitwise_left_shift_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.bool, torch.float32, torch.float64, torch.complex64, torch.complex128), NotImplementedError, '"lshift_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.bitwise_left_shift.Tensor_out,
 )
 S_bitwise_left_shift__Tensor = OpSpec(
     "bitwise_left_shift_.Tensor", aten.bitwise_left_shift_.Tensor, E.bitwise_left_shift_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.bool, torch.float32, torch.float64, torch.complex64, torch.complex128), NotImplementedError, '"lshift_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_bitwise_left_shift_Tensor_Scalar = OpSpec(
     "bitwise_left_shift.Tensor_Scalar", aten.bitwise_left_shift.Tensor_Scalar, E.bitwise_left_shift_Tensor_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
@@ -2222,11 +2260,13 @@ S_bitwise_left_shift__Tensor_Scalar = OpSpec(
 S_bitwise_right_shift_Tensor = OpSpec(
     "bitwise_right_shift.Tensor", aten.bitwise_right_shift.Tensor, E.bitwise_right_shift_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.bool, torch.float32, torch.float64, torch.complex64, torch.complex128), NotImplementedError, '"rshift_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.bitwise_right_shift.Tensor_out,
 )
 S_bitwise_right_shift__Tensor = OpSpec(
     "bitwise_right_shift_.Tensor", aten.bitwise_right_shift_.Tensor, E.bitwise_right_shift_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.bool, torch.float32, torch.float64, torch.complex64, torch.complex128), NotImplementedError, '"rshift_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_bitwise_right_shift_Tensor_Scalar = OpSpec(
     "bitwise_right_shift.Tensor_Scalar", aten.bitwise_right_shift.Tensor_Scalar, E.bitwise_right_shift_Tensor_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
@@ -2338,20 +2378,24 @@ S_hypot_ = OpSpec(
 S_copysign_Tensor = OpSpec(
     "copysign.Tensor", aten.copysign.Tensor, E.copysign_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"copysign_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.copysign.out,
 )
 S_copysign__Tensor = OpSpec(
     "copysign_.Tensor", aten.copysign_.Tensor, E.copysign_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"copysign_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_copysign_Scalar = OpSpec(
     "copysign.Scalar", aten.copysign.Scalar, E.copysign_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"copysign_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.copysign.Scalar_out,
 )
 S_copysign__Scalar = OpSpec(
     "copysign_.Scalar", aten.copysign_.Scalar, E.copysign_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.complex64, torch.complex128), NotImplementedError, '"copysign_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_nextafter = OpSpec(
     "nextafter.default", aten.nextafter.default, E.nextafter, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
@@ -3083,6 +3127,7 @@ S__linalg_svd = OpSpec(
 S_linalg_cross = OpSpec(
     "linalg_cross.default", aten.linalg_cross.default, E.linalg_cross, ('self', 'other', 'dim'), (TENSOR, TENSOR, STATIC,), (False, False, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.bool,), NotImplementedError, '"cross" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.linalg_cross.out,
 )
 S_linalg_pinv_atol_rtol_tensor = OpSpec(
@@ -3324,6 +3369,7 @@ S_adaptive_max_pool3d_backward = OpSpec(
 S_max_pool3d_with_indices = OpSpec(
     "max_pool3d_with_indices.default", aten.max_pool3d_with_indices.default, E.max_pool3d_with_indices, ('self', 'kernel_size', 'stride', 'padding', 'dilation', 'ceil_mode'), (TENSOR, STATIC, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    refuse_dtypes=(((torch.bool, torch.complex64, torch.complex128), NotImplementedError, '"max_pool3d" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.max_pool3d_with_indices.out,
 )
 S_max_pool3d_with_indices_backward = OpSpec(

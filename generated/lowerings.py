@@ -244,7 +244,7 @@ def cauchy_(out, self, median, sigma, generator, seed):
 
 
 def bernoulli(out, self, generator, seed):
-    return jax.random.bernoulli(jax.random.key(seed), self, out.shape)
+    return jax.random.bernoulli(jax.random.key(seed), self if jnp.issubdtype(self.dtype, jnp.floating) else jnp.real(self).astype(jnp.float32), out.shape)
 
 
 def normal_Tensor_float(out, mean, std, generator, seed):

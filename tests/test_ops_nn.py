@@ -436,6 +436,23 @@ _KERNEL |= {
 }
 
 
+# Dtypes outside int64 / bool / complex64 (floats for bitwise ops) and complex special
+# functions: JAX refused them at the sync, in its own words.
+_NO_KERNEL |= {
+    "bitwise_and(float64)": lambda d: torch.bitwise_and(_t(3, dtype=_F64)(d), _t(3, dtype=_F64)(d)),
+    "bitwise_left_shift(bool)": lambda d: torch.bitwise_left_shift(_ints(3, dtype=_B)(d), _ints(3, dtype=_B)(d)),
+    "erf(complex)": lambda d: torch.erf(_ints(3, dtype=torch.cfloat)(d)),
+    "polygamma(2, complex)": lambda d: torch.polygamma(2, _ints(3, dtype=torch.cfloat)(d)),
+    "max_pool3d(bool)": lambda d: F.max_pool3d(_ints(1, 1, 2, 2, 2, dtype=_B)(d), 2),
+    "cross(bool)": lambda d: torch.linalg.cross(_ints(2, 3, dtype=_B)(d), _ints(2, 3, dtype=_B)(d)),
+    "bernoulli(int32)": lambda d: torch.bernoulli(_ints(3)(d)),
+}
+_KERNEL |= {
+    "bernoulli(int64, empty)": lambda d: torch.bernoulli(_ints(0, 3, dtype=torch.long)(d)),
+    "polygamma(1, bool)": lambda d: torch.polygamma(1, _ints(3, dtype=_B)(d) | True),
+}
+
+
 @pytest.mark.parametrize("name", sorted(_NO_KERNEL))
 def test_a_dtype_cpu_has_no_kernel_for_is_refused_at_the_call(name):
     refused_as_on_cpu(_NO_KERNEL[name], at_call=True)

@@ -30,7 +30,7 @@ from codegen import registry, schema  # noqa: E402
 from codegen.gen import ROOT  # noqa: E402
 from xlatorch.runtime.trace.nodes import dtype_name  # noqa: E402
 
-SAMPLED = (torch.int64, torch.bool, torch.complex64)
+SAMPLED = (torch.int64, torch.bool, torch.complex64, torch.float64)
 ALL = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float32, torch.float64,
        torch.complex64, torch.complex128)  # fmt: skip
 

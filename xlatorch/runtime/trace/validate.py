@@ -20,7 +20,7 @@ from xlatorch.runtime.trace.nodes import dtype_name
 
 __all__ = [
     "index_put", "index_copy", "index_add", "put", "mm", "addmm", "addmv", "norm_params", "convolution",
-    "scatter_reduce", "index_reduce", "clamp_tensor", "spaced", "normal_std", "random_bounds", "bucketize",
+    "scatter_reduce", "index_reduce", "clamp_tensor", "spaced", "polygamma", "normal_std", "random_bounds", "bucketize",
     "as_strided_scatter", "out_bool", "out_exact", "out_scalar_type", "bucketize_out", "normal_out",
 ]  # fmt: skip
 
@@ -128,6 +128,13 @@ def spaced(steps: int, dtype, kernel: str) -> None:
     (one step is filled with ``start``)."""
     if steps > 1 and dtype is torch.bool:
         raise NotImplementedError(f"\"{kernel}\" not implemented for 'Bool'")
+
+
+def polygamma(n: int, self):
+    """``polygamma``: no complex kernel, named by CPU after the ``n`` it runs."""
+    if self.dtype.is_complex:
+        kernel = {0: "digamma", 1: "trigamma"}.get(n, "polygamma")
+        raise NotImplementedError(f"\"{kernel}\" not implemented for '{dtype_name(self.dtype)}'")
 
 
 def normal_std(std):
