@@ -571,6 +571,14 @@ def gather__check(out, self, dim, index, sparse_grad):
     return L.checks.along_dim(self, dim, index)
 
 
+def one_hot(out, self, num_classes):
+    return (self[..., None] == jnp.arange(num_classes, dtype=self.dtype)).astype(out.dtype)
+
+
+def one_hot__check(out, self, num_classes):
+    return L.checks.one_hot(self, num_classes)
+
+
 def embedding(out, weight, indices, padding_idx, scale_grad_by_freq, sparse):
     return L.index.index_select(out, weight, 0, indices)
 

@@ -105,6 +105,10 @@ BAD = {
     "put_empty": lambda x, d: _zeros(d, 0).put_(I([0], device=d), _ones(1).to(d)),
     "embedding_bag_empty_weight": lambda x, d: F.embedding_bag(I([[0]], device=d), _zeros(d, 0, 3)),
     "cross_entropy_2d_no_classes": lambda x, d: F.cross_entropy(_zeros(d, 1, 0, 2, 2), I([[[0, 0], [0, 0]]], device=d)),
+    # F.one_hot: PyTorch's composite for an accelerator compares with arange and checked nothing
+    # (a class out of range gave a row of zeros)
+    "one_hot_class_too_large": lambda x, d: F.one_hot(torch.tensor([0, 5], device=d), 3),
+    "one_hot_negative_class": lambda x, d: F.one_hot(torch.tensor([2, -1], device=d), 3),
 }
 
 # Valid inputs of the same ops: same results as CPU, no error.
@@ -154,6 +158,9 @@ GOOD = {
     "div_trunc_nothing": lambda x, d: torch.div(
         _zeros(d, 0, N, dtype=torch.long), _zeros(d, N, dtype=torch.long), rounding_mode="trunc"
     ),
+    "one_hot": lambda x, d: F.one_hot(torch.tensor([0, 2, 1], device=d), 3),
+    "one_hot_classes_read": lambda x, d: F.one_hot(torch.tensor([1, 4], device=d)),
+    "one_hot_nothing": lambda x, d: F.one_hot(torch.zeros(0, 2, dtype=torch.long, device=d), 3),
 }
 
 

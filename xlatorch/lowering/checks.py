@@ -25,7 +25,7 @@ from xlatorch.lowering.index import mask_values
 
 __all__ = ["in_range", "always", "index_range", "select_range", "along_dim", "index_add_range", "advanced",
            "targets", "bag", "divisor", "negative_power", "index_out_of_range", "flat", "segments",
-           "lu_pivots", "multinomial", "linalg_info"]  # fmt: skip
+           "lu_pivots", "multinomial", "linalg_info", "one_hot"]  # fmt: skip
 
 
 def _xp(x):
@@ -51,6 +51,16 @@ def in_range(index, low, high, exc, msg):
     bad = (flat_index < low) | (flat_index >= high)
     pos = xp.argmax(bad)
     return xp.any(bad), flat_index[pos], pos, exc, msg
+
+
+def one_hot(self, num_classes: int):
+    """``one_hot``: CPU reads the classes, first that none is negative, then that each is
+    below ``num_classes``."""
+    wide = 1 << 62
+    return [
+        in_range(self, 0, wide, RuntimeError, "Class values must be non-negative."),
+        in_range(self, -wide, num_classes, RuntimeError, "Class values must be smaller than num_classes."),
+    ]
 
 
 def always(exc, msg: str):

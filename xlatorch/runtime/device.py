@@ -164,6 +164,7 @@ def register(factories: dict) -> None:
     _lib.impl("_pin_memory", _pin_memory, "CPU")
     _lib.impl("is_pinned", _is_pinned, "CPU")
     _lib.impl("ctc_loss.Tensor", _ctc_loss, "AutogradPrivateUse1")
+    _lib.impl("one_hot", _one_hot, "AutogradPrivateUse1")
     _lib.impl("set_.source_Tensor_storage_offset", views.set_to_view, "AutogradPrivateUse1")
     fork.HOOKS.append(_refuse_ops_in_a_forked_child)
     _nested = torch.library.Library("_", "IMPL")
@@ -231,6 +232,28 @@ def _ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, reduct
         il, tl = (t.tolist() for t in lens)
         return aten.ctc_loss.IntList(log_probs, targets, il, tl, blank, reduction, zero_infinity)
     return aten.ctc_loss.Tensor._op_dk(_IMPLICIT, log_probs, targets, *lens, blank, reduction, zero_infinity)
+
+
+def _one_hot(self, num_classes=-1):
+    """``F.one_hot`` on the device, with CPU's checks. PyTorch's composite skips them for an
+    accelerator and compares with ``arange``: a class outside ``[0, num_classes)`` gave a row
+    of zeros where CPU raises. Here the values are checked on the device (ops.yaml ``one_hot``),
+    CPU's message at the read; ``num_classes=-1`` reads the largest class, as CPU does. Fake
+    tensors (``torch.compile``'s tracing) take the composite."""
+    if type(self) is not XlaTensor:
+        return aten.one_hot.default._op_dk(_IMPLICIT, self, num_classes)
+    if self.dtype != torch.int64:
+        raise RuntimeError("one_hot is only applicable to index tensor of type LongTensor.")
+    if self.numel() == 0:
+        if num_classes <= 0:
+            raise RuntimeError("Can not infer total number of classes from empty tensor.")
+    elif num_classes < 0:  # read on the host, as CPU reads it: the least class first
+        if int(self.min()) < 0:
+            raise RuntimeError("Class values must be non-negative.")
+        if num_classes != -1:
+            raise RuntimeError("Class values must be smaller than num_classes.")
+        num_classes = int(self.max()) + 1
+    return XlaTensor.__torch_dispatch__(aten.one_hot.default, (XlaTensor,), (self, num_classes))
 
 
 def _fake_tensors_stay_fake() -> None:
