@@ -67,6 +67,8 @@ def test_device_queries():
     assert xm.xla_device(0) == torch.device("xla", 0)
     with pytest.raises(RuntimeError, match="xla:3 does not exist"):
         xm.xla_device(3)
+    with pytest.raises(IndexError, match="xla:10 does not exist"):  # torch_xla's exception
+        xlatorch.device(10)
     assert xm.xla_device_hw(xm.xla_device()) == "CPU"
     assert xr.device_type() == "CPU"
     assert (xr.world_size(), xr.global_ordinal(), xr.local_ordinal()) == (1, 0, 0)

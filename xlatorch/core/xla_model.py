@@ -79,12 +79,17 @@ def get_xla_supported_devices(devkind: str | None = None, max_devices: int | Non
     return devs[:max_devices] if max_devices else devs
 
 
+class NoSuchDevice(IndexError, RuntimeError):
+    """A device index past this process's devices: an IndexError, as torch_xla raises it
+    (``torch_xla.device(10)``), and a RuntimeError, as PyTorch raises an invalid ordinal."""
+
+
 def xla_device(n: int | None = None, devkind: str | None = None) -> torch.device:
     """This process's xla device (``xla:0``), or local device ``n``."""
     if n is None:
         return torch.device("xla", 0)
     if not 0 <= n < torch.xla.device_count():
-        raise RuntimeError(f"xla:{n} does not exist: this process has {torch.xla.device_count()} xla device(s)")
+        raise NoSuchDevice(f"xla:{n} does not exist: this process has {torch.xla.device_count()} xla device(s)")
     return torch.device("xla", n)
 
 
