@@ -200,6 +200,8 @@ def _check_refuse_dtypes(name: str, e: Entry) -> None:
         if not isinstance(r, dict) or not {"dtypes", "error"} <= set(r) <= {"dtypes", "error", "scalar_ok", "empty_ok"}:
             raise RegistryError(f"{where} is a mapping (or a list of them) with keys dtypes and error (optionally "
                                 f"scalar_ok, empty_ok)")  # fmt: skip
+        if any(not isinstance(r.get(k, False), bool) for k in ("scalar_ok", "empty_ok")):
+            raise RegistryError(f"{where}: scalar_ok and empty_ok are true or false")
         _check_dtype_rule(where, r)
     e.refuse_dtypes = rules
 

@@ -140,10 +140,15 @@ def _kernel_dtype(spec: OpSpec, meta: list) -> torch.dtype | None:
 
 def first_dtype(args) -> torch.dtype | None:
     """The dtype of the first tensor among ``args`` (a list argument's first), None if none."""
+    t = _first_tensor(args)
+    return None if t is None else t.dtype
+
+
+def _first_tensor(args) -> torch.Tensor | None:
     for a in args:
         a = a[0] if type(a) in (list, tuple) and a else a
         if isinstance(a, torch.Tensor):
-            return a.dtype
+            return a
     return None
 
 
@@ -155,23 +160,17 @@ def check_refused(rules, dtype: torch.dtype, args=(), avals=None) -> None:
     a result (``avals``) has no elements (``softmax`` of an empty int tensor, ``linspace`` of
     0 steps), one with ``scalar_ok`` when the first tensor among ``args`` is 0-d (``kthvalue``
     / ``mode`` / ``cummax`` of a 0-d tensor: CPU returns it). ``avals`` None: the results are
-    not known yet, and ``empty_ok`` rules wait for them."""
+    not known yet, and ``empty_ok`` rules wait for them (``()``: none known, every rule applies)."""
     for dtypes, exc, msg, scalar_ok, empty_ok in rules:
         if dtype not in dtypes:
             continue
         if empty_ok and (avals is None or any(a is not None and type(a) is tuple and 0 in a[0] for a in avals)):
             continue
-        if scalar_ok and _first_tensor(args) is not None and _first_tensor(args).dim() == 0:
-            continue
+        if scalar_ok:
+            first = _first_tensor(args)
+            if first is not None and first.dim() == 0:
+                continue
         raise exc(msg.format(**_dtype_names(dtype)))
-
-
-def _first_tensor(args) -> torch.Tensor | None:
-    for a in args:
-        a = a[0] if type(a) in (list, tuple) and a else a
-        if isinstance(a, torch.Tensor):
-            return a
-    return None
 
 
 def _in_place(op) -> bool:
