@@ -85,6 +85,10 @@ def _validate_out_normal_Tensor_Tensor(outs, results, mean, std, generator, seed
     V.normal_out(outs)
 
 
+def _validate_out_multinomial(outs, results, self, num_samples, replacement, generator, seed):
+    V.multinomial_out(outs)
+
+
 def _validate_scatter_reduce_two(self, dim, index, src, reduce, include_self):
     V.scatter_reduce(self, reduce)
 
@@ -513,6 +517,7 @@ S_multinomial = OpSpec(
     check=E.multinomial__check, check_integral=False, check_reads=('L.checks.multinomial(self, num_samples, replacement)', (0, 1, 2), False),
     index_dtype=(((0,), (torch.float16, torch.bfloat16, torch.float32, torch.float64), RuntimeError, 'multinomial only supports floating-point dtypes for input, got: {scalar_type}', False),),
     out_overload=aten.multinomial.out,
+    validate_out=_validate_out_multinomial,
 )
 S_view__scatter = OpSpec(
     "view.default.scatter", None, E.view__scatter, ('self', 'src', 'size', 'idx'), (TENSOR, TENSOR, STATIC, STATIC,), (False, False, False, False), ONE,

@@ -477,6 +477,10 @@ _OUT = {
         torch.eye(2, device=d), _t(2, 2)(d), upper=True, out=_t(2, 2, dtype=_F64)(d)
     ),
     "normal(out=long)": lambda d: torch.normal(_t(3)(d), _t(3)(d), out=torch.empty(3, dtype=torch.long, device=d)),
+    # Valid probabilities: only the out= dtype is wrong (the check of the values passes).
+    "multinomial(out=double)": lambda d: torch.multinomial(
+        torch.ones(1, 2, dtype=_F64, device=d), 2, out=_t(1, 2, dtype=_F64)(d)
+    ),
 }
 
 

@@ -205,6 +205,12 @@ def bucketize_out(outs, out_int32: bool):
                            f"dtype {dtype_name(outs[0])} and out_int32 flag is {out_int32}")  # fmt: skip
 
 
+def multinomial_out(outs):
+    """``multinomial``: an int64 out= tensor only (CPU does not cast its samples)."""
+    if outs[0] != torch.int64:
+        raise RuntimeError(f"multinomial expects Long tensor out, got: {dtype_name(outs[0])}")
+
+
 def normal_out(outs):
     """``normal``'s CPU kernel fills floating and complex tensors only."""
     if not (outs[0].is_floating_point or outs[0].is_complex):
