@@ -85,6 +85,10 @@ def _validate_out_normal_Tensor_Tensor(outs, results, mean, std, generator, seed
     V.normal_out(outs)
 
 
+def _validate_multinomial(self, num_samples, replacement, generator, seed):
+    V.multinomial(self, num_samples, replacement)
+
+
 def _validate_out_multinomial(outs, results, self, num_samples, replacement, generator, seed):
     V.multinomial_out(outs)
 
@@ -515,7 +519,7 @@ S_multinomial = OpSpec(
     "multinomial.default", aten.multinomial.default, E.multinomial, ('self', 'num_samples', 'replacement', 'generator', 'seed'), (TENSOR, STATIC, STATIC, STATIC, GENERATOR,), (False, False, False, True, True), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.multinomial__check, check_integral=False, check_reads=('L.checks.multinomial(self, num_samples, replacement)', (0, 1, 2), False),
-    index_dtype=(((0,), (torch.float16, torch.bfloat16, torch.float32, torch.float64), RuntimeError, 'multinomial only supports floating-point dtypes for input, got: {scalar_type}', False),),
+    validate=_validate_multinomial,
     out_overload=aten.multinomial.out,
     validate_out=_validate_out_multinomial,
 )

@@ -254,14 +254,10 @@ def lu_pivots(LU_data, LU_pivots, unpack_pivots: bool):
 
 
 def multinomial(self, num_samples: int, replacement: bool):
-    """``multinomial``: CPU's checks of the draw count and of the probabilities' values, in its
-    order and with its messages (without replacement or for one draw: the whole tensor's range,
-    then each row's sum; with replacement: each entry, then each row's sum). The device would
-    draw from NaN or negative probabilities without a word."""
-    if num_samples <= 0:
-        return always(RuntimeError, "cannot sample n_sample <= 0 samples")
-    if self.shape[-1] > 1 << 24:
-        return always(RuntimeError, "number of categories cannot exceed 2^24")
+    """``multinomial``: CPU's checks of the probabilities' values, in its order and with its
+    messages (without replacement or for one draw: the whole tensor's range, then each row's
+    sum; with replacement: each entry, then each row's sum). The device would draw from NaN or
+    negative probabilities without a word. (Its arguments: ``V.multinomial``, at the call.)"""
     if self.size == 0:
         return None
     xp = _xp(self)

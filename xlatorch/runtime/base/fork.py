@@ -38,8 +38,29 @@ def _after_fork_in_child() -> None:
     if not _runtime_started():
         return
     FORKED[0] = os.getppid()
+    _forget_the_runtime_at_exit()
     for hook in HOOKS:
         hook()
+
+
+def _forget_the_runtime_at_exit() -> None:
+    """Let this child exit without tearing down the parent's runtime: its client's destructor
+    joins thread pools whose threads do not exist here, and the child hung or crashed (SIGSEGV)
+    as it exited, whenever the client was collected before the process ended (seen on a busy
+    machine: ``~PjRtClient`` in ``~ThreadPool`` from the exit's garbage collection). So the
+    clients are kept alive for good (one reference nobody releases), and JAX's exit hooks, which
+    clear its backends and wait for its runtime's tokens, are not run. Nothing in this child
+    used the runtime, so nothing is left undone."""
+    import atexit
+    import ctypes
+
+    from jax._src import api, dispatch, xla_bridge
+
+    for client in list(getattr(xla_bridge, "_backends", {}).values()):
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(client))
+    for hook in (getattr(api, "clean_up", None), getattr(dispatch, "wait_for_tokens", None)):
+        if hook is not None:
+            atexit.unregister(hook)
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

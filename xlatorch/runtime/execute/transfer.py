@@ -47,6 +47,11 @@ def to_device(t: torch.Tensor, dev: int | None = None) -> Data:
             f"xlatorch: a {t.layout} tensor cannot be moved to the xla device, which holds dense arrays only "
             f"(sparse and other layouts run on the CPU); convert it with .to_dense() first, or keep it on the CPU"
         )
+    if t.dim() > 64:
+        raise RuntimeError(
+            f"xlatorch: only tensors with up to 64 dims are supported on the xla device (its arrays are numpy's "
+            f"and XLA's); this one has {t.dim()}: merge dimensions with .reshape() first, or keep it on the CPU"
+        )
     if dev is None:
         dev = current_device()
     aval = (tuple(t.shape), t.dtype)

@@ -8,6 +8,7 @@ node (output avals and computation dtype from PyTorch's meta kernels, once per s
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from weakref import ref as _weakref
@@ -43,6 +44,7 @@ from xlatorch.runtime.trace.nodes import (
     check_cast,
     check_refused,
     convert_value,
+    error_on_cpu,
     first_dtype,
     meta_args,
     scalar,
@@ -51,7 +53,8 @@ from xlatorch.runtime.trace.strides import geometry
 from xlatorch.runtime.trace.tensor import Storage, XlaTensor, value_of, wrap, write
 
 __all__ = [
-    "dispatch", "call", "call_inplace", "call_out", "decomposition", "SHIMS", "RUNTIME_OPS", "DECOMPS", "FALLBACK",
+    "dispatch", "call", "call_inplace", "call_out", "check_out_overlap", "write_outs", "decomposition",
+    "SHIMS", "RUNTIME_OPS", "DECOMPS", "FALLBACK",
 ]  # fmt: skip
 
 SHIMS: dict = {}  # OpOverload -> shim, filled by generated/dispatch.py
@@ -61,18 +64,23 @@ DECOMPS: dict = {}  # OpOverload -> PyTorch decomposition into ops that are lowe
 
 def decomposition(op, checks=(None, None)):
     """PyTorch's decomposition of ``op`` (ops.yaml ``decompose``), run after CPU's checks that the
-    ops it decomposes into do not make: ``(validate, refuse_dtypes)`` of its ops.yaml entry."""
+    ops it decomposes into do not make: ``(validate, refuse_dtypes)`` of its ops.yaml entry. An
+    error it raises is CPU's where CPU's kernel raises one for these arguments (``error_on_cpu``)."""
     decomp = torch._decomp.decomposition_table[op]
     validate, refused = checks
-    if validate is None and refused is None:
-        return decomp
 
     def run(*args, **kwargs):
         if validate is not None:
             validate(*args, **kwargs)
         if refused is not None:
             check_refused(refused, first_dtype(args), args, ())  # its results are not known: every rule applies
-        return decomp(*args, **kwargs)
+        try:
+            return decomp(*args, **kwargs)
+        except Exception:  # the decomposition's checks, in PyTorch's reference's words: CPU's instead
+            cpu_error = error_on_cpu(op, *args, **kwargs)
+            if cpu_error is not None:
+                raise cpu_error from None
+            raise
 
     return run
 
@@ -520,30 +528,42 @@ def call_out(spec: OpSpec, args: tuple, outs: tuple, returns: bool = True):
     ``returns=False`` for the out= overloads that take a list of tensors and return nothing
     (``unbind_copy.int_out``, ``split_copy.Tensor_out``).
     """
+    check_out_overlap(spec, args, outs, spec.distinct_out)
+    vals, sig = _prepare(spec, args)
+    _check_out(spec, vals, sig, outs)
+    write_outs(outs, _node(spec, vals, sig).outs)
+    if not returns:
+        return None
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def check_out_overlap(spec: OpSpec, args: tuple, outs: tuple, distinct: bool) -> None:
+    """CPU's refusals of ``outs`` before an out= op runs: a tensor not on the device, one whose
+    elements overlap each other, one sharing part of an input's memory (or all of it:
+    ``distinct``, ops.yaml ``distinct_out``)."""
     for t in outs:
         if type(t) is not XlaTensor:
             raise _not_xla(spec, t)
         if strides.self_overlapping(t):  # before a resize too, as on CPU
             raise RuntimeError(strides.SELF_OVERLAP)
-        for a in args:  # an input that is part of the out= (or all of it: ops.yaml ``distinct_out``)
+        for a in args:
             for x in a if type(a) is list or type(a) is tuple else (a,):
                 if type(x) is XlaTensor and x._st is t._st:
                     how = strides.overlap(t, x)
-                    if how == strides.PARTIAL or (how == strides.FULL and spec.distinct_out):
+                    if how == strides.PARTIAL or (how == strides.FULL and distinct):
                         raise RuntimeError(strides.PARTIAL_OVERLAP)
-    vals, sig = _prepare(spec, args)
-    _check_out(spec, vals, sig, outs)
-    n = _node(spec, vals, sig)
-    for t, v in zip(outs, n.outs):
+
+
+def write_outs(outs: tuple, values) -> None:
+    """Each value written into its out= tensor, converted to its dtype and resized to its
+    shape as PyTorch resizes outs."""
+    for t, v in zip(outs, values):
         if t.dtype != v.aval[1]:
             v = convert_value(v, t.dtype)
         if tuple(t.shape) != v.aval[0]:
             t.data = wrap(v)  # out= resizes, as in PyTorch
         else:
             write(t, v)
-    if not returns:
-        return None
-    return outs[0] if len(outs) == 1 else tuple(outs)
 
 
 _OUT_CHECKED: set = set()  # (spec, signature, the outs' avals) whose out= tensors PyTorch accepts
@@ -573,6 +593,11 @@ def _check_out(spec: OpSpec, vals: tuple, sig: tuple, outs: tuple) -> None:
                 call_meta(spec, overload, meta, kw)
             except NotImplementedError:
                 pass  # no meta kernel for it: nothing to check by
+            except Exception:  # the meta kernel's words: CPU's where CPU refuses the outs too
+                cpu_error = call_meta(spec, functools.partial(error_on_cpu, overload), meta, kw)
+                if cpu_error is not None:
+                    raise cpu_error from None
+                raise
     if spec.validate_out is not None:
         res = call_meta(spec, spec.meta_overload, meta)
         results = [r.dtype for r in (res if isinstance(res, (tuple, list)) else (res,))]

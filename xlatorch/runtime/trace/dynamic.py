@@ -19,7 +19,8 @@ from xlatorch.runtime.base.threads import BODIES
 from xlatorch.runtime.ir.ops import SPECS, Info, signature
 from xlatorch.runtime.ir.values import Node
 from xlatorch.runtime.trace import views
-from xlatorch.runtime.trace.dispatch import RUNTIME_OPS, SHIMS, count
+from xlatorch.runtime.trace.dispatch import RUNTIME_OPS, SHIMS, check_out_overlap, count, write_outs
+from xlatorch.runtime.trace.nodes import error_on_cpu
 from xlatorch.runtime.trace.tensor import DEVICE, XlaTensor, value_of, wrap
 
 __all__ = ["install"]
@@ -57,6 +58,24 @@ def masked_select(self, mask):
         n = _host_count(aten.expand(mask, shape))
     vals = (value_of(self), value_of(mask))
     return wrap(_sized_node("masked_select.default", vals, ((n,), self.dtype)).outs[0])
+
+
+def _out(op, handler, name: str, dtype):
+    """The out= overload ``op`` of a data-dependent op: CPU's refusals of the out= tensor (of
+    another dtype than ``dtype(*args)``: CPU's own error; an input's memory), then
+    ``handler``'s result written into it."""
+    spec = SPECS[name]
+
+    def run(*args, out):
+        if out.dtype != dtype(*args):  # CPU checks it first
+            error = error_on_cpu(op, *args, out=out)
+            if error is not None:
+                raise error
+        check_out_overlap(spec, args, (out,), True)
+        write_outs((out,), (value_of(handler(*args)),))
+        return out
+
+    return run
 
 
 def _is_mask(t) -> bool:
@@ -190,6 +209,10 @@ def install() -> None:
         {
             aten.nonzero.default: nonzero,
             aten.masked_select.default: masked_select,
+            aten.nonzero.out: _out(aten.nonzero.out, nonzero, "nonzero.default", lambda self: torch.int64),
+            aten.masked_select.out: _out(
+                aten.masked_select.out, masked_select, "masked_select.default", lambda self, mask: self.dtype
+            ),
             aten.resize_.default: resize_,
             aten.equal.default: equal,
             # Asked by the ``data`` setter (resize_, out=): any two device tensors are compatible.

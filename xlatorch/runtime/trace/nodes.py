@@ -26,6 +26,7 @@ __all__ = [
     "call_meta",
     "apply_view",
     "apply_scatter",
+    "error_on_cpu",
     "convert_value",
     "replay_on_cpu",
     "run_node_on_cpu",
@@ -110,6 +111,12 @@ def _infer(spec: OpSpec, vals: tuple) -> Info:
         kernel = None if refused is None else _kernel_dtype(spec, meta)
         if kernel is not None:
             check_refused(refused, kernel, meta)
+        # A 0-d CPU tensor argument (masked_fill's value) with its value: CPU's checks read it.
+        args = [torch.tensor(a.value, dtype=a.aval[1]) if type(a) is Scalar and a.tensor else m
+                for a, m in zip(vals, meta)]  # fmt: skip
+        cpu_error = call_meta(spec, functools.partial(error_on_cpu, spec.meta_overload), args)
+        if cpu_error is not None:
+            raise cpu_error from None
         raise
     res = [res] if isinstance(res, torch.Tensor) else list(res)
     if spec.meta_overload is spec.overload and isinstance(vals[0], VALUE_TYPES) and _in_place(spec.overload):
@@ -226,6 +233,42 @@ def check_cast(rtype: torch.dtype, dtype: torch.dtype) -> None:
         raise RuntimeError(
             f"result type {dtype_name(rtype)} can't be cast to the desired output type {dtype_name(dtype)}"
         )
+
+
+# Arguments CPU's kernel is run on to find its error (error_on_cpu): at most this many elements.
+_CPU_ERROR_ELEMENTS = 1 << 22
+
+
+def error_on_cpu(op, *args, **kwargs) -> Exception | None:
+    """The exception CPU raises for a call PyTorch's meta kernel (or decomposition) refused, or
+    None: ``op`` called on CPU with ``args`` / ``kwargs``, every tensor not on CPU (meta, xla)
+    replaced by zeros of its shape and dtype.
+
+    Meta kernels check what CPU's kernels check, in words (and exception types) of their own:
+    ``amax`` over an empty dimension is an IndexError naming ``amax()`` on CPU, a RuntimeError
+    of PyTorch's reference on meta. So, only once the meta kernel has raised, CPU's kernel runs
+    on zeros, and what it raises is what the user gets: CPU's error, at the call. Not for
+    arguments over ``_CPU_ERROR_ELEMENTS`` elements (the meta kernel's error stands), nor where
+    CPU takes the zeros. CPU's random generator is left as it was."""
+    if kwargs.get("device") is not None:
+        kwargs["device"] = "cpu"
+    flat = [t for a in (*args, *kwargs.values()) for t in (a if type(a) in (list, tuple) else (a,))]
+    if sum(t.numel() for t in flat if isinstance(t, torch.Tensor)) > _CPU_ERROR_ELEMENTS:
+        return None
+
+    def on_cpu(a):
+        if type(a) in (list, tuple):
+            return [on_cpu(x) for x in a]
+        if isinstance(a, torch.Tensor) and a.device.type != "cpu":
+            return torch.zeros(a.shape, dtype=a.dtype, device="cpu")
+        return a
+
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+        try:
+            op(*[on_cpu(a) for a in args], **{k: on_cpu(v) for k, v in kwargs.items()})
+        except Exception as e:  # noqa: BLE001 - whatever CPU raises is the user's error
+            return e
+    return None
 
 
 def call_meta(spec: OpSpec, op, meta, kwargs=None):

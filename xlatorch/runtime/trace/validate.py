@@ -205,6 +205,21 @@ def bucketize_out(outs, out_int32: bool):
                            f"dtype {dtype_name(outs[0])} and out_int32 flag is {out_int32}")  # fmt: skip
 
 
+def multinomial(self, num_samples: int, replacement: bool):
+    """``multinomial``: CPU's checks of the arguments, in its order (the values are checked on
+    the device: ``L.checks.multinomial``)."""
+    if self.dim() not in (1, 2):
+        raise RuntimeError("prob_dist must be 1 or 2 dim")
+    if not self.is_floating_point():
+        raise RuntimeError(f"multinomial only supports floating-point dtypes for input, got: {dtype_name(self.dtype)}")
+    if num_samples <= 0:
+        raise RuntimeError("cannot sample n_sample <= 0 samples")
+    if not replacement and num_samples > self.shape[-1]:
+        raise RuntimeError("cannot sample n_sample > prob_dist.size(-1) samples without replacement")
+    if self.shape[-1] > 1 << 24:
+        raise RuntimeError("number of categories cannot exceed 2^24")
+
+
 def multinomial_out(outs):
     """``multinomial``: an int64 out= tensor only (CPU does not cast its samples)."""
     if outs[0] != torch.int64:
