@@ -161,6 +161,58 @@ def test_random_ops_draw_new_numbers_each_iteration_and_the_backward_sees_them(p
     _close(w.grad, want)
 
 
+def test_a_random_op_that_reads_no_input_draws_new_numbers_each_iteration():
+    # torch.rand in a body reads none of the body's inputs: it was computed once, outside the
+    # loop (as a weight's transpose is), and every iteration got the same numbers.
+    def fn(c, xi):
+        return c + xi, xi + torch.rand(3, device=DEV)
+
+    _, ys = scan(fn, torch.zeros(3, device=DEV), torch.zeros(4, 3, device=DEV))
+    ys = ys.cpu()
+    assert all(not torch.equal(ys[0], ys[i]) for i in range(1, 4))
+
+    def body(last, changes):  # counts the iterations whose draw differs from the one before
+        d = torch.rand((), device=DEV)
+        return d, changes + (d != last).long()
+
+    _, _, changes = fori_loop(
+        0, 4, body, torch.full((), -1.0, device=DEV), torch.zeros((), dtype=torch.long, device=DEV)
+    )
+    assert int(changes.cpu()) == 4  # the same draw every iteration: 1
+
+
+def test_value_and_grad_partitioned_is_one_iteration_of_scan_differentiated():
+    from xlatorch.experimental.scan import tree_flatten_none, value_and_grad_partitioned
+
+    def fn(carry, x):
+        new = {"a": torch.sin(carry["a"] @ x["w"] + x["b"]), "n": carry["n"] + 1}
+        return new, torch.sigmoid(new["a"]).sum(-1)
+
+    init = {"a": torch.randn(2, 3), "n": torch.zeros(2, dtype=torch.long)}
+    x = {"w": torch.randn(3, 3), "b": torch.randn(2, 3)}
+    dev = lambda tree: {k: v.to(DEV) for k, v in tree.items()}  # noqa: E731
+    forward, alias_input, backward = value_and_grad_partitioned(fn, dev(init), {k: v[None] for k, v in dev(x).items()})
+    carry, (y, partial) = forward(dev(init), dev(x))
+    activations = alias_input(partial, dev(x))
+    ca = init["a"].clone().requires_grad_(True)
+    xw, xb = x["w"].clone().requires_grad_(True), x["b"].clone().requires_grad_(True)
+    want_carry, want_y = fn({"a": ca, "n": init["n"]}, {"w": xw, "b": xb})
+    _close(carry["a"], want_carry["a"].detach())
+    assert torch.equal(carry["n"].cpu(), want_carry["n"])
+    _close(y, want_y.detach())
+    g_carry = {"a": torch.ones(2, 3), "n": None}
+    (want_carry["a"].sum() + want_y.sum()).backward()
+    got_carry, got_x = backward({"a": g_carry["a"].to(DEV), "n": None}, (torch.ones(2, device=DEV), activations))
+    _close(got_carry["a"], ca.grad)
+    _close(got_x["w"], xw.grad)
+    _close(got_x["b"], xb.grad)
+    assert torch.equal(got_carry["n"].cpu(), torch.zeros(2, dtype=torch.long))  # an integer leaf: no gradient
+    flat, unflatten = tree_flatten_none(((1, 2), (None, 3), None))
+    assert flat == [1, 2, 3] and unflatten(flat) == ((1, 2), (None, 3), None)
+    with pytest.raises(ValueError, match="callable"):
+        scan(1000, init["a"].to(DEV), x["w"].to(DEV))
+
+
 def test_fori_loop_and_torchs_while_loop():
     i, v = fori_loop(0, 7, lambda v: v * 2 + 1, torch.tensor(1.0, device=DEV))
     assert int(i) == 0 and float(v) == 255.0

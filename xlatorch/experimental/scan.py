@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+from weakref import WeakKeyDictionary
 
 import torch
 from torch.utils import _pytree as pytree
@@ -30,7 +31,7 @@ from xlatorch.runtime.trace import bodies, loops
 from xlatorch.runtime.trace.bodies import BodyError
 from xlatorch.runtime.trace.tensor import XlaTensor, value_of, wrap
 
-__all__ = ["scan"]
+__all__ = ["scan", "value_and_grad_partitioned", "tree_flatten_none"]
 
 
 def _differentiable(t) -> bool:
@@ -71,6 +72,8 @@ def scan(
       ``(carry, ys)``: the last carry and the stacked outputs.
     """
     del is_fn_pure
+    if not callable(fn):
+        raise ValueError(f"xlatorch: scan's fn must be callable, got {type(fn).__name__}")
     init_flat, carry_spec = pytree.tree_flatten(init)
     xs_flat, x_spec = pytree.tree_flatten(xs)
     bodies.values_of(init_flat + xs_flat, "scan")
@@ -242,7 +245,7 @@ def _activations(grads, sliced, g_in) -> list:
     iteration's carry or x (``sliced``), not from the grads flowing back (``g_in``)."""
     nodes: dict = {}
     from_g = bodies.depends(grads, g_in, nodes)
-    from_x = bodies.depends(grads, sliced)
+    from_x = bodies.depends(grads, sliced, random=True)  # a dropout mask is kept, not drawn again
     sliced_ids = {id(v) for v in sliced}
     g_ids = {id(v) for v in g_in}
     found: dict = {}
@@ -371,3 +374,82 @@ def _out_shape(loop, i):
 
 def _out_dtype(loop, i):
     return loop.body.avals[i][1]
+
+
+def value_and_grad_partitioned(
+    fn: Callable[[Any, Any], tuple[Any, Any]],
+    init: Any,
+    xs: Any,
+    partition_fn: Callable | None = None,
+    is_fn_pure: bool = True,
+) -> tuple[Callable, Callable, Callable]:
+    """One iteration of ``scan(fn, init, xs)`` as three functions, torch_xla's building blocks of
+    a differentiated scan (``scan`` itself does not use them here):
+
+    - ``forward(carry, x) -> (new_carry, (y, partial_activations))``;
+    - ``alias_input(partial_activations, x) -> activations``: what ``backward`` reads, as one
+      flat tuple (stacked, when both arguments are stacked over iterations);
+    - ``backward(grad_new_carry, (grad_y, activations)) -> (grad_carry, grad_x)``.
+
+    The activations are the iteration's inputs (its carry's leaves, then ``x``'s), and
+    ``backward`` recomputes the iteration's forward from them under PyTorch's autograd (the
+    memory of ``min_cut_rematerialization_partition``; ``partition_fn`` and ``is_fn_pure``
+    is accepted for torch_xla's signature). A gradient a leaf does not receive (an integer
+    leaf, an unused one) is zeros; ``grad_y`` / ``grad_new_carry`` leaves may be None.
+
+    With ``is_fn_pure`` the three functions are kept per ``fn`` (``_SCAN_COMPUTATION_CACHE``,
+    as torch_xla keeps them), for the same ``partition_fn``, leaf shapes, dtypes and
+    structures."""
+    init_flat, carry_spec = pytree.tree_flatten(init)
+    xs_flat, x_spec = pytree.tree_flatten(xs)
+    key = (id(partition_fn), carry_spec, x_spec, tuple(bodies.avals_of(init_flat + xs_flat)))
+    if is_fn_pure and key in _SCAN_COMPUTATION_CACHE.get(fn, {}):
+        return _SCAN_COMPUTATION_CACHE[fn][key]
+    n_carry = len(init_flat)
+
+    def forward(carry, x):
+        with torch.no_grad():
+            new_carry, y = fn(carry, x)
+        return new_carry, (y, tuple(t.detach() for t in pytree.tree_leaves(carry)))
+
+    def alias_input(partial_activations, x):
+        return tuple(partial_activations) + tuple(pytree.tree_leaves(x))
+
+    def backward(grad_new_carry, grad_y_and_activations):
+        grad_y, activations = grad_y_and_activations
+        leaves = [t.detach().requires_grad_(_differentiable(t)) for t in activations]
+        carry = pytree.tree_unflatten(leaves[:n_carry], carry_spec)
+        x = pytree.tree_unflatten(leaves[n_carry:], x_spec)
+        with torch.enable_grad():
+            outs = pytree.tree_leaves(fn(carry, x))
+        grads = pytree.tree_leaves((grad_new_carry, grad_y), is_leaf=lambda g: g is None)
+        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+        wrt = [t for t in leaves if t.requires_grad]
+        got = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+                   if pairs and wrt else [None] * len(wrt))  # fmt: skip
+        res = []
+        for t in leaves:
+            g = next(got) if t.requires_grad else None
+            res.append(torch.zeros_like(t) if g is None else g)
+        return pytree.tree_unflatten(res[:n_carry], carry_spec), pytree.tree_unflatten(res[n_carry:], x_spec)
+
+    if is_fn_pure:
+        _SCAN_COMPUTATION_CACHE.setdefault(fn, {})[key] = forward, alias_input, backward
+    return forward, alias_input, backward
+
+
+# fn -> {(partition_fn's id, structures, shapes and dtypes): (forward, alias_input, backward)}
+_SCAN_COMPUTATION_CACHE: WeakKeyDictionary = WeakKeyDictionary()
+
+
+def tree_flatten_none(tree: Any) -> tuple[list, Callable[[list], Any]]:
+    """``tree``'s leaves without its None leaves, and the function that puts them back:
+    ``unflatten(leaves)`` rebuilds ``tree``'s structure, None where ``tree`` had None."""
+    leaves, spec = pytree.tree_flatten(tree, is_leaf=lambda v: v is None)
+    none = [v is None for v in leaves]
+
+    def unflatten(kept) -> Any:
+        kept = iter(kept)
+        return pytree.tree_unflatten([None if n else next(kept) for n in none], spec)
+
+    return [v for v in leaves if v is not None], unflatten

@@ -103,9 +103,11 @@ def trace_values(fn, avals, name: str, requires_grad=(), frozen=()) -> tuple[lis
     return in_vals, vals, outs
 
 
-def depends(vals, sources, nodes: dict | None = None) -> dict:
+def depends(vals, sources, nodes: dict | None = None, random: bool = False) -> dict:
     """``{id(node): whether it depends on one of the values in sources}`` for every node that
-    ``vals`` are computed from, stopping at the sources; ``nodes`` gets ``{id(node): node}``."""
+    ``vals`` are computed from, stopping at the sources; ``nodes`` gets ``{id(node): node}``.
+    ``random``: a random op counts as depending on them (in a loop, each iteration draws its
+    own numbers: it is not computed once outside the loop)."""
     src = {id(v) for v in sources}
     dep: dict[int, bool] = {}
     for v in vals:
@@ -123,7 +125,9 @@ def depends(vals, sources, nodes: dict | None = None) -> dict:
                     (o.node, False) for o in ops if type(o) is Out and id(o) not in src and id(o.node) not in dep
                 )
                 continue
-            dep[id(n)] = any(id(o) in src or (type(o) is Out and dep[id(o.node)]) for o in ops)
+            dep[id(n)] = any(id(o) in src or (type(o) is Out and dep[id(o.node)]) for o in ops) or (
+                random and GENERATOR in n.spec.kinds
+            )
             if nodes is not None:
                 nodes[id(n)] = n
     return dep
@@ -134,7 +138,7 @@ def body_of(vals, inputs, name: str, constants: bool = False) -> tuple[Body, lis
     computed in it that another body passes on), and the values it captures from outside;
     with ``constants``, the Python numbers it reads are literals of the body, not captured."""
     in_ids = {id(v) for v in inputs}
-    inside = depends(vals, inputs)
+    inside = depends(vals, inputs, random=True)
     nodes = []
     seen_nodes = set()
 
