@@ -9,6 +9,8 @@ shapes and dtypes and its error is raised (``runtime/trace/nodes.py::error_on_cp
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -75,6 +77,44 @@ def test_out_of_data_dependent_ops_still_runs():
     idx = torch.empty(7, dtype=torch.long, device="xla")  # resized, as on CPU
     torch.nonzero(x.to("xla") > 0, out=idx)
     assert torch.equal(idx.cpu(), torch.nonzero(x > 0))
+
+
+_RESIZED_OUTS = {
+    "add": lambda d, o: torch.add(_ones(3)(d), 1, out=o),
+    "sum": lambda d, o: torch.sum(_ones(3)(d), 0, keepdim=True, out=o),
+    "mm": lambda d, o: torch.mm(_ones(1, 3)(d), _ones(3, 1)(d), out=o),
+    "linspace": lambda d, o: torch.linspace(0, 1, 3, out=o),  # CPU does not warn
+    "masked_select": lambda d, o: torch.masked_select(_ones(3)(d), _ones(3)(d) > 0, out=o),
+    "nonzero": lambda d, o: torch.nonzero(_ones(3)(d), out=o.long()),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_RESIZED_OUTS))
+@pytest.mark.parametrize("elements", [7, 0])
+def test_a_resized_out_warns_as_on_cpu(name, elements):
+    # CPU: "An output with one or more elements was resized since it had shape [7] ...", at
+    # each call; nothing for an empty out= (the device said nothing at all)
+    said = {}
+    for d in ("cpu", "xla"):
+        for _ in range(2):
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                out = _RESIZED_OUTS[name](d, torch.empty(elements, device=d))
+            said.setdefault(d, []).append([str(w.message) for w in seen])
+        assert out.shape == _RESIZED_OUTS[name]("cpu", torch.empty(0)).shape
+    assert said["xla"] == said["cpu"]
+
+
+@pytest.mark.parametrize("elements", [7, 0])
+def test_an_out_the_cpu_fallback_resizes_is_resized_on_the_device(elements):
+    # linspace / arange with out= run on CPU (not lowered): the device's out kept its shape
+    # and held the result's values under it (shape [7], three values)
+    for make in (lambda o: torch.linspace(0, 1, 3, out=o), lambda o: torch.arange(0, 3, out=o)):
+        want = make(torch.empty(elements))
+        out = torch.empty(elements, device="xla")
+        got = make(out)
+        assert got is out and out.shape == want.shape
+        torch.testing.assert_close(out.cpu(), want, atol=0, rtol=0)
 
 
 def test_asking_cpu_for_its_error_leaves_its_generator_as_it_was():

@@ -57,6 +57,8 @@ __all__ = [
     "SHIMS", "RUNTIME_OPS", "DECOMPS", "FALLBACK",
 ]  # fmt: skip
 
+aten = torch.ops.aten
+
 SHIMS: dict = {}  # OpOverload -> shim, filled by generated/dispatch.py
 RUNTIME_OPS: dict = {}  # OpOverload -> hand-written handler (copies, transfers, aliases)
 DECOMPS: dict = {}  # OpOverload -> PyTorch decomposition into ops that are lowered
@@ -554,13 +556,16 @@ def check_out_overlap(spec: OpSpec, args: tuple, outs: tuple, distinct: bool) ->
                         raise RuntimeError(strides.PARTIAL_OVERLAP)
 
 
-def write_outs(outs: tuple, values) -> None:
+def write_outs(outs: tuple, values, warn: bool = True) -> None:
     """Each value written into its out= tensor, converted to its dtype and resized to its
-    shape as PyTorch resizes outs."""
+    shape as PyTorch resizes outs (``warn``: with CPU's warning when the out= had elements,
+    which PyTorch's own resize of a meta twin gives, at the user's line)."""
     for t, v in zip(outs, values):
         if t.dtype != v.aval[1]:
             v = convert_value(v, t.dtype)
         if tuple(t.shape) != v.aval[0]:
+            if warn and t.numel():
+                aten._resize_output_(torch.empty(t.shape, dtype=t.dtype, device="meta"), v.aval[0], "meta")
             t.data = wrap(v)  # out= resizes, as in PyTorch
         else:
             write(t, v)
@@ -587,7 +592,7 @@ def _check_out(spec: OpSpec, vals: tuple, sig: tuple, outs: tuple) -> None:
             kw = {params[0].name: metas}
         else:
             kw = {a.name: m for a, m in zip(params, metas)}
-        with warnings.catch_warnings():  # a resized out= warns once per call, not here
+        with warnings.catch_warnings():  # a resized out= warns at each call (write_outs), not here
             warnings.simplefilter("ignore")
             try:
                 call_meta(spec, overload, meta, kw)
