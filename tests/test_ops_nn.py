@@ -498,6 +498,26 @@ _OUT_TAKEN = {
 }
 
 
+# No dtype given: CPU computes in the out='s dtype (each float cast to int64 first: the sum of
+# [1.5, 2.5, 3.7] into an int64 out= is 6, where the device summed in float32 and gave 7).
+_F = lambda d: torch.tensor([1.5, 2.5, 3.7, -0.6], device=d)  # noqa: E731
+_OUT_COMPUTES = {
+    "sum(float, out=long)": lambda d: torch.sum(_F(d), 0, out=torch.empty((), dtype=torch.long, device=d)),
+    "cumsum(float, out=long)": lambda d: torch.cumsum(_F(d), 0, out=torch.empty(4, dtype=torch.long, device=d)),
+    "prod(float, out=long)": lambda d: torch.prod(_F(d), 0, out=torch.empty((), dtype=torch.long, device=d)),
+    "cumprod(float, out=int32)": lambda d: torch.cumprod(_F(d), 0, out=torch.empty(4, dtype=torch.int32, device=d)),
+    # float32 values averaged in float64: within float64's rounding of CPU's, not float32's
+    "mean(float, out=double)": lambda d: torch.mean(
+        torch.tensor([0.1, 0.2, 0.7, 1 / 3], device=d), 0, out=torch.empty((), dtype=_F64, device=d)
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_OUT_COMPUTES))
+def test_an_out_of_another_dtype_is_computed_in_its_dtype(name):
+    runs_as_on_cpu(_OUT_COMPUTES[name], atol=0, rtol=1e-15)
+
+
 @pytest.mark.parametrize("name", sorted(_OUT_TAKEN))
 def test_an_out_of_a_dtype_cpu_takes_still_runs(name):
     runs_as_on_cpu(_OUT_TAKEN[name])

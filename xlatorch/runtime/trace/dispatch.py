@@ -533,6 +533,12 @@ def call_out(spec: OpSpec, args: tuple, outs: tuple, returns: bool = True):
     check_out_overlap(spec, args, outs, spec.distinct_out)
     vals, sig = _prepare(spec, args)
     _check_out(spec, vals, sig, outs)
+    if "dtype" in spec.arg_names and len(outs) == 1:
+        k = spec.arg_names.index("dtype")
+        if k < len(args) and args[k] is None and outs[0].dtype != torch.bool:
+            # No dtype given: CPU computes in the out='s (sum, mean, cumsum, prod of floats into
+            # an int64 out= cast each element first: sum([1.5, 2.5, 3.7]) is 6, not 7)
+            vals, sig = _prepare(spec, (*args[:k], outs[0].dtype, *args[k + 1 :]))
     write_outs(outs, _node(spec, vals, sig).outs)
     if not returns:
         return None
