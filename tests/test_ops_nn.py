@@ -505,6 +505,9 @@ _OUT_COMPUTES = {
     "sum(float, out=long)": lambda d: torch.sum(_F(d), 0, out=torch.empty((), dtype=torch.long, device=d)),
     "cumsum(float, out=long)": lambda d: torch.cumsum(_F(d), 0, out=torch.empty(4, dtype=torch.long, device=d)),
     "prod(float, out=long)": lambda d: torch.prod(_F(d), 0, out=torch.empty((), dtype=torch.long, device=d)),
+    "sum(float, out=bool)": lambda d: torch.sum(  # each element cast to bool first: 0.5 - 0.5 is True
+        torch.tensor([0.5, -0.5], device=d), 0, out=torch.empty((), dtype=torch.bool, device=d)
+    ),
     "cumprod(float, out=int32)": lambda d: torch.cumprod(_F(d), 0, out=torch.empty(4, dtype=torch.int32, device=d)),
     # float32 values averaged in float64: within float64's rounding of CPU's, not float32's
     "mean(float, out=double)": lambda d: torch.mean(

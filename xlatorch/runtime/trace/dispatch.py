@@ -535,7 +535,7 @@ def call_out(spec: OpSpec, args: tuple, outs: tuple, returns: bool = True):
     _check_out(spec, vals, sig, outs)
     if "dtype" in spec.arg_names and len(outs) == 1:
         k = spec.arg_names.index("dtype")
-        if k < len(args) and args[k] is None and outs[0].dtype != torch.bool:
+        if k < len(args) and args[k] is None:
             # No dtype given: CPU computes in the out='s (sum, mean, cumsum, prod of floats into
             # an int64 out= cast each element first: sum([1.5, 2.5, 3.7]) is 6, not 7)
             vals, sig = _prepare(spec, (*args[:k], outs[0].dtype, *args[k + 1 :]))
