@@ -144,7 +144,7 @@ def clone(out, self, memory_format):
 
 
 def _to_copy(out, self, dtype, layout, device, pin_memory, non_blocking, memory_format):
-    return self.astype(out.dtype)
+    return L.pointwise.cast(self, out.dtype)
 
 
 def copy(out, self, src, non_blocking):

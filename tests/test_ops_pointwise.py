@@ -245,3 +245,22 @@ def test_multinomial_refuses_what_cpu_refuses(probs, n, replacement):
     with pytest.raises(RuntimeError) as xla:
         torch.multinomial(torch.tensor(probs, device="xla"), n, replacement).cpu()
     assert str(xla.value).startswith(str(cpu.value)), (xla.value, cpu.value)
+
+
+# Floats out of an integer dtype's range, and NaN: CPU (x86-64) converts through int32 (int64
+# for int64) and keeps the low bits; XLA saturates (300.0 -> uint8: CPU 44, XLA 255).
+_OUT_OF_RANGE = [300.0, -1.0, 255.9, -0.7, -129.0, 70000.0, 2.0**31, -(2.0**31) - 512, 1e20, -1e20,
+                 float("nan"), float("inf"), float("-inf")]  # fmt: skip
+
+
+@pytest.mark.parametrize("src", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dst", [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64])
+def test_a_float_out_of_an_integer_range_converts_as_on_cpu(src, dst):
+    x = torch.tensor(_OUT_OF_RANGE, dtype=src)
+    want = x.to(dst)
+    assert torch.equal(x.to("xla").to(dst).cpu(), want)  # .to / .long() / _to_copy
+    into = torch.zeros(len(_OUT_OF_RANGE), dtype=dst, device="xla")
+    into.copy_(x.to("xla"))  # copy_ between dtypes
+    assert torch.equal(into.cpu(), want)
+    compiled = torch.compile(lambda t: t.to(dst), backend="openxla")  # the compiled path's cast
+    assert torch.equal(compiled(x.to("xla")).cpu(), want)

@@ -231,3 +231,19 @@ def multinomial(seed, self, num_samples, replacement):
         draws = jax.random.categorical(key, logits, axis=-1, shape=(num_samples,) + self.shape[:-1])
         return jnp.moveaxis(draws, 0, -1)
     return lax.top_k(logits + jax.random.gumbel(key, logits.shape, logits.dtype), num_samples)[1]
+
+
+def cast(self, dtype):
+    """``self`` converted to ``dtype`` as CPU PyTorch converts on x86-64: a float to an integer
+    truncates toward zero through the processor's conversion to int32 (to int64 for int64),
+    which gives its lowest value for NaN and for what is out of its range;
+    narrower integers keep the low bits (300.0 -> uint8 is 44, -1.0 -> uint8 is 255, 1e20 ->
+    int64 is -2**63). XLA saturates instead (255, 0, 2**63 - 1). Other casts: XLA's."""
+    dtype = jnp.dtype(dtype)
+    if not (jnp.issubdtype(self.dtype, jnp.floating) and jnp.issubdtype(dtype, jnp.integer)):
+        return self.astype(dtype)
+    wide = jnp.int64 if dtype == jnp.int64 else jnp.int32
+    low = jnp.iinfo(wide).min
+    t = jnp.trunc(self)
+    ok = (t >= low) & (t < -float(low))  # False for NaN
+    return jnp.where(ok, jnp.where(ok, t, 0).astype(wide), low).astype(dtype)

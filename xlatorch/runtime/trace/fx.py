@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import torch
 from torch.fx.node import map_arg
 
-from xlatorch.lowering import checks
+from xlatorch.lowering import checks, pointwise
 from xlatorch.runtime.base import config
 from xlatorch.runtime.base.dtypes import EXACT, PY_SCALAR_DTYPE, TORCH_TO_JAX, to_jax, weak_number
 from xlatorch.runtime.base.record import COUNTERS
@@ -315,7 +315,7 @@ class FxProgram:
             elif kind == "identity":
                 env[n] = env[args]
             elif kind == "convert":
-                env[n] = env[args].astype(to_jax(info))
+                env[n] = pointwise.cast(env[args], to_jax(info))
             elif kind == "linalg_check":
                 if found is not None:
                     found.append(checks.linalg_info(env[args[0]], args[1], args[2], torch.linalg.LinAlgError))
