@@ -40,7 +40,7 @@ def scalar_tensor(out, s, dtype, layout, device, pin_memory):
 
 
 def arange_start_step(out, start, end, step, dtype, layout, device, pin_memory):
-    return jnp.arange(start, end, step, dtype=out.dtype)[:out.shape[0]]
+    return L.factory.arange(out, start, end, step)
 
 
 def arange(out, end, dtype, layout, device, pin_memory):
@@ -48,7 +48,7 @@ def arange(out, end, dtype, layout, device, pin_memory):
 
 
 def arange_start(out, start, end, dtype, layout, device, pin_memory):
-    return jnp.arange(start, end, dtype=out.dtype)[:out.shape[0]]
+    return L.factory.arange(out, start, end, 1)
 
 
 def empty_like(out, self, dtype, layout, device, pin_memory, memory_format):

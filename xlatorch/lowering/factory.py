@@ -33,6 +33,28 @@ def _exponents(dt, start, end, steps: int, calc):
     return jnp.where(i < steps // 2, lo, hi)
 
 
+def arange(out, start, end, step):
+    """``arange`` with CPU's values: integers exactly; floats as CPU's kernel computes them. It
+    fills blocks of two 32-byte vectors (8 float32s), each vector from its first index's value
+    ``start + step * i`` (in float64; in float32, the accumulation type, for the half dtypes)
+    rounded to the dtype, then ``base + j * step`` in float64, rounded; after the last whole
+    block, ``start + step * i`` rounded. So float32's ``arange(0, 1, 0.1)[9]`` is 0.89999998,
+    where ``9 * 0.1`` in float32 gave 0.90000004. (float64: CPU fuses ``base + j * step`` into one rounding, which XLA's
+    program does not: the last bit of about one value in six differs. Over 32,768 elements CPU
+    splits the range among its threads; the values follow one thread's.)"""
+    n = out.shape[0]
+    if not jnp.issubdtype(out.dtype, jnp.floating):
+        return jnp.arange(start, end, step, dtype=out.dtype)[:n]
+    acc = jnp.float32 if out.dtype in (jnp.bfloat16, jnp.float16) else jnp.float64
+    width = 32 // jnp.dtype(out.dtype).itemsize
+    i = jnp.arange(n, dtype=jnp.int64)
+    first = i // width * width
+    base = (jnp.asarray(start, acc) + jnp.asarray(step, acc) * first.astype(acc)).astype(out.dtype)
+    in_block = base.astype(jnp.float64) + (i - first).astype(jnp.float64) * step
+    tail = jnp.asarray(start, acc) + jnp.asarray(step, acc) * i.astype(acc)
+    return jnp.where(i < n // (2 * width) * (2 * width), in_block, tail).astype(out.dtype)
+
+
 def linspace(out, start, end, steps: int, dtype=None, layout=None, device=None, pin_memory=None):
     """aten.linspace (and its Tensor overloads): ``steps`` evenly spaced values.
 

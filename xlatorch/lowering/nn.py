@@ -94,26 +94,35 @@ def _on_vectors(fn, *xs):
     return fn(*(x.reshape(1) for x in xs)).reshape(())
 
 
+_LOW = (jnp.bfloat16, jnp.float16)
+
+
+def _wide(x):
+    """A bfloat16 / float16 value in float32: CPU's softmax kernels compute in float32 and round
+    the result once."""
+    return x.astype(jnp.float32) if x.dtype in _LOW else x
+
+
 def softmax(out, self, dim):
-    """aten._softmax (0-d inputs included)."""
-    return _on_vectors(lambda x: jax.nn.softmax(x, axis=dim), self.astype(out.dtype))
+    """aten._softmax (0-d inputs included); half dtypes in float32, rounded once, as on CPU."""
+    return _on_vectors(lambda x: jax.nn.softmax(x, axis=dim), _wide(self.astype(out.dtype))).astype(out.dtype)
 
 
 def log_softmax(out, self, dim):
-    """aten._log_softmax (0-d inputs included)."""
-    return _on_vectors(lambda x: jax.nn.log_softmax(x, axis=dim), self.astype(out.dtype))
+    """aten._log_softmax (0-d inputs included); half dtypes in float32, rounded once, as on CPU."""
+    return _on_vectors(lambda x: jax.nn.log_softmax(x, axis=dim), _wide(self.astype(out.dtype))).astype(out.dtype)
 
 
 def log_softmax_backward(out, grad_output, output, dim, input_dtype):
-    return _on_vectors(lambda g, y: g - jnp.exp(y) * jnp.sum(g, axis=dim, keepdims=True), grad_output, output)
+    """g - exp(y) * sum(g), in float32 for bfloat16/float16 and rounded once, as on CPU."""
+    return _on_vectors(lambda g, y: g - jnp.exp(y) * jnp.sum(g, axis=dim, keepdims=True),
+                       _wide(grad_output), _wide(output)).astype(out.dtype)  # fmt: skip
 
 
 def softmax_backward(out, grad_output, output, dim, input_dtype):
     """aten._softmax_backward_data: y * (g - sum(g * y)), in float32 for bfloat16/float16 and
     rounded once, as CPU's kernel computes it."""
-    low = (jnp.bfloat16, jnp.float16)
-    g = grad_output.astype(jnp.float32) if grad_output.dtype in low else grad_output
-    y = output.astype(jnp.float32) if output.dtype in low else output
+    g, y = _wide(grad_output), _wide(output)
     return _on_vectors(lambda g, y: y * (g - jnp.sum(g * y, axis=dim, keepdims=True)), g, y).astype(out.dtype)
 
 
