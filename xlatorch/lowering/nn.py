@@ -204,12 +204,14 @@ def _ln_full(x, normalized_shape, w, b, mean, rstd):
 
 
 def gelu(out, self, approximate):
-    return jax.nn.gelu(self, approximate=(approximate == "tanh"))
+    """GELU; half dtypes in float32, rounded once, as CPU's kernel."""
+    return jax.nn.gelu(_wide(self), approximate=(approximate == "tanh")).astype(self.dtype)
 
 
 def gelu_backward(out, grad_output, self, approximate):
-    _, vjp = jax.vjp(lambda x: jax.nn.gelu(x, approximate=(approximate == "tanh")), self)
-    return vjp(grad_output.astype(self.dtype))[0]
+    """GELU's gradient; half dtypes in float32, rounded once, as CPU's kernel."""
+    _, vjp = jax.vjp(lambda x: jax.nn.gelu(x, approximate=(approximate == "tanh")), _wide(self))
+    return vjp(_wide(grad_output.astype(self.dtype)))[0].astype(self.dtype)
 
 
 def embedding_dense_backward(out, grad_output, indices, num_weights, padding_idx, scale_grad_by_freq):
