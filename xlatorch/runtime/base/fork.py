@@ -54,7 +54,10 @@ def _forget_the_runtime_at_exit() -> None:
     import atexit
     import ctypes
 
-    from jax._src import api, dispatch, xla_bridge
+    try:
+        from jax._src import api, dispatch, xla_bridge
+    except ImportError:  # JAX moved them: its exit does what it did before
+        return
 
     for client in list(getattr(xla_bridge, "_backends", {}).values()):
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(client))
