@@ -77,7 +77,7 @@ class Entry:
     # (runtime/plan/prechecks.py decides a step's checks from it).
     copies: bool = False
     # Its out= tensor may not share memory with an input at all, as CPU's kernel refuses (cat,
-    # gather); an elementwise op's may be an input itself (runtime/trace/dispatch.call_out)
+    # gather); an elementwise op's may be an input itself (runtime/trace/outs.call_out)
     distinct_out: bool = False
 
     @property

@@ -8,7 +8,8 @@ from xlatorch.runtime.ir.ops import (
     GENERATOR, HOST_SCALARS, LIST, ONE, OPT_TENSOR, SCALAR, SCALAR_LIST, STATIC, TENSOR, TENSOR_LIST, TUPLE, OpSpec,
 )
 from xlatorch.runtime.trace import validate as V
-from xlatorch.runtime.trace.dispatch import call, call_inplace, call_out
+from xlatorch.runtime.trace.dispatch import call, call_inplace
+from xlatorch.runtime.trace.outs import call_out
 
 aten = torch.ops.aten
 

@@ -18,7 +18,7 @@ from xlatorch.runtime.base.source import user_line as user_frame
 from xlatorch.runtime.base.topology import device_index
 from xlatorch.runtime.execute.materialize import to_cpu
 from xlatorch.runtime.execute.transfer import to_device
-from xlatorch.runtime.trace import dispatch
+from xlatorch.runtime.trace import dispatch, outs
 from xlatorch.runtime.trace.tensor import XlaTensor, wrap
 
 __all__ = ["run_on_cpu", "ORIGINS", "SITE_HOOKS", "user_frame"]
@@ -87,7 +87,7 @@ def run_on_cpu(func, args, kwargs):
             pairs = zip(src, dst) if isinstance(dst, (list, tuple)) else [(src, dst)]
             for s, d in pairs:
                 if type(d) is XlaTensor:  # an out= CPU resized (and warned of) is resized here too
-                    dispatch.write_outs((d,), (to_device(s, d._st.dev),), warn=False)
+                    outs.write_outs((d,), (to_device(s, d._st.dev),), warn=False)
                     mutated[id(s)] = d
 
     def up(r):

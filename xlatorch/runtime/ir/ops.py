@@ -117,7 +117,7 @@ class OpSpec:
         # CPU's kernel refuses (checked with the signature's inference, after the meta kernel).
         self.refuse_dtypes = refuse_dtypes
         # ops.yaml ``validate_out``: called with the out= tensors' dtypes, the results' and the meta
-        # arguments when an out= signature is first seen (trace/dispatch.py, ``_check_out``)
+        # arguments when an out= signature is first seen (trace/outs.py, ``_check_out``)
         self.validate_out = validate_out
         # torch_xla's per-op counter: how many times the op was recorded for the device
         self.counter = "xla::" + (name.split("::")[-1].split(".")[0])

@@ -19,8 +19,9 @@ from xlatorch.runtime.base.threads import BODIES
 from xlatorch.runtime.ir.ops import SPECS, Info, signature
 from xlatorch.runtime.ir.values import Node
 from xlatorch.runtime.trace import views
-from xlatorch.runtime.trace.dispatch import RUNTIME_OPS, SHIMS, check_out_overlap, count, write_outs
+from xlatorch.runtime.trace.dispatch import RUNTIME_OPS, SHIMS, count
 from xlatorch.runtime.trace.nodes import error_on_cpu
+from xlatorch.runtime.trace.outs import check_out_overlap, write_outs
 from xlatorch.runtime.trace.tensor import DEVICE, XlaTensor, value_of, wrap
 
 __all__ = ["install"]
