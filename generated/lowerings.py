@@ -828,27 +828,27 @@ def isin_Scalar_Tensor(out, element, test_elements, assume_unique, invert):
 
 
 def add_Tensor(out, self, other, alpha):
-    return self + other * alpha
+    return self + L.pointwise.times(other, alpha)
 
 
 def add_Scalar(out, self, other, alpha):
-    return self + other * alpha
+    return self + L.pointwise.times(other, alpha)
 
 
 def sub_Tensor(out, self, other, alpha):
-    return self - other * alpha
+    return self - L.pointwise.times(other, alpha)
 
 
 def sub_Scalar(out, self, other, alpha):
-    return self - other * alpha
+    return self - L.pointwise.times(other, alpha)
 
 
 def rsub_Tensor(out, self, other, alpha):
-    return other - self * alpha
+    return other - L.pointwise.times(self, alpha)
 
 
 def rsub_Scalar(out, self, other, alpha):
-    return other - self * alpha
+    return other - L.pointwise.times(self, alpha)
 
 
 def mul_Tensor(out, self, other):
@@ -1732,11 +1732,11 @@ def dot(out, self, tensor):
 
 
 def addmm(out, self, mat1, mat2, beta, alpha):
-    return jnp.where(beta == 0, 0, beta.astype(out.dtype) * self) + alpha.astype(out.dtype) * jnp.matmul(mat1, mat2)
+    return L.pointwise.beta_alpha(out, self, beta, jnp.matmul(mat1, mat2), alpha)
 
 
 def baddbmm(out, self, batch1, batch2, beta, alpha):
-    return jnp.where(beta == 0, 0, beta.astype(out.dtype) * self) + alpha.astype(out.dtype) * jnp.matmul(batch1, batch2)
+    return L.pointwise.beta_alpha(out, self, beta, jnp.matmul(batch1, batch2), alpha)
 
 
 def addbmm(out, self, batch1, batch2, beta, alpha):
@@ -2372,7 +2372,7 @@ def _foreach_add_Scalar(out, self, scalar):
 
 
 def _foreach_add_List(out, self, other, alpha):
-    return [a + b * alpha for a, b in zip(self, other)]
+    return [a + L.pointwise.times(b, alpha) for a, b in zip(self, other)]
 
 
 def _foreach_add_ScalarList(out, self, scalars):
@@ -2384,7 +2384,7 @@ def _foreach_sub_Scalar(out, self, scalar):
 
 
 def _foreach_sub_List(out, self, other, alpha):
-    return [a - b * alpha for a, b in zip(self, other)]
+    return [a - L.pointwise.times(b, alpha) for a, b in zip(self, other)]
 
 
 def _foreach_mul_Scalar(out, self, scalar):
@@ -2496,7 +2496,7 @@ def _foreach_sub_ScalarList(out, self, scalars):
 
 
 def _foreach_add_Tensor(out, self, other, alpha):
-    return [a + other * alpha for a in self]
+    return [a + L.pointwise.times(other, alpha) for a in self]
 
 
 def _foreach_div_Tensor(out, self, other):

@@ -16,6 +16,53 @@ def _is_float(x) -> bool:
     return jnp.issubdtype(x.dtype, jnp.inexact)
 
 
+def _is_one(s) -> bool:
+    """Whether ``s`` is a constant 1 (a Scalar argument at its default lowers to one). A traced
+    ``s`` (a number the program passed) is not known."""
+    if type(s) is int or type(s) is float:
+        return s == 1
+    if isinstance(s, jax.core.Tracer) or not isinstance(s, jax.Array) or s.shape:
+        return False
+    known = _CONSTANTS.get(id(s))
+    if known is None or known[0] is not s:
+        known = (s, np.dtype(s.dtype).kind != "c" and bool(np.asarray(s) == 1))
+        if len(_CONSTANTS) < 1024:
+            _CONSTANTS[id(s)] = known  # holds ``s``: its id is not reused
+    return known[1]
+
+
+# Constants seen by ``_is_one`` and whether each is 1: the defaults' constants are made once
+# (``runtime/base/dtypes.weak_number``) and recur in every graph.
+_CONSTANTS: dict = {}
+
+
+def _complex(x) -> bool:
+    return np.dtype(x.dtype).kind == "c"
+
+
+def times(x, s):
+    """``x * s`` (``alpha`` of add / sub); where ``s`` is a constant 1, ``x`` itself (real: bit
+    for bit the product) or, complex, CPU's product by ``1 + 0j``, which XLA would fold to
+    ``x``: a part times 0 is NaN where the other part is infinite (``inf + nanj``). Every add
+    of a training step has ``alpha=1``: a multiply XLA folds away still costs lowering time
+    (a sixth of a chain of ``t + 1``, ``bench.long_graph``)."""
+    if not _is_one(s):
+        return x * s
+    if not _complex(x):
+        return x
+    re, im = jnp.real(x), jnp.imag(x)
+    zero = jnp.zeros((), re.dtype)
+    return lax.complex(re - zero * im, im + zero * re)
+
+
+def beta_alpha(out, self, beta, prod, alpha):
+    """``beta * self + alpha * prod`` as ``addmm`` / ``baddbmm`` compute it: ``self`` ignored
+    (NaN included) where beta is 0, and integer results truncating beta and alpha to the
+    result's dtype, as PyTorch does; real defaults of 1 lower to no multiply."""
+    s = self if _is_one(beta) and not _complex(self) else jnp.where(beta == 0, 0, beta.astype(out.dtype) * self)
+    return s + (prod if _is_one(alpha) and not _complex(prod) else alpha.astype(out.dtype) * prod)
+
+
 def sign(out, self):
     """``sign`` / ``sgn``: -1, 0 or 1 (NaN and -0.0 give 0 as in PyTorch); complex ``sgn`` is
     z / |z|, and 0 at 0."""

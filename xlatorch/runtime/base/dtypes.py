@@ -15,6 +15,7 @@ transfers convert between the two.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -96,7 +97,22 @@ def weak(v):
     return _convert_element_type(v, weak_type=True)
 
 
+# weak_number's constants, made once each: making one runs two small ops eagerly on the device,
+# a quarter of lowering a scalar add (``bench.long_graph``). Made concrete (not a tracer of
+# the trace that asked), they are immutable arrays any trace may hold. Keyed by repr: 0.0 and
+# -0.0 stay apart, as do NaNs.
+_WEAK_NUMBERS: dict = {}
+
+
 def weak_number(value):
     """Python number ``value`` as a weakly typed constant of a graph, of the dtype a traced
     Python number of its type would have (``PY_SCALAR_DTYPE``)."""
-    return weak(jnp.asarray(value, PY_SCALAR_JAX[PY_SCALAR_DTYPE[type(value)]]))
+    dtype = PY_SCALAR_JAX[PY_SCALAR_DTYPE[type(value)]]
+    key = (dtype, repr(value))
+    c = _WEAK_NUMBERS.get(key)
+    if c is None:
+        with jax.ensure_compile_time_eval():  # a concrete array even inside a trace: never a tracer
+            c = weak(jnp.asarray(value, dtype))
+        if len(_WEAK_NUMBERS) < 4096:  # a program's defaults: a few dozen numbers
+            _WEAK_NUMBERS[key] = c
+    return c

@@ -44,19 +44,21 @@ def _aval_struct(aval):
     return None if aval is None else jax.ShapeDtypeStruct(aval[0], to_jax(aval[1]))
 
 
-def emit_node(spec, args, info, scope=None, checks=None):
+def emit_node(spec, args, info, scope=None, checks=None, casts=None):
     """The JAX values of a node's outputs, given its arguments' JAX values; ``scope`` names the
     node in the HLO metadata (default: its ATen op; ``XLA_HLO_DEBUG`` adds the source line).
-    A checked node (``info.checked``) appends its ``L.checks`` results to ``checks``."""
+    A checked node (``info.checked``) appends its ``L.checks`` results to ``checks``. ``casts``
+    (a dict kept for one trace) reuses an argument's cast to a computation dtype made for an
+    earlier node: a learning rate or a shared scalar read by many ops is cast once."""
     # Every HLO op carries the ATen op it lowers (op_name metadata "jit(...)/aten::mm/dot_general"):
     # profiles and HLO dumps name PyTorch's ops. Lowering only; keys and the disk cache ignore it.
     if scope is None:
         scope = _op_name(spec)
     with jax.named_scope(scope):
-        return _emit(spec, args, info, checks)
+        return _emit(spec, args, info, checks, casts)
 
 
-def _emit(spec, args, info, checks=None):
+def _emit(spec, args, info, checks=None, casts=None):
     pos = _SCALARS.get(spec)
     if pos is None:
         pos = _SCALARS[spec] = tuple(i for i, k in enumerate(spec.kinds) if k is SCALAR)
@@ -73,7 +75,14 @@ def _emit(spec, args, info, checks=None):
         for i in spec.promote_idx:
             a = args[i]
             if a is not None and hasattr(a, "dtype") and a.dtype != cd:
-                args[i] = a.astype(cd)
+                if casts is None:
+                    args[i] = a.astype(cd)
+                    continue
+                key = (id(a), cd)
+                c = casts.get(key)
+                if c is None:  # the entry holds ``a``: its id is not reused while the trace lasts
+                    c = casts[key] = (a, a.astype(cd))
+                args[i] = c[1]
     avals = info.avals
     out = [_aval_struct(a) for a in avals]
     first = out[0] if len(out) == 1 and spec.returns == 0 else tuple(out)
@@ -90,7 +99,8 @@ def _emit(spec, args, info, checks=None):
         if s is None:  # an output PyTorch leaves undefined
             fixed.append(None)
             continue
-        r = jnp.asarray(r)
+        if not isinstance(r, jax.Array):  # a tracer is one (a Python number or numpy array is not)
+            r = jnp.asarray(r)
         if r.dtype != s.dtype:
             r = r.astype(s.dtype)
         if r.shape != s.shape:

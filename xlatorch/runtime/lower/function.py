@@ -45,7 +45,7 @@ def lower_fn(plan, leaf_kinds, root_refs, scopes=None, table=None, keep=(), shar
         # Each packed group's scalars come out of one split: one primitive to trace, where
         # indexing traced a small jitted function per scalar (half the lowering of a graph
         # of scalar adds, ``bench.long_graph``).
-        groups = [_unpack(p) for p in packed]
+        groups = [_Unpacked(p) for p in packed]
         rep = share.rep if share is not None else None
         leaf_vals = []
         read: dict = {}
@@ -70,10 +70,13 @@ def lower_fn(plan, leaf_kinds, root_refs, scopes=None, table=None, keep=(), shar
             return a
 
         found: list = []
+        casts: dict = {}
         for k, (spec, args, info) in enumerate(plan):
             found_k: list | None = None if unchecked else []
             try:
-                vals.append(emit_node(spec, tuple(get(a) for a in args), info, scopes[k] if scopes else None, found_k))
+                vals.append(
+                    emit_node(spec, tuple(get(a) for a in args), info, scopes[k] if scopes else None, found_k, casts)
+                )
             except Exception as e:
                 raise LoweringError(k, e) from e
             if found_k is not None:
@@ -102,17 +105,34 @@ def lower_fn(plan, leaf_kinds, root_refs, scopes=None, table=None, keep=(), shar
     return fn
 
 
-def _unpack(p) -> list:
-    """The 0-d values of a packed 1-d argument (of a concrete one, e.g. an export's inlined
-    constants: 0-d constants, which the program then holds as such)."""
-    if isinstance(p, (list, tuple)):  # an export's group: each value a constant or an argument of its own
-        return [x if isinstance(x, jax.core.Tracer) else jnp.asarray(x) for x in p]
-    if not isinstance(p, jax.core.Tracer):
-        return [jnp.asarray(x) for x in np.asarray(p)]
-    n = p.shape[0]
-    if n == 1:
-        return [lax.reshape(p, ())]
-    return [lax.reshape(x, ()) for x in lax.split(p, (1,) * n)]
+class _Unpacked:
+    """The 0-d values of a packed 1-d argument, each made when first read (``[j]``): a graph
+    whose equal scalars are shared (``Shared``) reads one slot of thousands. Of a concrete
+    argument (an export's inlined constants), 0-d constants the program then holds as such."""
+
+    __slots__ = ("p", "parts", "vals")
+
+    def __init__(self, p):
+        self.p, self.parts, self.vals = p, None, {}
+
+    def __getitem__(self, j):
+        v = self.vals.get(j)
+        if v is None:
+            v = self.vals[j] = self._make(j)
+        return v
+
+    def _make(self, j):
+        p = self.p
+        if isinstance(p, (list, tuple)):  # an export's group: each value a constant or an argument of its own
+            x = p[j]
+            return x if isinstance(x, jax.core.Tracer) else jnp.asarray(x)
+        if not isinstance(p, jax.core.Tracer):
+            return jnp.asarray(np.asarray(p)[j])
+        if p.shape[0] == 1:
+            return lax.reshape(p, ())
+        if self.parts is None:  # one split for the whole group: one primitive to trace
+            self.parts = lax.split(p, (1,) * p.shape[0])
+        return lax.reshape(self.parts[j], ())
 
 
 class Shared:

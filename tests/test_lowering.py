@@ -1,0 +1,85 @@
+"""What a graph lowers to (``runtime/ir/emit.py``, ``lowering/pointwise.py``): no op traced only
+for XLA to fold it away, and no value cast again for each op reading it. Lowering is the host's
+part of a first step's compile (JAX traces every op), so each op it skips is time saved at every
+first sync; the values stay CPU's."""
+
+import jax
+import pytest
+import torch
+
+import xlatorch.core.xla_model as xm
+from xlatorch.runtime.base.dtypes import weak_number
+
+
+def _count(text: str, op: str) -> int:
+    return text.count(f"stablehlo.{op} ")
+
+
+def test_a_default_alpha_lowers_to_no_multiply_and_gives_cpus_values():
+    dev = xm.xla_device()
+    x = torch.randn(5)
+    y = torch.randn(5)
+    t, u = x.to(dev), y.to(dev)
+    chain = lambda a, b: ((a + b) - b + 2 - 1.5).add(b).sub(a)  # noqa: E731 (alpha at its default each time)
+    out = chain(t, u)
+    text = xm.get_stablehlo([out])
+    assert _count(text, "multiply") == 0, text
+    torch.testing.assert_close(out.cpu(), chain(x, y), rtol=0, atol=0)
+    scaled = torch.add(t, u, alpha=2)  # a number the program passed: a parameter, multiplied
+    assert _count(xm.get_stablehlo([scaled]), "multiply") == 1
+    torch.testing.assert_close(scaled.cpu(), torch.add(x, y, alpha=2), rtol=0, atol=0)
+
+
+def test_addmm_with_default_beta_and_alpha_lowers_to_a_product_and_a_sum():
+    dev = xm.xla_device()
+    c, a, b = torch.randn(3, 4), torch.randn(3, 2), torch.randn(2, 4)
+    out = torch.addmm(c.to(dev), a.to(dev), b.to(dev))
+    text = xm.get_stablehlo([out])
+    assert (_count(text, "multiply"), _count(text, "select"), _count(text, "dot_general")) == (0, 0, 1), text
+    torch.testing.assert_close(out.cpu(), torch.addmm(c, a, b))
+    # beta=0 ignores self, NaN included; integer results truncate beta and alpha, as CPU
+    nan = torch.full((3, 4), float("nan"))
+    got = torch.addmm(nan.to(dev), a.to(dev), b.to(dev), beta=0).cpu()
+    torch.testing.assert_close(got, torch.addmm(nan, a, b, beta=0))
+    ci, ai, bi = (torch.randint(-5, 5, s) for s in ((3, 4), (3, 2), (2, 4)))
+    got = torch.addmm(ci.to(dev), ai.to(dev), bi.to(dev), beta=2.7, alpha=1.9).cpu()
+    assert torch.equal(got, torch.addmm(ci, ai, bi, beta=2.7, alpha=1.9))
+
+
+@pytest.mark.parametrize("op", [torch.add, torch.sub])
+def test_a_complex_add_with_an_infinite_part_is_as_on_cpu(op):
+    """CPU multiplies by alpha even at 1: (inf + 0j) * (1 + 0j) has a NaN part (XLA would fold
+    a multiply by a constant 1 away)."""
+    a = torch.tensor([complex(1, 0), complex(2, -1)])
+    b = torch.tensor([complex(float("inf"), 0), complex(0, float("-inf"))])
+    dev = xm.xla_device()
+    torch.testing.assert_close(op(a.to(dev), b.to(dev)).cpu(), op(a, b), equal_nan=True, rtol=0, atol=0)
+
+
+def test_a_value_read_by_many_ops_is_cast_once():
+    dev = xm.xla_device()
+    s = torch.tensor([3, -2, 7, 1])  # int64: each op casts it to float32
+    x = torch.randn(4)
+    t, sd = x.to(dev), s.to(dev)
+    xm.mark_step()
+    u, ref = t, x
+    for _ in range(3):
+        u, ref = (u + sd) * sd, (ref + s) * s
+    text = xm.get_stablehlo([u])
+    assert _count(text, "convert") == 1, text
+    torch.testing.assert_close(u.cpu(), ref, rtol=0, atol=0)
+
+
+def test_a_default_number_is_a_concrete_constant_even_when_made_inside_a_trace():
+    """``weak_number`` keeps its constants across graphs: one made while a graph is traced
+    must not be that trace's tracer (another graph would then hold a leaked tracer)."""
+    made = []
+
+    def f(x):
+        made.append(weak_number(7.25))
+        return x * made[-1]
+
+    assert float(jax.jit(f)(jax.numpy.float32(2))) == 14.5
+    assert not isinstance(made[0], jax.core.Tracer)
+    assert float(jax.jit(lambda x: x + weak_number(7.25))(jax.numpy.float32(1))) == 8.25
+    assert weak_number(7.25) is made[0] and weak_number(-0.0) is not weak_number(0.0)
