@@ -960,11 +960,11 @@ def clamp_max(out, self, max):
 
 
 def lerp_Scalar(out, self, end, weight):
-    return jnp.where(weight < 0.5, self + weight * (end - self), end - (end - self) * (1 - weight))
+    return L.pointwise.lerp(self, end, weight)
 
 
 def lerp_Tensor(out, self, end, weight):
-    return jnp.where(weight < 0.5, self + weight * (end - self), end - (end - self) * (1 - weight))
+    return L.pointwise.lerp(self, end, weight)
 
 
 def addcmul(out, self, tensor1, tensor2, value):
@@ -2424,7 +2424,7 @@ def _foreach_sqrt(out, self):
 
 
 def _foreach_lerp_Scalar(out, self, tensors1, weight):
-    return [jnp.where(weight < 0.5, a + weight * (b - a), b - (b - a) * (1 - weight)) for a, b in zip(self, tensors1)]
+    return L.pointwise.foreach_lerp(self, tensors1, weight)
 
 
 def _foreach_addcmul_Scalar(out, self, tensor1, tensor2, value):
@@ -2512,11 +2512,11 @@ def _foreach_addcdiv_Tensor(out, self, tensor1, tensor2, scalars):
 
 
 def _foreach_lerp_List(out, self, tensors1, weights):
-    return [jnp.where(w < 0.5, a + w * (b - a), b - (b - a) * (1 - w)) for a, b, w in zip(self, tensors1, weights)]
+    return [L.pointwise.lerp(a, b, w) for a, b, w in zip(self, tensors1, weights)]
 
 
 def _foreach_lerp_ScalarList(out, self, tensors1, weight):
-    return [jnp.where(w < 0.5, a + w * (b - a), b - (b - a) * (1 - w)) for a, b, w in zip(self, tensors1, weight)]
+    return [L.pointwise.lerp(a, b, w) for a, b, w in zip(self, tensors1, weight)]
 
 
 def _foreach_abs(out, self):

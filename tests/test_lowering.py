@@ -83,3 +83,24 @@ def test_a_default_number_is_a_concrete_constant_even_when_made_inside_a_trace()
     assert not isinstance(made[0], jax.core.Tracer)
     assert float(jax.jit(lambda x: x + weak_number(7.25))(jax.numpy.float32(1))) == 8.25
     assert weak_number(7.25) is made[0] and weak_number(-0.0) is not weak_number(0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_lerp_with_a_number_weight_decides_its_branch_once_and_gives_cpus_values(dtype):
+    """torch.optim's Adam lerps every parameter's moment by one number: the branch CPU's
+    formula takes for it (by ``|w| < 0.5``, ``1 - w`` in the tensors' dtype, half dtypes in
+    float32) is computed once for the whole foreach op, not per tensor."""
+    dev = xm.xla_device()
+    xs = [torch.randn(3, 4, dtype=dtype), torch.randn(50, dtype=dtype), torch.randn(2, 2, 2, dtype=dtype)]
+    ys = [torch.randn_like(x) * 5 for x in xs]
+    for w in (0.1, 0.3, 0.5, 0.9, 1.0, -0.2, -2.0, float("nan")):
+        got = [x.to(dev) for x in xs]
+        torch._foreach_lerp_(got, [y.to(dev) for y in ys], w)
+        text = xm.get_stablehlo(got)
+        assert _count(text, "compare") == 1, text
+        want = [x.clone() for x in xs]
+        torch._foreach_lerp_(want, ys, w)
+        for g, r in zip(got, want):
+            torch.testing.assert_close(g.cpu(), r, rtol=0, atol=0, equal_nan=True)
+        one = torch.lerp(xs[1].to(dev), ys[1].to(dev), w).cpu()
+        torch.testing.assert_close(one, torch.lerp(xs[1], ys[1], w), rtol=0, atol=0, equal_nan=True)
