@@ -104,3 +104,17 @@ def test_lerp_with_a_number_weight_decides_its_branch_once_and_gives_cpus_values
             torch.testing.assert_close(g.cpu(), r, rtol=0, atol=0, equal_nan=True)
         one = torch.lerp(xs[1].to(dev), ys[1].to(dev), w).cpu()
         torch.testing.assert_close(one, torch.lerp(xs[1], ys[1], w), rtol=0, atol=0, equal_nan=True)
+
+
+def test_numbers_on_the_compiled_path_lower_as_on_the_lazy_path():
+    """Dynamo's graphs keep Python numbers as such (``trace/fx.py``): add / sub / rsub of a
+    number, real and complex, through ``torch.compile``."""
+    dev = xm.xla_device()
+
+    def f(x, z):
+        return torch.add(x, 2.5) - 1.5, torch.rsub(x, 3.0), torch.sub(z, 1.5j), torch.add(z, 2.0, alpha=3)
+
+    x, z = torch.randn(6), torch.randn(6, dtype=torch.complex64)
+    got = torch.compile(f, backend="openxla")(x.to(dev), z.to(dev))
+    for g, r in zip(got, f(x, z)):
+        torch.testing.assert_close(g.cpu(), r, rtol=0, atol=0)

@@ -37,7 +37,8 @@ _CONSTANTS: dict = {}
 
 
 def _complex(x) -> bool:
-    return np.dtype(x.dtype).kind == "c"
+    dtype = getattr(x, "dtype", None)  # a Python number on the compiled path (trace/fx.py)
+    return isinstance(x, complex) if dtype is None else np.dtype(dtype).kind == "c"
 
 
 def times(x, s):

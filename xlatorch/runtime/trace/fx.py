@@ -23,6 +23,7 @@ import operator
 
 import jax.numpy as jnp
 import torch
+from jax import lax
 from torch.fx.node import map_arg
 
 from xlatorch.lowering import checks, pointwise
@@ -66,7 +67,10 @@ class _Seed:
 
 class _Num:
     """A Python number argument: a weakly typed constant of the graph, as the lazy path's
-    scalars are weakly typed parameters (2.5 * a float32 tensor stays float32)."""
+    scalars are weakly typed parameters (2.5 * a float32 tensor stays float32). Behind an
+    optimization barrier: XLA's simplifier folds constants across ops in ways that change
+    the result (``(x + 2.5) - 1.5`` became ``x + 1``, a third of float32 results 1 ulp from
+    CPU's), as it cannot with the lazy path's parameters."""
 
     __slots__ = ("value",)
 
@@ -74,7 +78,7 @@ class _Num:
         self.value = value
 
     def jax(self):
-        return weak_number(self.value)
+        return lax.optimization_barrier(weak_number(self.value))
 
 
 def _number(a):
