@@ -3,6 +3,8 @@ for XLA to fold it away, and no value cast again for each op reading it. Lowerin
 part of a first step's compile (JAX traces every op), so each op it skips is time saved at every
 first sync; the values stay CPU's."""
 
+import logging
+
 import jax
 import pytest
 import torch
@@ -70,9 +72,15 @@ def test_a_value_read_by_many_ops_is_cast_once():
     torch.testing.assert_close(u.cpu(), ref, rtol=0, atol=0)
 
 
-def test_a_default_number_is_a_concrete_constant_even_when_made_inside_a_trace():
+def test_a_default_number_is_a_concrete_constant_even_when_made_inside_a_trace(caplog):
     """``weak_number`` keeps its constants across graphs: one made while a graph is traced
-    must not be that trace's tracer (another graph would then hold a leaked tracer)."""
+    must not be that trace's tracer (another graph would then hold a leaked tracer), and
+    making one compiles nothing (no program in the persistent cache, no compile time)."""
+    with caplog.at_level(logging.WARNING), jax.log_compiles():
+        fresh = [weak_number(v) for v in (12.375, -3, True, 2 - 1j)]
+    assert not [r for r in caplog.records if "Compiling" in r.getMessage()]
+    assert [str(c.dtype) for c in fresh] == ["float64", "int64", "bool", "complex128"]
+    assert all(c.aval.weak_type for c in fresh[:2] + fresh[3:])
     made = []
 
     def f(x):

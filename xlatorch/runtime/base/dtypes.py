@@ -97,10 +97,11 @@ def weak(v):
     return _convert_element_type(v, weak_type=True)
 
 
-# weak_number's constants, made once each: making one runs two small ops eagerly on the device,
-# a quarter of lowering a scalar add (``bench.long_graph``). Made concrete (not a tracer of
-# the trace that asked), they are immutable arrays any trace may hold. Keyed by repr: 0.0 and
-# -0.0 stay apart, as do NaNs.
+# weak_number's constants, made once each: made in a trace they cost a quarter of lowering a
+# scalar add (``bench.long_graph``). Made concrete (not a tracer of the trace that asked) by a
+# transfer, which compiles nothing (an eager convert would compile, and fill the persistent
+# cache), they are immutable arrays any trace may hold. Keyed by repr: 0.0 and -0.0 stay apart,
+# as do NaNs.
 _WEAK_NUMBERS: dict = {}
 
 
@@ -111,8 +112,10 @@ def weak_number(value):
     key = (dtype, repr(value))
     c = _WEAK_NUMBERS.get(key)
     if c is None:
-        with jax.ensure_compile_time_eval():  # a concrete array even inside a trace: never a tracer
-            c = weak(jnp.asarray(value, dtype))
+        with jax.ensure_compile_time_eval():  # concrete even inside a trace
+            c = jax.device_put(value)  # weakly typed, of Python's dtype (x64)
+        if c.dtype != dtype or not (c.aval.weak_type or dtype == np.bool_):
+            return weak(jnp.asarray(value, dtype))  # float32-packed floats: made in the trace
         if len(_WEAK_NUMBERS) < 4096:  # a program's defaults: a few dozen numbers
             _WEAK_NUMBERS[key] = c
     return c
