@@ -828,27 +828,27 @@ def isin_Scalar_Tensor(out, element, test_elements, assume_unique, invert):
 
 
 def add_Tensor(out, self, other, alpha):
-    return self + L.pointwise.times(other, alpha)
+    return L.pointwise.add(out, self, other, alpha)
 
 
 def add_Scalar(out, self, other, alpha):
-    return self + L.pointwise.times(other, alpha)
+    return L.pointwise.add(out, self, other, alpha)
 
 
 def sub_Tensor(out, self, other, alpha):
-    return self - L.pointwise.times(other, alpha)
+    return L.pointwise.add(out, self, other, alpha, -1)
 
 
 def sub_Scalar(out, self, other, alpha):
-    return self - L.pointwise.times(other, alpha)
+    return L.pointwise.add(out, self, other, alpha, -1)
 
 
 def rsub_Tensor(out, self, other, alpha):
-    return other - L.pointwise.times(self, alpha)
+    return L.pointwise.add(out, other, self, alpha, -1)
 
 
 def rsub_Scalar(out, self, other, alpha):
-    return other - L.pointwise.times(self, alpha)
+    return L.pointwise.add(out, other, self, alpha, -1)
 
 
 def mul_Tensor(out, self, other):
