@@ -924,7 +924,7 @@ def erf(out, self):
 
 
 def pow_Tensor_Scalar(out, self, exponent):
-    return jnp.power(self, exponent)
+    return jnp.power(self, L.pointwise.in_result_dtype(out, exponent))
 
 
 def pow_Tensor_Scalar__check(out, self, exponent):
@@ -936,7 +936,7 @@ def pow_Tensor_Tensor(out, self, exponent):
 
 
 def pow_Scalar(out, self, exponent):
-    return L.pointwise.power(self, exponent)
+    return L.pointwise.power(L.pointwise.in_result_dtype(out, self), L.pointwise.in_result_dtype(out, exponent))
 
 
 def maximum(out, self, other):
@@ -1292,7 +1292,7 @@ def bitwise_right_shift_Tensor_Scalar(out, self, other):
 
 
 def fmod_Tensor(out, self, other):
-    return jnp.fmod(self, other)
+    return jnp.fmod(self, L.pointwise.in_result_dtype(out, other))
 
 
 def fmod_Tensor__check(out, self, other):
@@ -1300,7 +1300,7 @@ def fmod_Tensor__check(out, self, other):
 
 
 def fmod_Scalar(out, self, other):
-    return jnp.fmod(self, other)
+    return jnp.fmod(self, L.pointwise.in_result_dtype(out, other))
 
 
 def fmod_Scalar__check(out, self, other):
@@ -1308,7 +1308,7 @@ def fmod_Scalar__check(out, self, other):
 
 
 def remainder_Tensor(out, self, other):
-    return jnp.remainder(self, other)
+    return jnp.remainder(L.pointwise.in_result_dtype(out, self), L.pointwise.in_result_dtype(out, other))
 
 
 def remainder_Tensor__check(out, self, other):
@@ -1316,7 +1316,7 @@ def remainder_Tensor__check(out, self, other):
 
 
 def remainder_Scalar(out, self, other):
-    return jnp.remainder(self, other)
+    return jnp.remainder(L.pointwise.in_result_dtype(out, self), L.pointwise.in_result_dtype(out, other))
 
 
 def remainder_Scalar__check(out, self, other):
@@ -1324,7 +1324,7 @@ def remainder_Scalar__check(out, self, other):
 
 
 def remainder_Scalar_Tensor(out, self, other):
-    return jnp.remainder(self, other)
+    return jnp.remainder(L.pointwise.in_result_dtype(out, self), L.pointwise.in_result_dtype(out, other))
 
 
 def remainder_Scalar_Tensor__check(out, self, other):

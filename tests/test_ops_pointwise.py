@@ -281,18 +281,34 @@ def test_arange_of_a_float_step_gives_cpus_values(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_add_and_sub_of_half_dtypes_take_numbers_and_alpha_in_the_result_dtype_as_cpu(dtype):
-    """CPU's add / sub kernels take every operand in the result's dtype, a Python number and
-    ``alpha`` included (``bf16 + 0.1`` adds bfloat16's 0.1), and compute in float32. The device
-    had taken them in float32: 1.6-3% of ``x + 0.1`` and 7-12% of ``add(x, y, alpha=0.3)``
-    differed. Also through torch.compile, where numbers reach the lowering as they are."""
+def test_ops_of_half_dtypes_take_numbers_in_the_result_dtype_as_cpu(dtype):
+    """CPU's add / sub / rsub, fmod, remainder and pow kernels take every operand in the
+    result's dtype, a Python number and ``alpha`` included (``bf16 + 0.1`` adds bfloat16's
+    0.1), and compute in float32. The device had taken the numbers in float32: 1.6-3% of
+    ``x + 0.1``, 7-12% of ``add(x, y, alpha=0.3)``, 14% of ``x ** 0.3``, 90% of
+    ``fmod(x, 0.3)`` differed. Also through torch.compile, where numbers reach the lowering
+    as they are."""
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(3000, generator=g) * 3).to(dtype)
     y = torch.randn(3000, generator=g).to(dtype)
     dev = xm.xla_device()
 
     def f(x, y):
-        return x + 0.1, x - 0.3, 0.7 - x, torch.add(x, y, alpha=0.3), torch.sub(x, y, alpha=1.7), x + 1, x - y
+        return (
+            x + 0.1,
+            x - 0.3,
+            0.7 - x,
+            torch.add(x, y, alpha=0.3),
+            torch.sub(x, y, alpha=1.7),
+            x + 1,
+            x - y,
+            x.fmod(0.3),
+            x.remainder(0.3),
+            torch.remainder(0.3, x),
+            (x.abs() + 0.1) ** 0.3,
+            1.3**x,
+            x**2,
+        )
 
     want = f(x, y)
     for got in (f(x.to(dev), y.to(dev)), torch.compile(f, backend="openxla")(x.to(dev), y.to(dev))):

@@ -56,17 +56,21 @@ def times(x, s):
     return lax.complex(re - zero * im, im + zero * re)
 
 
-def _in_result_dtype(out, x):
+def in_result_dtype(out, x):
     """``x`` (an operand already in the computation dtype, a Python number on the compiled
     path, or the constant 1) rounded to the result's dtype and back where the result is a half
-    float computed in float32: CPU's add / sub kernels take every operand, numbers and
-    ``alpha`` included, in the result's dtype (``bf16 + 0.1`` adds bfloat16's 0.1,
-    0.10009766) and compute in float32. A no-op for operands already of the result's dtype."""
-    if out.dtype not in _HALF or _is_one(x):
+    float computed in float32: CPU's kernels of add / sub / rsub, fmod, remainder and pow take
+    every operand, numbers and ``alpha`` included, in the result's dtype (``bf16 + 0.1`` adds
+    bfloat16's 0.1, 0.10009766; ``fmod(x, 0.3)`` divides by 0.30078125) and compute in
+    float32. A no-op for operands already of the result's dtype, and for integers (an integer
+    exponent stays one)."""
+    if out.dtype not in _HALF or _is_one(x) or type(x) is int:
         return x
-    if type(x) is int or type(x) is float:
+    if type(x) is float:
         return lax.convert_element_type(lax.convert_element_type(x, out.dtype), jnp.float32)
-    return x.astype(out.dtype).astype(jnp.float32) if x.dtype != out.dtype else x
+    if x.dtype == out.dtype or np.dtype(x.dtype).kind != "f":
+        return x
+    return x.astype(out.dtype).astype(jnp.float32)
 
 
 _HALF = (jnp.bfloat16, jnp.float16)
@@ -75,7 +79,7 @@ _HALF = (jnp.bfloat16, jnp.float16)
 def add(out, a, b, alpha, sign=1):
     """``a + alpha * b`` (``sign=-1``: ``a - alpha * b``) as CPU's kernel: operands and alpha in
     the result's dtype, computed in the computation dtype (float32 for half floats)."""
-    a, b, alpha = _in_result_dtype(out, a), _in_result_dtype(out, b), _in_result_dtype(out, alpha)
+    a, b, alpha = in_result_dtype(out, a), in_result_dtype(out, b), in_result_dtype(out, alpha)
     return a + times(b, alpha) if sign > 0 else a - times(b, alpha)
 
 
