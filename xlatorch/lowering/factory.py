@@ -12,6 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from xlatorch.lowering.pointwise import HALF
+
 __all__ = ["linspace", "logspace", "triu_indices", "tril_indices"]
 
 
@@ -45,7 +47,7 @@ def arange(out, start, end, step):
     n = out.shape[0]
     if not jnp.issubdtype(out.dtype, jnp.floating):
         return jnp.arange(start, end, step, dtype=out.dtype)[:n]
-    acc = jnp.float32 if out.dtype in (jnp.bfloat16, jnp.float16) else jnp.float64
+    acc = jnp.float32 if out.dtype in HALF else jnp.float64
     width = 32 // jnp.dtype(out.dtype).itemsize
     i = jnp.arange(n, dtype=jnp.int64)
     first = i // width * width

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from xlatorch.lowering.pointwise import wide as _wide
+
 
 def _conv_dn(nd):
     sp = "DHW"[-nd:] if nd <= 3 else None
@@ -94,15 +96,6 @@ def _on_vectors(fn, *xs):
     return fn(*(x.reshape(1) for x in xs)).reshape(())
 
 
-_LOW = (jnp.bfloat16, jnp.float16)
-
-
-def _wide(x):
-    """A bfloat16 / float16 value in float32: CPU's softmax kernels compute in float32 and round
-    the result once."""
-    return x.astype(jnp.float32) if x.dtype in _LOW else x
-
-
 def softmax(out, self, dim):
     """aten._softmax (0-d inputs included); half dtypes in float32, rounded once, as on CPU."""
     return _on_vectors(lambda x: jax.nn.softmax(x, axis=dim), _wide(self.astype(out.dtype))).astype(out.dtype)
@@ -176,7 +169,7 @@ def _layer_norm(x, normalized_shape, weight, bias, eps):
 
 
 def native_layer_norm(out, input, normalized_shape, weight, bias, eps):
-    x = input.astype(jnp.float32) if input.dtype in (jnp.bfloat16, jnp.float16) else input
+    x = _wide(input)
     y, mean, rstd = _layer_norm(x, normalized_shape, weight, bias, eps)
     return y, mean, rstd
 

@@ -14,9 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-
-def _acc(x):
-    return x.astype(jnp.float32) if x.dtype in (jnp.bfloat16, jnp.float16) else x
+from xlatorch.lowering.pointwise import wide as _acc  # half floats accumulate in float32
 
 
 def _channel_view(v, ndim):

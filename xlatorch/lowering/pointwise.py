@@ -16,6 +16,15 @@ def _is_float(x) -> bool:
     return jnp.issubdtype(x.dtype, jnp.inexact)
 
 
+HALF = (jnp.bfloat16, jnp.float16)
+
+
+def wide(x):
+    """A bfloat16 / float16 value in float32, others as they are: CPU's kernels compute half
+    floats in float32 (their accumulation type) and round the result once."""
+    return x.astype(jnp.float32) if x.dtype in HALF else x
+
+
 def _is_one(s) -> bool:
     """Whether ``s`` is a constant 1 (a Scalar argument at its default lowers to one). A traced
     ``s`` (a number the program passed) is not known."""
@@ -64,16 +73,13 @@ def in_result_dtype(out, x):
     bfloat16's 0.1, 0.10009766; ``fmod(x, 0.3)`` divides by 0.30078125) and compute in
     float32. A no-op for operands already of the result's dtype, and for integers (an integer
     exponent stays one)."""
-    if out.dtype not in _HALF or _is_one(x) or type(x) is int:
+    if out.dtype not in HALF or _is_one(x) or type(x) is int:
         return x
     if type(x) is float:
         return lax.convert_element_type(lax.convert_element_type(x, out.dtype), jnp.float32)
     if x.dtype == out.dtype or np.dtype(x.dtype).kind != "f":
         return x
     return x.astype(out.dtype).astype(jnp.float32)
-
-
-_HALF = (jnp.bfloat16, jnp.float16)
 
 
 def add(out, a, b, alpha, sign=1):
@@ -100,20 +106,20 @@ def lerp(a, b, w, parts=None):
     foreach lerp a fifth of lowering a GPT training step's graph. ``parts``: a dict the
     weight's 0-d parts are kept in, per dtype, across the calls of one foreach op."""
     dt = a.dtype
-    wide = jnp.float32 if dt in (jnp.bfloat16, jnp.float16) else dt
-    if (not isinstance(w, jax.Array) or w.ndim or np.dtype(wide).kind != "f" or b.dtype != dt
+    acc = jnp.float32 if dt in HALF else dt
+    if (not isinstance(w, jax.Array) or w.ndim or np.dtype(acc).kind != "f" or b.dtype != dt
             or a.shape != b.shape or np.dtype(w.dtype).kind not in "fiub"):  # fmt: skip
-        w = w.astype(wide) if hasattr(w, "astype") else w
-        a, b = a.astype(wide), b.astype(wide)
+        w = w.astype(acc) if hasattr(w, "astype") else w
+        a, b = a.astype(acc), b.astype(acc)
         return jnp.where(jnp.abs(w) < 0.5, a + w * (b - a), b - (b - a) * (1 - w)).astype(dt)
     p = parts.get(dt) if parts is not None else None
     if p is None:
-        ww = w.astype(wide)
-        p = (lax.abs(ww) < 0.5, ww, lax.sub(lax.full((), 1, wide), ww))
+        ww = w.astype(acc)
+        p = (lax.abs(ww) < 0.5, ww, lax.sub(lax.full((), 1, acc), ww))
         if parts is not None:
             parts[dt] = p
     small, ww, omw = p
-    a, b = a.astype(wide), b.astype(wide)
+    a, b = wide(a), wide(b)
     d = lax.sub(b, a)
     return lax.select(small, lax.add(a, lax.mul(ww, d)), lax.sub(b, lax.mul(d, omw))).astype(dt)
 

@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from xlatorch.lowering.pointwise import wide as _acc  # half floats accumulate in float32
+
 
 def _axes(self, dim):
     if dim is None or (isinstance(dim, tuple) and len(dim) == 0):
@@ -13,11 +15,6 @@ def _axes(self, dim):
     if isinstance(dim, int):
         dim = (dim,)
     return tuple(d % max(self.ndim, 1) for d in dim) if self.ndim else None
-
-
-def _acc(x):
-    # PyTorch accumulates low-precision floats in float32.
-    return x.astype(jnp.float32) if x.dtype in (jnp.bfloat16, jnp.float16) else x
 
 
 def sum_dim(out, self, dim, keepdim=False, dtype=None):

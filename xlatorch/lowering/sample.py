@@ -15,11 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from xlatorch.lowering.pointwise import wide as _acc  # half floats accumulate in float32
+
 _F32 = np.float32
-
-
-def _acc(x):
-    return x.astype(jnp.float32) if x.dtype in (jnp.bfloat16, jnp.float16) else x
 
 
 def _vjp(f, grad_output, shape, dtype):
