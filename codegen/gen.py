@@ -211,8 +211,12 @@ def build(entries):
             ifn = _ident(inplace)
             # In-place foreach ops return nothing: their avals come from the functional op.
             meta = _aten(e.name) if schemas[inplace].returns == "NONE" else "None"
+            own = {}
+            if e.lower_inplace is not None:  # CPU's in-place kernel computes otherwise
+                lowerings.append(dict(fn=ifn, params=", ".join(["out"] + pys), body=e.lower_inplace))
+                own = dict(emit=f"E.{ifn}")
             specs.append(_Spec(var=f"S_{ifn}", name=inplace, overload=_aten(inplace), view=False, scatter="None",
-                               meta=meta, **common))  # fmt: skip
+                               meta=meta, **{**common, **own}))  # fmt: skip
             shims.append(dict(fn=ifn, aten=_aten(inplace), params=_params(fargs),
                               body=f"call_inplace(S_{ifn}, {call_args})"))  # fmt: skip
         if out is not None:

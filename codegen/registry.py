@@ -14,7 +14,7 @@ from codegen.schema import Schema
 KEYS = {
     "lower", "helper", "decompose", "fallback", "promote", "promote_args", "static", "random", "scatter",
     "variants", "dispatch", "test", "note", "check", "check_if", "index_dtype", "host_scalars", "copies",
-    "distinct_out", "validate", "refuse_dtypes", "validate_out",
+    "distinct_out", "validate", "refuse_dtypes", "validate_out", "lower_inplace",
 }  # fmt: skip
 # How an entry is executed: exactly one of these fields, except for dispatch runtime/metadata.
 RULES = ("lower", "helper", "decompose", "fallback")
@@ -47,6 +47,9 @@ class Entry:
     host_scalars: list = field(default_factory=list)  # CPU tensors of scalars, read on the host
     random: bool = False
     scatter: str | None = None
+    # The lowering of the generated in-place variant where CPU's in-place kernel computes
+    # otherwise (``_foreach_mul_`` takes its number in the tensors' dtype, ``_foreach_mul`` not)
+    lower_inplace: str | None = None
     variants: bool = True
     # "shim": generated dispatch; "runtime": a hand-written handler in xlatorch/runtime
     # (copies, transfers, data-dependent shapes); "metadata": answered by the tensor's
@@ -259,6 +262,10 @@ def load(path: str, schemas: dict) -> list[Entry]:
                                 f"whose first argument is a tensor")  # fmt: skip
         if not isinstance(e.distinct_out, bool):
             raise RegistryError(f"ops.yaml entry '{name}': distinct_out is true or false")
+        if e.lower_inplace is not None:
+            if e.lower is None or not e.variants:
+                raise RegistryError(f"ops.yaml entry '{name}': lower_inplace needs a lower and the variants")
+            _check_expr(f"ops.yaml entry '{name}' (lower_inplace)", e.lower_inplace, argnames | GLOBALS | extra)
         if e.scatter is not None:
             if not s.view:
                 raise RegistryError(f"ops.yaml entry '{name}': 'scatter' is only for view ops")

@@ -3858,111 +3858,138 @@ S_max_unpool3d = OpSpec(
 )
 S__foreach_add_Scalar = OpSpec(
     "_foreach_add.Scalar", aten._foreach_add.Scalar, E._foreach_add_Scalar, ('self', 'scalar'), (TENSOR_LIST, SCALAR,), (False, False), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
     out_overload=aten._foreach_add.Scalar_out,
 )
 S__foreach_add__Scalar = OpSpec(
     "_foreach_add_.Scalar", aten._foreach_add_.Scalar, E._foreach_add_Scalar, ('self', 'scalar'), (TENSOR_LIST, SCALAR,), (False, False), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_add.Scalar,
+    promote='default', promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_add.Scalar,
 )
 S__foreach_add_List = OpSpec(
     "_foreach_add.List", aten._foreach_add.List, E._foreach_add_List, ('self', 'other', 'alpha'), (TENSOR_LIST, TENSOR_LIST, SCALAR,), (False, False, True), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    promote='default', promote_args=['self', 'other'], view=False, scatter=None, meta_overload=None,
     out_overload=aten._foreach_add.List_out,
 )
 S__foreach_add__List = OpSpec(
     "_foreach_add_.List", aten._foreach_add_.List, E._foreach_add_List, ('self', 'other', 'alpha'), (TENSOR_LIST, TENSOR_LIST, SCALAR,), (False, False, True), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_add.List,
+    promote='default', promote_args=['self', 'other'], view=False, scatter=None, meta_overload=aten._foreach_add.List,
 )
 S__foreach_add_ScalarList = OpSpec(
     "_foreach_add.ScalarList", aten._foreach_add.ScalarList, E._foreach_add_ScalarList, ('self', 'scalars'), (TENSOR_LIST, SCALAR_LIST,), (False, False), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
     out_overload=aten._foreach_add.ScalarList_out,
 )
 S__foreach_add__ScalarList = OpSpec(
     "_foreach_add_.ScalarList", aten._foreach_add_.ScalarList, E._foreach_add_ScalarList, ('self', 'scalars'), (TENSOR_LIST, SCALAR_LIST,), (False, False), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_add.ScalarList,
+    promote='default', promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_add.ScalarList,
+)
+S__foreach_add_Tensor = OpSpec(
+    "_foreach_add.Tensor", aten._foreach_add.Tensor, E._foreach_add_Tensor, ('self', 'other', 'alpha'), (TENSOR_LIST, TENSOR, SCALAR,), (False, False, True), LIST,
+    promote='default', promote_args=['self', 'other'], view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_add.Tensor_out,
+)
+S__foreach_add__Tensor = OpSpec(
+    "_foreach_add_.Tensor", aten._foreach_add_.Tensor, E._foreach_add_Tensor, ('self', 'other', 'alpha'), (TENSOR_LIST, TENSOR, SCALAR,), (False, False, True), LIST,
+    promote='default', promote_args=['self', 'other'], view=False, scatter=None, meta_overload=aten._foreach_add.Tensor,
 )
 S__foreach_sub_Scalar = OpSpec(
     "_foreach_sub.Scalar", aten._foreach_sub.Scalar, E._foreach_sub_Scalar, ('self', 'scalar'), (TENSOR_LIST, SCALAR,), (False, False), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
     out_overload=aten._foreach_sub.Scalar_out,
 )
 S__foreach_sub__Scalar = OpSpec(
     "_foreach_sub_.Scalar", aten._foreach_sub_.Scalar, E._foreach_sub_Scalar, ('self', 'scalar'), (TENSOR_LIST, SCALAR,), (False, False), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_sub.Scalar,
+    promote='default', promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_sub.Scalar,
 )
 S__foreach_sub_List = OpSpec(
     "_foreach_sub.List", aten._foreach_sub.List, E._foreach_sub_List, ('self', 'other', 'alpha'), (TENSOR_LIST, TENSOR_LIST, SCALAR,), (False, False, True), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    promote='default', promote_args=['self', 'other'], view=False, scatter=None, meta_overload=None,
     out_overload=aten._foreach_sub.List_out,
 )
 S__foreach_sub__List = OpSpec(
     "_foreach_sub_.List", aten._foreach_sub_.List, E._foreach_sub_List, ('self', 'other', 'alpha'), (TENSOR_LIST, TENSOR_LIST, SCALAR,), (False, False, True), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_sub.List,
+    promote='default', promote_args=['self', 'other'], view=False, scatter=None, meta_overload=aten._foreach_sub.List,
+)
+S__foreach_sub_ScalarList = OpSpec(
+    "_foreach_sub.ScalarList", aten._foreach_sub.ScalarList, E._foreach_sub_ScalarList, ('self', 'scalars'), (TENSOR_LIST, SCALAR_LIST,), (False, False), LIST,
+    promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_sub.ScalarList_out,
+)
+S__foreach_sub__ScalarList = OpSpec(
+    "_foreach_sub_.ScalarList", aten._foreach_sub_.ScalarList, E._foreach_sub_ScalarList, ('self', 'scalars'), (TENSOR_LIST, SCALAR_LIST,), (False, False), LIST,
+    promote='default', promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_sub.ScalarList,
 )
 S__foreach_mul_Scalar = OpSpec(
     "_foreach_mul.Scalar", aten._foreach_mul.Scalar, E._foreach_mul_Scalar, ('self', 'scalar'), (TENSOR_LIST, SCALAR,), (False, False), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
     out_overload=aten._foreach_mul.Scalar_out,
 )
 S__foreach_mul__Scalar = OpSpec(
-    "_foreach_mul_.Scalar", aten._foreach_mul_.Scalar, E._foreach_mul_Scalar, ('self', 'scalar'), (TENSOR_LIST, SCALAR,), (False, False), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_mul.Scalar,
+    "_foreach_mul_.Scalar", aten._foreach_mul_.Scalar, E._foreach_mul__Scalar, ('self', 'scalar'), (TENSOR_LIST, SCALAR,), (False, False), LIST,
+    promote='default', promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_mul.Scalar,
 )
 S__foreach_mul_List = OpSpec(
     "_foreach_mul.List", aten._foreach_mul.List, E._foreach_mul_List, ('self', 'other'), (TENSOR_LIST, TENSOR_LIST,), (False, False), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
     out_overload=aten._foreach_mul.List_out,
 )
 S__foreach_mul__List = OpSpec(
     "_foreach_mul_.List", aten._foreach_mul_.List, E._foreach_mul_List, ('self', 'other'), (TENSOR_LIST, TENSOR_LIST,), (False, False), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_mul.List,
+    promote='default', promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_mul.List,
 )
 S__foreach_mul_ScalarList = OpSpec(
     "_foreach_mul.ScalarList", aten._foreach_mul.ScalarList, E._foreach_mul_ScalarList, ('self', 'scalars'), (TENSOR_LIST, SCALAR_LIST,), (False, False), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
     out_overload=aten._foreach_mul.ScalarList_out,
 )
 S__foreach_mul__ScalarList = OpSpec(
-    "_foreach_mul_.ScalarList", aten._foreach_mul_.ScalarList, E._foreach_mul_ScalarList, ('self', 'scalars'), (TENSOR_LIST, SCALAR_LIST,), (False, False), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_mul.ScalarList,
+    "_foreach_mul_.ScalarList", aten._foreach_mul_.ScalarList, E._foreach_mul__ScalarList, ('self', 'scalars'), (TENSOR_LIST, SCALAR_LIST,), (False, False), LIST,
+    promote='default', promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_mul.ScalarList,
 )
 S__foreach_mul_Tensor = OpSpec(
     "_foreach_mul.Tensor", aten._foreach_mul.Tensor, E._foreach_mul_Tensor, ('self', 'other'), (TENSOR_LIST, TENSOR,), (False, False), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
     out_overload=aten._foreach_mul.Tensor_out,
 )
 S__foreach_mul__Tensor = OpSpec(
     "_foreach_mul_.Tensor", aten._foreach_mul_.Tensor, E._foreach_mul_Tensor, ('self', 'other'), (TENSOR_LIST, TENSOR,), (False, False), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_mul.Tensor,
+    promote='default', promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_mul.Tensor,
 )
 S__foreach_div_Scalar = OpSpec(
     "_foreach_div.Scalar", aten._foreach_div.Scalar, E._foreach_div_Scalar, ('self', 'scalar'), (TENSOR_LIST, SCALAR,), (False, False), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
     out_overload=aten._foreach_div.Scalar_out,
 )
 S__foreach_div__Scalar = OpSpec(
     "_foreach_div_.Scalar", aten._foreach_div_.Scalar, E._foreach_div_Scalar, ('self', 'scalar'), (TENSOR_LIST, SCALAR,), (False, False), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_div.Scalar,
+    promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_div.Scalar,
 )
 S__foreach_div_List = OpSpec(
     "_foreach_div.List", aten._foreach_div.List, E._foreach_div_List, ('self', 'other'), (TENSOR_LIST, TENSOR_LIST,), (False, False), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
     out_overload=aten._foreach_div.List_out,
 )
 S__foreach_div__List = OpSpec(
     "_foreach_div_.List", aten._foreach_div_.List, E._foreach_div_List, ('self', 'other'), (TENSOR_LIST, TENSOR_LIST,), (False, False), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_div.List,
+    promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_div.List,
 )
 S__foreach_div_ScalarList = OpSpec(
     "_foreach_div.ScalarList", aten._foreach_div.ScalarList, E._foreach_div_ScalarList, ('self', 'scalars'), (TENSOR_LIST, SCALAR_LIST,), (False, False), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
     out_overload=aten._foreach_div.ScalarList_out,
 )
 S__foreach_div__ScalarList = OpSpec(
     "_foreach_div_.ScalarList", aten._foreach_div_.ScalarList, E._foreach_div_ScalarList, ('self', 'scalars'), (TENSOR_LIST, SCALAR_LIST,), (False, False), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_div.ScalarList,
+    promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_div.ScalarList,
+)
+S__foreach_div_Tensor = OpSpec(
+    "_foreach_div.Tensor", aten._foreach_div.Tensor, E._foreach_div_Tensor, ('self', 'other'), (TENSOR_LIST, TENSOR,), (False, False), LIST,
+    promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_div.Tensor_out,
+)
+S__foreach_div__Tensor = OpSpec(
+    "_foreach_div_.Tensor", aten._foreach_div_.Tensor, E._foreach_div_Tensor, ('self', 'other'), (TENSOR_LIST, TENSOR,), (False, False), LIST,
+    promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_div.Tensor,
 )
 S__foreach_neg = OpSpec(
     "_foreach_neg.default", aten._foreach_neg.default, E._foreach_neg, ('self',), (TENSOR_LIST,), (False,), LIST,
@@ -3975,12 +4002,12 @@ S__foreach_neg_ = OpSpec(
 )
 S__foreach_sqrt = OpSpec(
     "_foreach_sqrt.default", aten._foreach_sqrt.default, E._foreach_sqrt, ('self',), (TENSOR_LIST,), (False,), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
     out_overload=aten._foreach_sqrt.out,
 )
 S__foreach_sqrt_ = OpSpec(
     "_foreach_sqrt_.default", aten._foreach_sqrt_.default, E._foreach_sqrt, ('self',), (TENSOR_LIST,), (False,), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_sqrt.default,
+    promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_sqrt.default,
 )
 S__foreach_lerp_Scalar = OpSpec(
     "_foreach_lerp.Scalar", aten._foreach_lerp.Scalar, E._foreach_lerp_Scalar, ('self', 'tensors1', 'weight'), (TENSOR_LIST, TENSOR_LIST, SCALAR,), (False, False, False), LIST,
@@ -3991,41 +4018,77 @@ S__foreach_lerp__Scalar = OpSpec(
     "_foreach_lerp_.Scalar", aten._foreach_lerp_.Scalar, E._foreach_lerp_Scalar, ('self', 'tensors1', 'weight'), (TENSOR_LIST, TENSOR_LIST, SCALAR,), (False, False, False), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_lerp.Scalar,
 )
+S__foreach_lerp_List = OpSpec(
+    "_foreach_lerp.List", aten._foreach_lerp.List, E._foreach_lerp_List, ('self', 'tensors1', 'weights'), (TENSOR_LIST, TENSOR_LIST, TENSOR_LIST,), (False, False, False), LIST,
+    promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_lerp.List_out,
+)
+S__foreach_lerp__List = OpSpec(
+    "_foreach_lerp_.List", aten._foreach_lerp_.List, E._foreach_lerp_List, ('self', 'tensors1', 'weights'), (TENSOR_LIST, TENSOR_LIST, TENSOR_LIST,), (False, False, False), LIST,
+    promote=None, promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_lerp.List,
+)
+S__foreach_lerp_ScalarList = OpSpec(
+    "_foreach_lerp.ScalarList", aten._foreach_lerp.ScalarList, E._foreach_lerp_ScalarList, ('self', 'tensors1', 'weight'), (TENSOR_LIST, TENSOR_LIST, SCALAR_LIST,), (False, False, False), LIST,
+    promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_lerp.ScalarList_out,
+)
+S__foreach_lerp__ScalarList = OpSpec(
+    "_foreach_lerp_.ScalarList", aten._foreach_lerp_.ScalarList, E._foreach_lerp_ScalarList, ('self', 'tensors1', 'weight'), (TENSOR_LIST, TENSOR_LIST, SCALAR_LIST,), (False, False, False), LIST,
+    promote=None, promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_lerp.ScalarList,
+)
 S__foreach_addcmul_Scalar = OpSpec(
     "_foreach_addcmul.Scalar", aten._foreach_addcmul.Scalar, E._foreach_addcmul_Scalar, ('self', 'tensor1', 'tensor2', 'value'), (TENSOR_LIST, TENSOR_LIST, TENSOR_LIST, SCALAR,), (False, False, False, False), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
     out_overload=aten._foreach_addcmul.Scalar_out,
 )
 S__foreach_addcmul__Scalar = OpSpec(
     "_foreach_addcmul_.Scalar", aten._foreach_addcmul_.Scalar, E._foreach_addcmul_Scalar, ('self', 'tensor1', 'tensor2', 'value'), (TENSOR_LIST, TENSOR_LIST, TENSOR_LIST, SCALAR,), (False, False, False, False), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_addcmul.Scalar,
+    promote='default', promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_addcmul.Scalar,
 )
 S__foreach_addcmul_ScalarList = OpSpec(
     "_foreach_addcmul.ScalarList", aten._foreach_addcmul.ScalarList, E._foreach_addcmul_ScalarList, ('self', 'tensor1', 'tensor2', 'scalars'), (TENSOR_LIST, TENSOR_LIST, TENSOR_LIST, SCALAR_LIST,), (False, False, False, False), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
     out_overload=aten._foreach_addcmul.ScalarList_out,
 )
 S__foreach_addcmul__ScalarList = OpSpec(
     "_foreach_addcmul_.ScalarList", aten._foreach_addcmul_.ScalarList, E._foreach_addcmul_ScalarList, ('self', 'tensor1', 'tensor2', 'scalars'), (TENSOR_LIST, TENSOR_LIST, TENSOR_LIST, SCALAR_LIST,), (False, False, False, False), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_addcmul.ScalarList,
+    promote='default', promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_addcmul.ScalarList,
+)
+S__foreach_addcmul_Tensor = OpSpec(
+    "_foreach_addcmul.Tensor", aten._foreach_addcmul.Tensor, E._foreach_addcmul_Tensor, ('self', 'tensor1', 'tensor2', 'scalars'), (TENSOR_LIST, TENSOR_LIST, TENSOR_LIST, HOST_SCALARS,), (False, False, False, False), LIST,
+    promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_addcmul.Tensor_out,
+)
+S__foreach_addcmul__Tensor = OpSpec(
+    "_foreach_addcmul_.Tensor", aten._foreach_addcmul_.Tensor, E._foreach_addcmul_Tensor, ('self', 'tensor1', 'tensor2', 'scalars'), (TENSOR_LIST, TENSOR_LIST, TENSOR_LIST, HOST_SCALARS,), (False, False, False, False), LIST,
+    promote='default', promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_addcmul.Tensor,
 )
 S__foreach_addcdiv_Scalar = OpSpec(
     "_foreach_addcdiv.Scalar", aten._foreach_addcdiv.Scalar, E._foreach_addcdiv_Scalar, ('self', 'tensor1', 'tensor2', 'value'), (TENSOR_LIST, TENSOR_LIST, TENSOR_LIST, SCALAR,), (False, False, False, False), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
     out_overload=aten._foreach_addcdiv.Scalar_out,
 )
 S__foreach_addcdiv__Scalar = OpSpec(
     "_foreach_addcdiv_.Scalar", aten._foreach_addcdiv_.Scalar, E._foreach_addcdiv_Scalar, ('self', 'tensor1', 'tensor2', 'value'), (TENSOR_LIST, TENSOR_LIST, TENSOR_LIST, SCALAR,), (False, False, False, False), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_addcdiv.Scalar,
+    promote='default', promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_addcdiv.Scalar,
 )
 S__foreach_addcdiv_ScalarList = OpSpec(
     "_foreach_addcdiv.ScalarList", aten._foreach_addcdiv.ScalarList, E._foreach_addcdiv_ScalarList, ('self', 'tensor1', 'tensor2', 'scalars'), (TENSOR_LIST, TENSOR_LIST, TENSOR_LIST, SCALAR_LIST,), (False, False, False, False), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
     out_overload=aten._foreach_addcdiv.ScalarList_out,
 )
 S__foreach_addcdiv__ScalarList = OpSpec(
     "_foreach_addcdiv_.ScalarList", aten._foreach_addcdiv_.ScalarList, E._foreach_addcdiv_ScalarList, ('self', 'tensor1', 'tensor2', 'scalars'), (TENSOR_LIST, TENSOR_LIST, TENSOR_LIST, SCALAR_LIST,), (False, False, False, False), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_addcdiv.ScalarList,
+    promote='default', promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_addcdiv.ScalarList,
+)
+S__foreach_addcdiv_Tensor = OpSpec(
+    "_foreach_addcdiv.Tensor", aten._foreach_addcdiv.Tensor, E._foreach_addcdiv_Tensor, ('self', 'tensor1', 'tensor2', 'scalars'), (TENSOR_LIST, TENSOR_LIST, TENSOR_LIST, HOST_SCALARS,), (False, False, False, False), LIST,
+    promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    out_overload=aten._foreach_addcdiv.Tensor_out,
+)
+S__foreach_addcdiv__Tensor = OpSpec(
+    "_foreach_addcdiv_.Tensor", aten._foreach_addcdiv_.Tensor, E._foreach_addcdiv_Tensor, ('self', 'tensor1', 'tensor2', 'scalars'), (TENSOR_LIST, TENSOR_LIST, TENSOR_LIST, HOST_SCALARS,), (False, False, False, False), LIST,
+    promote='default', promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_addcdiv.Tensor,
 )
 S__foreach_maximum_List = OpSpec(
     "_foreach_maximum.List", aten._foreach_maximum.List, E._foreach_maximum_List, ('self', 'other'), (TENSOR_LIST, TENSOR_LIST,), (False, False), LIST,
@@ -4135,69 +4198,6 @@ S__foreach_clamp_max__ScalarList = OpSpec(
     "_foreach_clamp_max_.ScalarList", aten._foreach_clamp_max_.ScalarList, E._foreach_clamp_max_ScalarList, ('self', 'scalars'), (TENSOR_LIST, SCALAR_LIST,), (False, False), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_clamp_max.ScalarList,
 )
-S__foreach_sub_ScalarList = OpSpec(
-    "_foreach_sub.ScalarList", aten._foreach_sub.ScalarList, E._foreach_sub_ScalarList, ('self', 'scalars'), (TENSOR_LIST, SCALAR_LIST,), (False, False), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    out_overload=aten._foreach_sub.ScalarList_out,
-)
-S__foreach_sub__ScalarList = OpSpec(
-    "_foreach_sub_.ScalarList", aten._foreach_sub_.ScalarList, E._foreach_sub_ScalarList, ('self', 'scalars'), (TENSOR_LIST, SCALAR_LIST,), (False, False), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_sub.ScalarList,
-)
-S__foreach_add_Tensor = OpSpec(
-    "_foreach_add.Tensor", aten._foreach_add.Tensor, E._foreach_add_Tensor, ('self', 'other', 'alpha'), (TENSOR_LIST, TENSOR, SCALAR,), (False, False, True), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    out_overload=aten._foreach_add.Tensor_out,
-)
-S__foreach_add__Tensor = OpSpec(
-    "_foreach_add_.Tensor", aten._foreach_add_.Tensor, E._foreach_add_Tensor, ('self', 'other', 'alpha'), (TENSOR_LIST, TENSOR, SCALAR,), (False, False, True), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_add.Tensor,
-)
-S__foreach_div_Tensor = OpSpec(
-    "_foreach_div.Tensor", aten._foreach_div.Tensor, E._foreach_div_Tensor, ('self', 'other'), (TENSOR_LIST, TENSOR,), (False, False), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    out_overload=aten._foreach_div.Tensor_out,
-)
-S__foreach_div__Tensor = OpSpec(
-    "_foreach_div_.Tensor", aten._foreach_div_.Tensor, E._foreach_div_Tensor, ('self', 'other'), (TENSOR_LIST, TENSOR,), (False, False), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_div.Tensor,
-)
-S__foreach_addcmul_Tensor = OpSpec(
-    "_foreach_addcmul.Tensor", aten._foreach_addcmul.Tensor, E._foreach_addcmul_Tensor, ('self', 'tensor1', 'tensor2', 'scalars'), (TENSOR_LIST, TENSOR_LIST, TENSOR_LIST, HOST_SCALARS,), (False, False, False, False), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    out_overload=aten._foreach_addcmul.Tensor_out,
-)
-S__foreach_addcmul__Tensor = OpSpec(
-    "_foreach_addcmul_.Tensor", aten._foreach_addcmul_.Tensor, E._foreach_addcmul_Tensor, ('self', 'tensor1', 'tensor2', 'scalars'), (TENSOR_LIST, TENSOR_LIST, TENSOR_LIST, HOST_SCALARS,), (False, False, False, False), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_addcmul.Tensor,
-)
-S__foreach_addcdiv_Tensor = OpSpec(
-    "_foreach_addcdiv.Tensor", aten._foreach_addcdiv.Tensor, E._foreach_addcdiv_Tensor, ('self', 'tensor1', 'tensor2', 'scalars'), (TENSOR_LIST, TENSOR_LIST, TENSOR_LIST, HOST_SCALARS,), (False, False, False, False), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    out_overload=aten._foreach_addcdiv.Tensor_out,
-)
-S__foreach_addcdiv__Tensor = OpSpec(
-    "_foreach_addcdiv_.Tensor", aten._foreach_addcdiv_.Tensor, E._foreach_addcdiv_Tensor, ('self', 'tensor1', 'tensor2', 'scalars'), (TENSOR_LIST, TENSOR_LIST, TENSOR_LIST, HOST_SCALARS,), (False, False, False, False), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_addcdiv.Tensor,
-)
-S__foreach_lerp_List = OpSpec(
-    "_foreach_lerp.List", aten._foreach_lerp.List, E._foreach_lerp_List, ('self', 'tensors1', 'weights'), (TENSOR_LIST, TENSOR_LIST, TENSOR_LIST,), (False, False, False), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    out_overload=aten._foreach_lerp.List_out,
-)
-S__foreach_lerp__List = OpSpec(
-    "_foreach_lerp_.List", aten._foreach_lerp_.List, E._foreach_lerp_List, ('self', 'tensors1', 'weights'), (TENSOR_LIST, TENSOR_LIST, TENSOR_LIST,), (False, False, False), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_lerp.List,
-)
-S__foreach_lerp_ScalarList = OpSpec(
-    "_foreach_lerp.ScalarList", aten._foreach_lerp.ScalarList, E._foreach_lerp_ScalarList, ('self', 'tensors1', 'weight'), (TENSOR_LIST, TENSOR_LIST, SCALAR_LIST,), (False, False, False), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
-    out_overload=aten._foreach_lerp.ScalarList_out,
-)
-S__foreach_lerp__ScalarList = OpSpec(
-    "_foreach_lerp_.ScalarList", aten._foreach_lerp_.ScalarList, E._foreach_lerp_ScalarList, ('self', 'tensors1', 'weight'), (TENSOR_LIST, TENSOR_LIST, SCALAR_LIST,), (False, False, False), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_lerp.ScalarList,
-)
 S__foreach_abs = OpSpec(
     "_foreach_abs.default", aten._foreach_abs.default, E._foreach_abs, ('self',), (TENSOR_LIST,), (False,), LIST,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
@@ -4209,12 +4209,12 @@ S__foreach_abs_ = OpSpec(
 )
 S__foreach_reciprocal = OpSpec(
     "_foreach_reciprocal.default", aten._foreach_reciprocal.default, E._foreach_reciprocal, ('self',), (TENSOR_LIST,), (False,), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
     out_overload=aten._foreach_reciprocal.out,
 )
 S__foreach_reciprocal_ = OpSpec(
     "_foreach_reciprocal_.default", aten._foreach_reciprocal_.default, E._foreach_reciprocal, ('self',), (TENSOR_LIST,), (False,), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_reciprocal.default,
+    promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_reciprocal.default,
 )
 S__foreach_sign = OpSpec(
     "_foreach_sign.default", aten._foreach_sign.default, E._foreach_sign, ('self',), (TENSOR_LIST,), (False,), LIST,
@@ -4227,52 +4227,52 @@ S__foreach_sign_ = OpSpec(
 )
 S__foreach_exp = OpSpec(
     "_foreach_exp.default", aten._foreach_exp.default, E._foreach_exp, ('self',), (TENSOR_LIST,), (False,), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
     out_overload=aten._foreach_exp.out,
 )
 S__foreach_exp_ = OpSpec(
     "_foreach_exp_.default", aten._foreach_exp_.default, E._foreach_exp, ('self',), (TENSOR_LIST,), (False,), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_exp.default,
+    promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_exp.default,
 )
 S__foreach_log = OpSpec(
     "_foreach_log.default", aten._foreach_log.default, E._foreach_log, ('self',), (TENSOR_LIST,), (False,), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
     out_overload=aten._foreach_log.out,
 )
 S__foreach_log_ = OpSpec(
     "_foreach_log_.default", aten._foreach_log_.default, E._foreach_log, ('self',), (TENSOR_LIST,), (False,), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_log.default,
+    promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_log.default,
 )
 S__foreach_pow_List = OpSpec(
     "_foreach_pow.List", aten._foreach_pow.List, E._foreach_pow_List, ('self', 'exponent'), (TENSOR_LIST, TENSOR_LIST,), (False, False), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
     out_overload=aten._foreach_pow.List_out,
 )
 S__foreach_pow__List = OpSpec(
     "_foreach_pow_.List", aten._foreach_pow_.List, E._foreach_pow_List, ('self', 'exponent'), (TENSOR_LIST, TENSOR_LIST,), (False, False), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_pow.List,
+    promote='default', promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_pow.List,
 )
 S__foreach_pow_Scalar = OpSpec(
     "_foreach_pow.Scalar", aten._foreach_pow.Scalar, E._foreach_pow_Scalar, ('self', 'exponent'), (TENSOR_LIST, SCALAR,), (False, False), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
     out_overload=aten._foreach_pow.Scalar_out,
 )
 S__foreach_pow__Scalar = OpSpec(
     "_foreach_pow_.Scalar", aten._foreach_pow_.Scalar, E._foreach_pow_Scalar, ('self', 'exponent'), (TENSOR_LIST, SCALAR,), (False, False), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_pow.Scalar,
+    promote='default', promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_pow.Scalar,
 )
 S__foreach_pow_ScalarList = OpSpec(
     "_foreach_pow.ScalarList", aten._foreach_pow.ScalarList, E._foreach_pow_ScalarList, ('self', 'exponent'), (TENSOR_LIST, SCALAR_LIST,), (False, False), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
     out_overload=aten._foreach_pow.ScalarList_out,
 )
 S__foreach_pow__ScalarList = OpSpec(
     "_foreach_pow_.ScalarList", aten._foreach_pow_.ScalarList, E._foreach_pow_ScalarList, ('self', 'exponent'), (TENSOR_LIST, SCALAR_LIST,), (False, False), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_pow.ScalarList,
+    promote='default', promote_args=None, view=False, scatter=None, meta_overload=aten._foreach_pow.ScalarList,
 )
 S__foreach_pow_ScalarAndTensor = OpSpec(
     "_foreach_pow.ScalarAndTensor", aten._foreach_pow.ScalarAndTensor, E._foreach_pow_ScalarAndTensor, ('self', 'exponent'), (SCALAR, TENSOR_LIST,), (False, False), LIST,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
 )
 S__foreach_copy = OpSpec(
     "_foreach_copy.default", aten._foreach_copy.default, E._foreach_copy, ('self', 'src', 'non_blocking'), (TENSOR_LIST, TENSOR_LIST, STATIC,), (False, False, False), LIST,
@@ -8711,6 +8711,18 @@ def _foreach_add_ScalarList_out(self, scalars, *, out):
     return call_out(S__foreach_add_ScalarList, (self, scalars,), tuple(out), returns=False)
 
 
+def _foreach_add_Tensor(self, other, *, alpha=1):
+    return call(S__foreach_add_Tensor, (self, other, alpha,))
+
+
+def _foreach_add__Tensor(self, other, *, alpha=1):
+    return call_inplace(S__foreach_add__Tensor, (self, other, alpha,))
+
+
+def _foreach_add_Tensor_out(self, other, *, alpha=1, out):
+    return call_out(S__foreach_add_Tensor, (self, other, alpha,), tuple(out), returns=False)
+
+
 def _foreach_sub_Scalar(self, scalar):
     return call(S__foreach_sub_Scalar, (self, scalar,))
 
@@ -8733,6 +8745,18 @@ def _foreach_sub__List(self, other, *, alpha=1):
 
 def _foreach_sub_List_out(self, other, *, alpha=1, out):
     return call_out(S__foreach_sub_List, (self, other, alpha,), tuple(out), returns=False)
+
+
+def _foreach_sub_ScalarList(self, scalars):
+    return call(S__foreach_sub_ScalarList, (self, scalars,))
+
+
+def _foreach_sub__ScalarList(self, scalars):
+    return call_inplace(S__foreach_sub__ScalarList, (self, scalars,))
+
+
+def _foreach_sub_ScalarList_out(self, scalars, *, out):
+    return call_out(S__foreach_sub_ScalarList, (self, scalars,), tuple(out), returns=False)
 
 
 def _foreach_mul_Scalar(self, scalar):
@@ -8819,6 +8843,18 @@ def _foreach_div_ScalarList_out(self, scalars, *, out):
     return call_out(S__foreach_div_ScalarList, (self, scalars,), tuple(out), returns=False)
 
 
+def _foreach_div_Tensor(self, other):
+    return call(S__foreach_div_Tensor, (self, other,))
+
+
+def _foreach_div__Tensor(self, other):
+    return call_inplace(S__foreach_div__Tensor, (self, other,))
+
+
+def _foreach_div_Tensor_out(self, other, *, out):
+    return call_out(S__foreach_div_Tensor, (self, other,), tuple(out), returns=False)
+
+
 def _foreach_neg(self):
     return call(S__foreach_neg, (self,))
 
@@ -8855,6 +8891,30 @@ def _foreach_lerp_Scalar_out(self, tensors1, weight, *, out):
     return call_out(S__foreach_lerp_Scalar, (self, tensors1, weight,), tuple(out), returns=False)
 
 
+def _foreach_lerp_List(self, tensors1, weights):
+    return call(S__foreach_lerp_List, (self, tensors1, weights,))
+
+
+def _foreach_lerp__List(self, tensors1, weights):
+    return call_inplace(S__foreach_lerp__List, (self, tensors1, weights,))
+
+
+def _foreach_lerp_List_out(self, tensors1, weights, *, out):
+    return call_out(S__foreach_lerp_List, (self, tensors1, weights,), tuple(out), returns=False)
+
+
+def _foreach_lerp_ScalarList(self, tensors1, weight):
+    return call(S__foreach_lerp_ScalarList, (self, tensors1, weight,))
+
+
+def _foreach_lerp__ScalarList(self, tensors1, weight):
+    return call_inplace(S__foreach_lerp__ScalarList, (self, tensors1, weight,))
+
+
+def _foreach_lerp_ScalarList_out(self, tensors1, weight, *, out):
+    return call_out(S__foreach_lerp_ScalarList, (self, tensors1, weight,), tuple(out), returns=False)
+
+
 def _foreach_addcmul_Scalar(self, tensor1, tensor2, value=1):
     return call(S__foreach_addcmul_Scalar, (self, tensor1, tensor2, value,))
 
@@ -8879,6 +8939,18 @@ def _foreach_addcmul_ScalarList_out(self, tensor1, tensor2, scalars, *, out):
     return call_out(S__foreach_addcmul_ScalarList, (self, tensor1, tensor2, scalars,), tuple(out), returns=False)
 
 
+def _foreach_addcmul_Tensor(self, tensor1, tensor2, scalars):
+    return call(S__foreach_addcmul_Tensor, (self, tensor1, tensor2, scalars,))
+
+
+def _foreach_addcmul__Tensor(self, tensor1, tensor2, scalars):
+    return call_inplace(S__foreach_addcmul__Tensor, (self, tensor1, tensor2, scalars,))
+
+
+def _foreach_addcmul_Tensor_out(self, tensor1, tensor2, scalars, *, out):
+    return call_out(S__foreach_addcmul_Tensor, (self, tensor1, tensor2, scalars,), tuple(out), returns=False)
+
+
 def _foreach_addcdiv_Scalar(self, tensor1, tensor2, value=1):
     return call(S__foreach_addcdiv_Scalar, (self, tensor1, tensor2, value,))
 
@@ -8901,6 +8973,18 @@ def _foreach_addcdiv__ScalarList(self, tensor1, tensor2, scalars):
 
 def _foreach_addcdiv_ScalarList_out(self, tensor1, tensor2, scalars, *, out):
     return call_out(S__foreach_addcdiv_ScalarList, (self, tensor1, tensor2, scalars,), tuple(out), returns=False)
+
+
+def _foreach_addcdiv_Tensor(self, tensor1, tensor2, scalars):
+    return call(S__foreach_addcdiv_Tensor, (self, tensor1, tensor2, scalars,))
+
+
+def _foreach_addcdiv__Tensor(self, tensor1, tensor2, scalars):
+    return call_inplace(S__foreach_addcdiv__Tensor, (self, tensor1, tensor2, scalars,))
+
+
+def _foreach_addcdiv_Tensor_out(self, tensor1, tensor2, scalars, *, out):
+    return call_out(S__foreach_addcdiv_Tensor, (self, tensor1, tensor2, scalars,), tuple(out), returns=False)
 
 
 def _foreach_maximum_List(self, other):
@@ -9045,90 +9129,6 @@ def _foreach_clamp_max__ScalarList(self, scalars):
 
 def _foreach_clamp_max_ScalarList_out(self, scalars, *, out):
     return call_out(S__foreach_clamp_max_ScalarList, (self, scalars,), tuple(out), returns=False)
-
-
-def _foreach_sub_ScalarList(self, scalars):
-    return call(S__foreach_sub_ScalarList, (self, scalars,))
-
-
-def _foreach_sub__ScalarList(self, scalars):
-    return call_inplace(S__foreach_sub__ScalarList, (self, scalars,))
-
-
-def _foreach_sub_ScalarList_out(self, scalars, *, out):
-    return call_out(S__foreach_sub_ScalarList, (self, scalars,), tuple(out), returns=False)
-
-
-def _foreach_add_Tensor(self, other, *, alpha=1):
-    return call(S__foreach_add_Tensor, (self, other, alpha,))
-
-
-def _foreach_add__Tensor(self, other, *, alpha=1):
-    return call_inplace(S__foreach_add__Tensor, (self, other, alpha,))
-
-
-def _foreach_add_Tensor_out(self, other, *, alpha=1, out):
-    return call_out(S__foreach_add_Tensor, (self, other, alpha,), tuple(out), returns=False)
-
-
-def _foreach_div_Tensor(self, other):
-    return call(S__foreach_div_Tensor, (self, other,))
-
-
-def _foreach_div__Tensor(self, other):
-    return call_inplace(S__foreach_div__Tensor, (self, other,))
-
-
-def _foreach_div_Tensor_out(self, other, *, out):
-    return call_out(S__foreach_div_Tensor, (self, other,), tuple(out), returns=False)
-
-
-def _foreach_addcmul_Tensor(self, tensor1, tensor2, scalars):
-    return call(S__foreach_addcmul_Tensor, (self, tensor1, tensor2, scalars,))
-
-
-def _foreach_addcmul__Tensor(self, tensor1, tensor2, scalars):
-    return call_inplace(S__foreach_addcmul__Tensor, (self, tensor1, tensor2, scalars,))
-
-
-def _foreach_addcmul_Tensor_out(self, tensor1, tensor2, scalars, *, out):
-    return call_out(S__foreach_addcmul_Tensor, (self, tensor1, tensor2, scalars,), tuple(out), returns=False)
-
-
-def _foreach_addcdiv_Tensor(self, tensor1, tensor2, scalars):
-    return call(S__foreach_addcdiv_Tensor, (self, tensor1, tensor2, scalars,))
-
-
-def _foreach_addcdiv__Tensor(self, tensor1, tensor2, scalars):
-    return call_inplace(S__foreach_addcdiv__Tensor, (self, tensor1, tensor2, scalars,))
-
-
-def _foreach_addcdiv_Tensor_out(self, tensor1, tensor2, scalars, *, out):
-    return call_out(S__foreach_addcdiv_Tensor, (self, tensor1, tensor2, scalars,), tuple(out), returns=False)
-
-
-def _foreach_lerp_List(self, tensors1, weights):
-    return call(S__foreach_lerp_List, (self, tensors1, weights,))
-
-
-def _foreach_lerp__List(self, tensors1, weights):
-    return call_inplace(S__foreach_lerp__List, (self, tensors1, weights,))
-
-
-def _foreach_lerp_List_out(self, tensors1, weights, *, out):
-    return call_out(S__foreach_lerp_List, (self, tensors1, weights,), tuple(out), returns=False)
-
-
-def _foreach_lerp_ScalarList(self, tensors1, weight):
-    return call(S__foreach_lerp_ScalarList, (self, tensors1, weight,))
-
-
-def _foreach_lerp__ScalarList(self, tensors1, weight):
-    return call_inplace(S__foreach_lerp__ScalarList, (self, tensors1, weight,))
-
-
-def _foreach_lerp_ScalarList_out(self, tensors1, weight, *, out):
-    return call_out(S__foreach_lerp_ScalarList, (self, tensors1, weight,), tuple(out), returns=False)
 
 
 def _foreach_abs(self):
@@ -10378,12 +10378,18 @@ SHIMS = {
     aten._foreach_add.ScalarList: _foreach_add_ScalarList,
     aten._foreach_add_.ScalarList: _foreach_add__ScalarList,
     aten._foreach_add.ScalarList_out: _foreach_add_ScalarList_out,
+    aten._foreach_add.Tensor: _foreach_add_Tensor,
+    aten._foreach_add_.Tensor: _foreach_add__Tensor,
+    aten._foreach_add.Tensor_out: _foreach_add_Tensor_out,
     aten._foreach_sub.Scalar: _foreach_sub_Scalar,
     aten._foreach_sub_.Scalar: _foreach_sub__Scalar,
     aten._foreach_sub.Scalar_out: _foreach_sub_Scalar_out,
     aten._foreach_sub.List: _foreach_sub_List,
     aten._foreach_sub_.List: _foreach_sub__List,
     aten._foreach_sub.List_out: _foreach_sub_List_out,
+    aten._foreach_sub.ScalarList: _foreach_sub_ScalarList,
+    aten._foreach_sub_.ScalarList: _foreach_sub__ScalarList,
+    aten._foreach_sub.ScalarList_out: _foreach_sub_ScalarList_out,
     aten._foreach_mul.Scalar: _foreach_mul_Scalar,
     aten._foreach_mul_.Scalar: _foreach_mul__Scalar,
     aten._foreach_mul.Scalar_out: _foreach_mul_Scalar_out,
@@ -10405,6 +10411,9 @@ SHIMS = {
     aten._foreach_div.ScalarList: _foreach_div_ScalarList,
     aten._foreach_div_.ScalarList: _foreach_div__ScalarList,
     aten._foreach_div.ScalarList_out: _foreach_div_ScalarList_out,
+    aten._foreach_div.Tensor: _foreach_div_Tensor,
+    aten._foreach_div_.Tensor: _foreach_div__Tensor,
+    aten._foreach_div.Tensor_out: _foreach_div_Tensor_out,
     aten._foreach_neg.default: _foreach_neg,
     aten._foreach_neg_.default: _foreach_neg_,
     aten._foreach_neg.out: _foreach_neg_out,
@@ -10414,18 +10423,30 @@ SHIMS = {
     aten._foreach_lerp.Scalar: _foreach_lerp_Scalar,
     aten._foreach_lerp_.Scalar: _foreach_lerp__Scalar,
     aten._foreach_lerp.Scalar_out: _foreach_lerp_Scalar_out,
+    aten._foreach_lerp.List: _foreach_lerp_List,
+    aten._foreach_lerp_.List: _foreach_lerp__List,
+    aten._foreach_lerp.List_out: _foreach_lerp_List_out,
+    aten._foreach_lerp.ScalarList: _foreach_lerp_ScalarList,
+    aten._foreach_lerp_.ScalarList: _foreach_lerp__ScalarList,
+    aten._foreach_lerp.ScalarList_out: _foreach_lerp_ScalarList_out,
     aten._foreach_addcmul.Scalar: _foreach_addcmul_Scalar,
     aten._foreach_addcmul_.Scalar: _foreach_addcmul__Scalar,
     aten._foreach_addcmul.Scalar_out: _foreach_addcmul_Scalar_out,
     aten._foreach_addcmul.ScalarList: _foreach_addcmul_ScalarList,
     aten._foreach_addcmul_.ScalarList: _foreach_addcmul__ScalarList,
     aten._foreach_addcmul.ScalarList_out: _foreach_addcmul_ScalarList_out,
+    aten._foreach_addcmul.Tensor: _foreach_addcmul_Tensor,
+    aten._foreach_addcmul_.Tensor: _foreach_addcmul__Tensor,
+    aten._foreach_addcmul.Tensor_out: _foreach_addcmul_Tensor_out,
     aten._foreach_addcdiv.Scalar: _foreach_addcdiv_Scalar,
     aten._foreach_addcdiv_.Scalar: _foreach_addcdiv__Scalar,
     aten._foreach_addcdiv.Scalar_out: _foreach_addcdiv_Scalar_out,
     aten._foreach_addcdiv.ScalarList: _foreach_addcdiv_ScalarList,
     aten._foreach_addcdiv_.ScalarList: _foreach_addcdiv__ScalarList,
     aten._foreach_addcdiv.ScalarList_out: _foreach_addcdiv_ScalarList_out,
+    aten._foreach_addcdiv.Tensor: _foreach_addcdiv_Tensor,
+    aten._foreach_addcdiv_.Tensor: _foreach_addcdiv__Tensor,
+    aten._foreach_addcdiv.Tensor_out: _foreach_addcdiv_Tensor_out,
     aten._foreach_maximum.List: _foreach_maximum_List,
     aten._foreach_maximum_.List: _foreach_maximum__List,
     aten._foreach_maximum.List_out: _foreach_maximum_List_out,
@@ -10462,27 +10483,6 @@ SHIMS = {
     aten._foreach_clamp_max.ScalarList: _foreach_clamp_max_ScalarList,
     aten._foreach_clamp_max_.ScalarList: _foreach_clamp_max__ScalarList,
     aten._foreach_clamp_max.ScalarList_out: _foreach_clamp_max_ScalarList_out,
-    aten._foreach_sub.ScalarList: _foreach_sub_ScalarList,
-    aten._foreach_sub_.ScalarList: _foreach_sub__ScalarList,
-    aten._foreach_sub.ScalarList_out: _foreach_sub_ScalarList_out,
-    aten._foreach_add.Tensor: _foreach_add_Tensor,
-    aten._foreach_add_.Tensor: _foreach_add__Tensor,
-    aten._foreach_add.Tensor_out: _foreach_add_Tensor_out,
-    aten._foreach_div.Tensor: _foreach_div_Tensor,
-    aten._foreach_div_.Tensor: _foreach_div__Tensor,
-    aten._foreach_div.Tensor_out: _foreach_div_Tensor_out,
-    aten._foreach_addcmul.Tensor: _foreach_addcmul_Tensor,
-    aten._foreach_addcmul_.Tensor: _foreach_addcmul__Tensor,
-    aten._foreach_addcmul.Tensor_out: _foreach_addcmul_Tensor_out,
-    aten._foreach_addcdiv.Tensor: _foreach_addcdiv_Tensor,
-    aten._foreach_addcdiv_.Tensor: _foreach_addcdiv__Tensor,
-    aten._foreach_addcdiv.Tensor_out: _foreach_addcdiv_Tensor_out,
-    aten._foreach_lerp.List: _foreach_lerp_List,
-    aten._foreach_lerp_.List: _foreach_lerp__List,
-    aten._foreach_lerp.List_out: _foreach_lerp_List_out,
-    aten._foreach_lerp.ScalarList: _foreach_lerp_ScalarList,
-    aten._foreach_lerp_.ScalarList: _foreach_lerp__ScalarList,
-    aten._foreach_lerp.ScalarList_out: _foreach_lerp_ScalarList_out,
     aten._foreach_abs.default: _foreach_abs,
     aten._foreach_abs_.default: _foreach_abs_,
     aten._foreach_abs.out: _foreach_abs_out,
@@ -11221,10 +11221,14 @@ SPECS = {
     "_foreach_add_.List": S__foreach_add__List,
     "_foreach_add.ScalarList": S__foreach_add_ScalarList,
     "_foreach_add_.ScalarList": S__foreach_add__ScalarList,
+    "_foreach_add.Tensor": S__foreach_add_Tensor,
+    "_foreach_add_.Tensor": S__foreach_add__Tensor,
     "_foreach_sub.Scalar": S__foreach_sub_Scalar,
     "_foreach_sub_.Scalar": S__foreach_sub__Scalar,
     "_foreach_sub.List": S__foreach_sub_List,
     "_foreach_sub_.List": S__foreach_sub__List,
+    "_foreach_sub.ScalarList": S__foreach_sub_ScalarList,
+    "_foreach_sub_.ScalarList": S__foreach_sub__ScalarList,
     "_foreach_mul.Scalar": S__foreach_mul_Scalar,
     "_foreach_mul_.Scalar": S__foreach_mul__Scalar,
     "_foreach_mul.List": S__foreach_mul_List,
@@ -11239,20 +11243,30 @@ SPECS = {
     "_foreach_div_.List": S__foreach_div__List,
     "_foreach_div.ScalarList": S__foreach_div_ScalarList,
     "_foreach_div_.ScalarList": S__foreach_div__ScalarList,
+    "_foreach_div.Tensor": S__foreach_div_Tensor,
+    "_foreach_div_.Tensor": S__foreach_div__Tensor,
     "_foreach_neg.default": S__foreach_neg,
     "_foreach_neg_.default": S__foreach_neg_,
     "_foreach_sqrt.default": S__foreach_sqrt,
     "_foreach_sqrt_.default": S__foreach_sqrt_,
     "_foreach_lerp.Scalar": S__foreach_lerp_Scalar,
     "_foreach_lerp_.Scalar": S__foreach_lerp__Scalar,
+    "_foreach_lerp.List": S__foreach_lerp_List,
+    "_foreach_lerp_.List": S__foreach_lerp__List,
+    "_foreach_lerp.ScalarList": S__foreach_lerp_ScalarList,
+    "_foreach_lerp_.ScalarList": S__foreach_lerp__ScalarList,
     "_foreach_addcmul.Scalar": S__foreach_addcmul_Scalar,
     "_foreach_addcmul_.Scalar": S__foreach_addcmul__Scalar,
     "_foreach_addcmul.ScalarList": S__foreach_addcmul_ScalarList,
     "_foreach_addcmul_.ScalarList": S__foreach_addcmul__ScalarList,
+    "_foreach_addcmul.Tensor": S__foreach_addcmul_Tensor,
+    "_foreach_addcmul_.Tensor": S__foreach_addcmul__Tensor,
     "_foreach_addcdiv.Scalar": S__foreach_addcdiv_Scalar,
     "_foreach_addcdiv_.Scalar": S__foreach_addcdiv__Scalar,
     "_foreach_addcdiv.ScalarList": S__foreach_addcdiv_ScalarList,
     "_foreach_addcdiv_.ScalarList": S__foreach_addcdiv__ScalarList,
+    "_foreach_addcdiv.Tensor": S__foreach_addcdiv_Tensor,
+    "_foreach_addcdiv_.Tensor": S__foreach_addcdiv__Tensor,
     "_foreach_maximum.List": S__foreach_maximum_List,
     "_foreach_maximum_.List": S__foreach_maximum__List,
     "_foreach_maximum.Scalar": S__foreach_maximum_Scalar,
@@ -11277,20 +11291,6 @@ SPECS = {
     "_foreach_clamp_max_.List": S__foreach_clamp_max__List,
     "_foreach_clamp_max.ScalarList": S__foreach_clamp_max_ScalarList,
     "_foreach_clamp_max_.ScalarList": S__foreach_clamp_max__ScalarList,
-    "_foreach_sub.ScalarList": S__foreach_sub_ScalarList,
-    "_foreach_sub_.ScalarList": S__foreach_sub__ScalarList,
-    "_foreach_add.Tensor": S__foreach_add_Tensor,
-    "_foreach_add_.Tensor": S__foreach_add__Tensor,
-    "_foreach_div.Tensor": S__foreach_div_Tensor,
-    "_foreach_div_.Tensor": S__foreach_div__Tensor,
-    "_foreach_addcmul.Tensor": S__foreach_addcmul_Tensor,
-    "_foreach_addcmul_.Tensor": S__foreach_addcmul__Tensor,
-    "_foreach_addcdiv.Tensor": S__foreach_addcdiv_Tensor,
-    "_foreach_addcdiv_.Tensor": S__foreach_addcdiv__Tensor,
-    "_foreach_lerp.List": S__foreach_lerp_List,
-    "_foreach_lerp_.List": S__foreach_lerp__List,
-    "_foreach_lerp.ScalarList": S__foreach_lerp_ScalarList,
-    "_foreach_lerp_.ScalarList": S__foreach_lerp__ScalarList,
     "_foreach_abs.default": S__foreach_abs,
     "_foreach_abs_.default": S__foreach_abs_,
     "_foreach_reciprocal.default": S__foreach_reciprocal,

@@ -860,11 +860,11 @@ def mul_Scalar(out, self, other):
 
 
 def div_Tensor(out, self, other):
-    return self / other
+    return L.pointwise.div(self, other)
 
 
 def div_Scalar(out, self, other):
-    return self / other
+    return L.pointwise.div(self, other)
 
 
 def div_Tensor_mode(out, self, other, rounding_mode):
@@ -972,7 +972,7 @@ def addcmul(out, self, tensor1, tensor2, value):
 
 
 def addcdiv(out, self, tensor1, tensor2, value):
-    return self + value * (tensor1 / tensor2)
+    return self + value * L.pointwise.div(tensor1, tensor2)
 
 
 def eq_Tensor(out, self, other):
@@ -2368,27 +2368,39 @@ def max_unpool3d(out, self, indices, output_size, stride, padding):
 
 
 def _foreach_add_Scalar(out, self, scalar):
-    return [a + scalar for a in self]
+    return [L.pointwise.add(o, a, scalar, 1) for o, a in zip(out, self)]
 
 
 def _foreach_add_List(out, self, other, alpha):
-    return [a + L.pointwise.times(b, alpha) for a, b in zip(self, other)]
+    return [L.pointwise.add(o, a, b, alpha) for o, a, b in zip(out, self, other)]
 
 
 def _foreach_add_ScalarList(out, self, scalars):
-    return [a + s for a, s in zip(self, scalars)]
+    return [L.pointwise.add(o, a, s, 1) for o, a, s in zip(out, self, scalars)]
+
+
+def _foreach_add_Tensor(out, self, other, alpha):
+    return [L.pointwise.add(o, a, other, alpha) for o, a in zip(out, self)]
 
 
 def _foreach_sub_Scalar(out, self, scalar):
-    return [a - scalar for a in self]
+    return [L.pointwise.add(o, a, scalar, 1, -1) for o, a in zip(out, self)]
 
 
 def _foreach_sub_List(out, self, other, alpha):
-    return [a - L.pointwise.times(b, alpha) for a, b in zip(self, other)]
+    return [L.pointwise.add(o, a, b, alpha, -1) for o, a, b in zip(out, self, other)]
+
+
+def _foreach_sub_ScalarList(out, self, scalars):
+    return [L.pointwise.add(o, a, s, 1, -1) for o, a, s in zip(out, self, scalars)]
 
 
 def _foreach_mul_Scalar(out, self, scalar):
     return [a * scalar for a in self]
+
+
+def _foreach_mul__Scalar(out, self, scalar):
+    return [a * L.pointwise.in_result_dtype(o, scalar) for o, a in zip(out, self)]
 
 
 def _foreach_mul_List(out, self, other):
@@ -2399,20 +2411,28 @@ def _foreach_mul_ScalarList(out, self, scalars):
     return [a * s for a, s in zip(self, scalars)]
 
 
+def _foreach_mul__ScalarList(out, self, scalars):
+    return [a * L.pointwise.in_result_dtype(o, s) for o, a, s in zip(out, self, scalars)]
+
+
 def _foreach_mul_Tensor(out, self, other):
     return [a * other for a in self]
 
 
 def _foreach_div_Scalar(out, self, scalar):
-    return [a / scalar for a in self]
+    return [L.pointwise.div(a, scalar) for a in self]
 
 
 def _foreach_div_List(out, self, other):
-    return [a / b for a, b in zip(self, other)]
+    return [L.pointwise.div(a, b) for a, b in zip(self, other)]
 
 
 def _foreach_div_ScalarList(out, self, scalars):
-    return [a / s for a, s in zip(self, scalars)]
+    return [L.pointwise.div(a, s) for a, s in zip(self, scalars)]
+
+
+def _foreach_div_Tensor(out, self, other):
+    return [L.pointwise.div(a, other) for a in self]
 
 
 def _foreach_neg(out, self):
@@ -2427,6 +2447,14 @@ def _foreach_lerp_Scalar(out, self, tensors1, weight):
     return L.pointwise.foreach_lerp(self, tensors1, weight)
 
 
+def _foreach_lerp_List(out, self, tensors1, weights):
+    return [L.pointwise.lerp(a, b, w) for a, b, w in zip(self, tensors1, weights)]
+
+
+def _foreach_lerp_ScalarList(out, self, tensors1, weight):
+    return [L.pointwise.lerp(a, b, w) for a, b, w in zip(self, tensors1, weight)]
+
+
 def _foreach_addcmul_Scalar(out, self, tensor1, tensor2, value):
     return [a + value * b * c for a, b, c in zip(self, tensor1, tensor2)]
 
@@ -2435,12 +2463,20 @@ def _foreach_addcmul_ScalarList(out, self, tensor1, tensor2, scalars):
     return [a + s * b * c for a, b, c, s in zip(self, tensor1, tensor2, scalars)]
 
 
+def _foreach_addcmul_Tensor(out, self, tensor1, tensor2, scalars):
+    return [a + s * b * c for a, b, c, s in zip(self, tensor1, tensor2, scalars)]
+
+
 def _foreach_addcdiv_Scalar(out, self, tensor1, tensor2, value):
-    return [a + value * (b / c) for a, b, c in zip(self, tensor1, tensor2)]
+    return [a + value * L.pointwise.div(b, c) for a, b, c in zip(self, tensor1, tensor2)]
 
 
 def _foreach_addcdiv_ScalarList(out, self, tensor1, tensor2, scalars):
-    return [a + s * (b / c) for a, b, c, s in zip(self, tensor1, tensor2, scalars)]
+    return [a + s * L.pointwise.div(b, c) for a, b, c, s in zip(self, tensor1, tensor2, scalars)]
+
+
+def _foreach_addcdiv_Tensor(out, self, tensor1, tensor2, scalars):
+    return [a + s * L.pointwise.div(b, c) for a, b, c, s in zip(self, tensor1, tensor2, scalars)]
 
 
 def _foreach_maximum_List(out, self, other):
@@ -2491,34 +2527,6 @@ def _foreach_clamp_max_ScalarList(out, self, scalars):
     return [jnp.minimum(a, s) for a, s in zip(self, scalars)]
 
 
-def _foreach_sub_ScalarList(out, self, scalars):
-    return [a - s for a, s in zip(self, scalars)]
-
-
-def _foreach_add_Tensor(out, self, other, alpha):
-    return [a + L.pointwise.times(other, alpha) for a in self]
-
-
-def _foreach_div_Tensor(out, self, other):
-    return [a / other for a in self]
-
-
-def _foreach_addcmul_Tensor(out, self, tensor1, tensor2, scalars):
-    return [a + s * b * c for a, b, c, s in zip(self, tensor1, tensor2, scalars)]
-
-
-def _foreach_addcdiv_Tensor(out, self, tensor1, tensor2, scalars):
-    return [a + s * (b / c) for a, b, c, s in zip(self, tensor1, tensor2, scalars)]
-
-
-def _foreach_lerp_List(out, self, tensors1, weights):
-    return [L.pointwise.lerp(a, b, w) for a, b, w in zip(self, tensors1, weights)]
-
-
-def _foreach_lerp_ScalarList(out, self, tensors1, weight):
-    return [L.pointwise.lerp(a, b, w) for a, b, w in zip(self, tensors1, weight)]
-
-
 def _foreach_abs(out, self):
     return [jnp.abs(a) for a in self]
 
@@ -2544,15 +2552,15 @@ def _foreach_pow_List(out, self, exponent):
 
 
 def _foreach_pow_Scalar(out, self, exponent):
-    return [jnp.power(a, exponent) for a in self]
+    return [jnp.power(a, L.pointwise.in_result_dtype(o, exponent)) for o, a in zip(out, self)]
 
 
 def _foreach_pow_ScalarList(out, self, exponent):
-    return [jnp.power(a, e) for a, e in zip(self, exponent)]
+    return [jnp.power(a, L.pointwise.in_result_dtype(o, e)) for o, a, e in zip(out, self, exponent)]
 
 
 def _foreach_pow_ScalarAndTensor(out, self, exponent):
-    return [jnp.power(self, e) for e in exponent]
+    return [jnp.power(L.pointwise.in_result_dtype(o, self), e) for o, e in zip(out, exponent)]
 
 
 def _foreach_copy(out, self, src, non_blocking):

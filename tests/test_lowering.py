@@ -126,3 +126,36 @@ def test_numbers_on_the_compiled_path_lower_as_on_the_lazy_path():
     got = torch.compile(f, backend="openxla")(x.to(dev), z.to(dev))
     for g, r in zip(got, f(x, z)):
         torch.testing.assert_close(g.cpu(), r, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_a_division_by_a_broadcast_divisor_gives_cpus_correctly_rounded_quotients(dtype):
+    """XLA's simplifier turns ``A / broadcast(b)`` into ``A * broadcast(1 / b)``: float32 ``x /
+    0.3`` differed from CPU in a quarter of elements, ``x / x.sum(-1, keepdim=True)`` in a third,
+    and ``_foreach_div`` of Adam's bias correction likewise (the lazy and compiled paths then
+    differed from each other, as XLA rewrote one program and not the other). A broadcast divisor
+    now reaches the division through an optimization barrier: the program still fuses the
+    broadcast into the division, and every quotient is CPU's."""
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(64, 300, generator=g) * 3).to(dtype)
+    s = (torch.rand(64, 1, generator=g) + 0.5).to(dtype)
+    t = torch.tensor(0.7, dtype=dtype)
+
+    def f(x, s, t):
+        return [
+            x / 0.3,
+            x / t,
+            x / s,
+            torch.div(x, 0.3, rounding_mode="trunc"),
+            torch.div(x, s, rounding_mode="floor"),
+            torch.addcdiv(x, x, s, value=-0.5),
+            torch._foreach_div([x, x[0]], [0.3, 3.0])[1],
+        ]
+
+    want = f(x, s, t)
+    dev = [v.to("xla") for v in (x, s, t)]
+    for path, fn in (("lazy", f), ("compiled", torch.compile(f, backend="openxla"))):
+        for i, (a, b) in enumerate(zip(fn(*dev), want)):
+            if path == "compiled" and i == 5 and dtype == torch.bfloat16:
+                continue  # Dynamo rewrites addcdiv(value=) into div, mul and add, each rounded (any backend)
+            assert torch.equal(a.cpu(), b), (path, i, (a.cpu() != b).sum().item())

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from xlatorch.runtime.base import record
 from xlatorch.runtime.base.dtypes import to_jax, weak_number
 from xlatorch.runtime.base.source import fmt_src
-from xlatorch.runtime.ir.ops import SCALAR
+from xlatorch.runtime.ir.ops import HOST_SCALARS, SCALAR, SCALAR_LIST, TENSOR_LIST, Info
 
 __all__ = ["emit_node", "hlo_scopes"]
 
@@ -58,6 +58,37 @@ def emit_node(spec, args, info, scope=None, checks=None, casts=None):
         return _emit(spec, args, info, checks, casts)
 
 
+def _cast(a, cd, casts):
+    if not hasattr(a, "dtype") or a.dtype == cd:
+        return a
+    if casts is None:
+        return a.astype(cd)
+    key = (id(a), cd)
+    c = casts.get(key)
+    if c is None:  # the entry holds ``a``: its id is not reused while the trace lasts
+        c = casts[key] = (a, a.astype(cd))
+    return c[1]
+
+
+def _emit_groups(spec, args, info, checks, casts):
+    """A foreach op whose elements compute in different dtypes (``info.cdtype`` a tuple, one per
+    element: float32 and bfloat16 tensors in one list): each group of one computation dtype
+    lowers alone, as CPU runs each element's op by itself; results in the list's order."""
+    groups: dict = {}
+    for j, cd in enumerate(info.cdtype):
+        groups.setdefault(cd, []).append(j)
+    if len(info.avals) != len(info.cdtype):
+        raise AssertionError(f"aten::{spec.name}: {len(info.avals)} results for {len(info.cdtype)} elements")
+    lists = [k is TENSOR_LIST or k is SCALAR_LIST or k is HOST_SCALARS for k in spec.kinds]
+    out = [None] * len(info.cdtype)
+    for cd, idx in groups.items():
+        part = [[a[j] for j in idx] if is_list else a for a, is_list in zip(args, lists)]
+        sub = Info(tuple(info.avals[j] for j in idx), cd, info.checked)
+        for j, r in zip(idx, _emit(spec, part, sub, checks, casts)):
+            out[j] = r
+    return out
+
+
 def _emit(spec, args, info, checks=None, casts=None):
     pos = _SCALARS.get(spec)
     if pos is None:
@@ -70,19 +101,16 @@ def _emit(spec, args, info, checks=None, casts=None):
             args = list(args)
             args[i] = weak_number(a)
     if info.cdtype is not None:
+        if type(info.cdtype) is tuple:
+            return _emit_groups(spec, args, info, checks, casts)
         cd = to_jax(info.cdtype)
         args = list(args)
         for i in spec.promote_idx:
             a = args[i]
-            if a is not None and hasattr(a, "dtype") and a.dtype != cd:
-                if casts is None:
-                    args[i] = a.astype(cd)
-                    continue
-                key = (id(a), cd)
-                c = casts.get(key)
-                if c is None:  # the entry holds ``a``: its id is not reused while the trace lasts
-                    c = casts[key] = (a, a.astype(cd))
-                args[i] = c[1]
+            if type(a) is list or type(a) is tuple:  # a foreach op's list: each element
+                args[i] = [_cast(x, cd, casts) for x in a]
+            elif a is not None:
+                args[i] = _cast(a, cd, casts)
     avals = info.avals
     out = [_aval_struct(a) for a in avals]
     first = out[0] if len(out) == 1 and spec.returns == 0 else tuple(out)

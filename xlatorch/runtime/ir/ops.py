@@ -22,6 +22,10 @@ TENSOR, OPT_TENSOR, TENSOR_LIST, SCALAR, SCALAR_LIST, STATIC, GENERATOR, HOST_SC
 # Return kinds.
 ONE, TUPLE, LIST = range(3)
 
+# The kinds that promote unless ops.yaml's ``promote_args`` says which: a foreach op's lists
+# promote element by element (``trace/nodes.py``, ``ir/emit.py``).
+_PROMOTING = (TENSOR, OPT_TENSOR, SCALAR, TENSOR_LIST, SCALAR_LIST, HOST_SCALARS)
+
 PROMOTION = {k.name.lower(): k for k in ELEMENTWISE_TYPE_PROMOTION_KIND}
 
 SPECS: dict = {}  # ops.yaml name ('add.Tensor') -> OpSpec, every lowered op
@@ -86,7 +90,7 @@ class OpSpec:
         self.kwarg_only = kwarg_only
         self.returns = returns
         self.promote = PROMOTION[promote] if promote else None
-        names = promote_args or [n for n, k in zip(arg_names, kinds) if k in (TENSOR, OPT_TENSOR, SCALAR)]
+        names = promote_args or [n for n, k in zip(arg_names, kinds) if k in _PROMOTING]
         self.promote_idx = tuple(arg_names.index(n) for n in names)
         self.view = view
         # ops.yaml ``copies``: its result holds its first argument's elements when the dtype stays

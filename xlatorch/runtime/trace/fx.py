@@ -133,6 +133,8 @@ def _meta(a):
     """What PyTorch's promotion sees for an argument: the node's fake value, or the number."""
     if isinstance(a, torch.fx.Node):
         return a.meta.get("val")
+    if isinstance(a, list):  # a foreach op's list (fx's immutable_list)
+        return [_meta(x) for x in a]
     return a
 
 

@@ -326,15 +326,39 @@ def _check_index_dtype(rules, meta) -> None:
 def info_of(spec: OpSpec, meta: list, avals: tuple) -> Info:
     """The node's ``Info`` from its arguments as PyTorch sees them (meta or fake tensors and
     numbers, in schema order) and its output avals: computation dtype and on-device check."""
-    cdtype = None
-    if spec.promote is not None:
-        pargs = [meta[i] for i in spec.promote_idx if meta[i] is not None]
-        cdtype, _ = elementwise_dtypes(*pargs, type_promotion_kind=spec.promote)
+    cdtype = None if spec.promote is None else _computation_dtype(spec, meta)
     checked = spec.check is not None and config.CHECKS
     if checked and spec.check_integral:
-        dt = cdtype or next(a[1] for a in avals if a is not None)
+        dt = (cdtype[0] if type(cdtype) is tuple else cdtype) or next(a[1] for a in avals if a is not None)
         checked = not (dt.is_floating_point or dt.is_complex)
     return Info(avals, cdtype, checked)
+
+
+def _computation_dtype(spec: OpSpec, meta: list):
+    """The dtype a promoting op computes in. A foreach op (list arguments) computes each element
+    as its single op would (CPU runs ``add`` per tensor: bfloat16 in float32, its number in
+    the result's dtype): the dtype of element ``j`` promotes the ``j``-th of each list with the
+    other arguments; one dtype if all agree, else a tuple with one per element (``emit_node``
+    lowers each group of equal dtypes alone)."""
+    pargs = [_numbers(meta[i]) if spec.kinds[i] is HOST_SCALARS else meta[i] for i in spec.promote_idx]
+    pargs = [a for a in pargs if a is not None]
+    n = next((len(a) for a in pargs if type(a) is list), None)
+    if n is None:
+        return elementwise_dtypes(*pargs, type_promotion_kind=spec.promote)[0]
+    each = tuple(
+        elementwise_dtypes(*(a[j] if type(a) is list else a for a in pargs), type_promotion_kind=spec.promote)[0]
+        for j in range(n)
+    )
+    if not each:
+        return None
+    return each[0] if all(d == each[0] for d in each) else each
+
+
+def _numbers(t: torch.Tensor) -> list:
+    """A ``HOST_SCALARS`` tensor as the numbers PyTorch's kernel reads from it (promotion sees
+    only their kind; a fake tensor on the compiled path has no values)."""
+    one = True if t.dtype == torch.bool else 1j if t.dtype.is_complex else 1.0 if t.dtype.is_floating_point else 1
+    return [one] * t.shape[0]
 
 
 def replay_on_cpu(step, cpu: torch.Tensor) -> torch.Tensor:
