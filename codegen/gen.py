@@ -111,6 +111,7 @@ class _Spec:
         self.distinct_out = False
         self.out_overload = None
         self.validate = self.refuse_dtypes = self.validate_out = "None"
+        self.keeps_scalar = "()"
         self.__dict__.update(kw)
 
 
@@ -165,6 +166,7 @@ def build(entries):
             returns=s.returns,
             promote=repr(e.promote),
             promote_args=repr(e.promote_args or None),
+            keeps_scalar=repr(tuple(names.index(a) for a in e.keeps_scalar)) if e.keeps_scalar else "()",
             emit=f"E.{fn}",
             check=check,
             check_reads=check_reads,

@@ -15,6 +15,7 @@ KEYS = {
     "lower", "helper", "decompose", "fallback", "promote", "promote_args", "static", "random", "scatter",
     "variants", "dispatch", "test", "note", "check", "check_if", "index_dtype", "host_scalars", "copies",
     "distinct_out", "validate", "refuse_dtypes", "validate_out", "lower_inplace",
+    "keeps_scalar",
 }  # fmt: skip
 # How an entry is executed: exactly one of these fields, except for dispatch runtime/metadata.
 RULES = ("lower", "helper", "decompose", "fallback")
@@ -43,6 +44,10 @@ class Entry:
     helper: str | None = None
     promote: str | None = None
     promote_args: list = field(default_factory=list)
+    # Promoting arguments CPU's kernel reads at their own precision when they are 0-d tensors
+    # (``mul`` / ``div``'s second operand); any other 0-d tensor operand of another dtype is
+    # first rounded to the common dtype, as TensorIterator casts it
+    keeps_scalar: list = field(default_factory=list)
     static: list = field(default_factory=list)
     host_scalars: list = field(default_factory=list)  # CPU tensors of scalars, read on the host
     random: bool = False
@@ -230,7 +235,7 @@ def load(path: str, schemas: dict) -> list[Entry]:
         _check_rule(name, e)
         _check_test(name, e.test)
         argnames = {a.py for a in s.args if not a.is_out}
-        for field_name in ("promote_args", "static", "host_scalars"):
+        for field_name in ("promote_args", "static", "host_scalars", "keeps_scalar"):
             for a in getattr(e, field_name):
                 if a not in argnames:
                     raise RegistryError(f"ops.yaml entry '{name}': {field_name} names unknown argument '{a}'")

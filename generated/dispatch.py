@@ -1306,10 +1306,12 @@ S_mul_Tensor = OpSpec(
     "mul.Tensor", aten.mul.Tensor, E.mul_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
     out_overload=aten.mul.out,
+    keeps_scalar=(1,),
 )
 S_mul__Tensor = OpSpec(
     "mul_.Tensor", aten.mul_.Tensor, E.mul_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    keeps_scalar=(1,),
 )
 S_mul_Scalar = OpSpec(
     "mul.Scalar", aten.mul.Scalar, E.mul_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
@@ -1324,10 +1326,12 @@ S_div_Tensor = OpSpec(
     "div.Tensor", aten.div.Tensor, E.div_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
     out_overload=aten.div.out,
+    keeps_scalar=(1,),
 )
 S_div__Tensor = OpSpec(
     "div_.Tensor", aten.div_.Tensor, E.div_Tensor, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='int_to_float', promote_args=None, view=False, scatter=None, meta_overload=None,
+    keeps_scalar=(1,),
 )
 S_div_Scalar = OpSpec(
     "div.Scalar", aten.div.Scalar, E.div_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
@@ -1343,11 +1347,13 @@ S_div_Tensor_mode = OpSpec(
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.div_Tensor_mode__check, check_integral=True, check_reads=('None if rounding_mode is None else L.checks.divisor(out, other)', (1, 2), True),
     out_overload=aten.div.out_mode,
+    keeps_scalar=(1,),
 )
 S_div__Tensor_mode = OpSpec(
     "div_.Tensor_mode", aten.div_.Tensor_mode, E.div_Tensor_mode, ('self', 'other', 'rounding_mode'), (TENSOR, TENSOR, STATIC,), (False, False, True), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.div_Tensor_mode__check, check_integral=True, check_reads=('None if rounding_mode is None else L.checks.divisor(out, other)', (1, 2), True),
+    keeps_scalar=(1,),
 )
 S_neg = OpSpec(
     "neg.default", aten.neg.default, E.neg, ('self',), (TENSOR,), (False,), ONE,
@@ -2362,11 +2368,13 @@ S_floor_divide = OpSpec(
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.floor_divide__check, check_integral=True, check_reads=('L.checks.divisor(out, other)', (1,), True),
     out_overload=aten.floor_divide.out,
+    keeps_scalar=(1,),
 )
 S_floor_divide__Tensor = OpSpec(
     "floor_divide_.Tensor", aten.floor_divide_.Tensor, E.floor_divide, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
     promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
     check=E.floor_divide__check, check_integral=True, check_reads=('L.checks.divisor(out, other)', (1,), True),
+    keeps_scalar=(1,),
 )
 S_floor_divide_Scalar = OpSpec(
     "floor_divide.Scalar", aten.floor_divide.Scalar, E.floor_divide_Scalar, ('self', 'other'), (TENSOR, SCALAR,), (False, False), ONE,
@@ -2414,13 +2422,13 @@ S_copysign__Scalar = OpSpec(
 )
 S_nextafter = OpSpec(
     "nextafter.default", aten.nextafter.default, E.nextafter, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
-    promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    promote='no_opmath', promote_args=None, view=False, scatter=None, meta_overload=None,
     refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"nextafter_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.nextafter.out,
 )
 S_nextafter_ = OpSpec(
     "nextafter_.default", aten.nextafter_.default, E.nextafter, ('self', 'other'), (TENSOR, TENSOR,), (False, False), ONE,
-    promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
+    promote='no_opmath', promote_args=None, view=False, scatter=None, meta_overload=None,
     refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"nextafter_cpu" not implemented for \'{scalar_type}\'', False, False),),
 )
 S_heaviside = OpSpec(

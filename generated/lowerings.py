@@ -1376,15 +1376,15 @@ def heaviside(out, self, values):
 
 
 def xlogy_Tensor(out, self, other):
-    return jnp.where(jnp.isnan(other), jnp.nan, jnp.where(self == 0, 0, self * jnp.log(other)))
+    return jnp.where(jnp.isnan(other), jnp.nan, jnp.where(self == 0, 0, self * L.pointwise.in_result_dtype(out, jnp.log(other))))
 
 
 def xlogy_Scalar_Self(out, self, other):
-    return jnp.where(jnp.isnan(other), jnp.nan, jnp.where(self == 0, 0, self * jnp.log(other)))
+    return jnp.where(jnp.isnan(other), jnp.nan, jnp.where(self == 0, 0, self * L.pointwise.in_result_dtype(out, jnp.log(other))))
 
 
 def xlogy_Scalar_Other(out, self, other):
-    return jnp.where(jnp.isnan(other), jnp.nan, jnp.where(self == 0, 0, self * jnp.log(other)))
+    return jnp.where(jnp.isnan(other), jnp.nan, jnp.where(self == 0, 0, self * L.pointwise.in_result_dtype(out, jnp.log(L.pointwise.in_result_dtype(out, other)))))
 
 
 def special_xlog1py(out, self, other):

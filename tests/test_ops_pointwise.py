@@ -317,3 +317,54 @@ def test_ops_of_half_dtypes_take_numbers_in_the_result_dtype_as_cpu(dtype):
             # x + alpha * y: XLA's CPU code fuses the multiply and the add (one rounding in
             # float32, CPU's two), which moves a bfloat16 rounding in about 0.1-0.2% of elements
             assert diff <= (x.numel() // 200 if i in (3, 4) else 0), (i, diff)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_0d_tensor_of_another_dtype_is_rounded_to_the_common_dtype_as_cpu(dtype):
+    """CPU's TensorIterator casts every operand to the common dtype before a kernel computes in
+    float32: a 0-d float32 tensor beside a bfloat16 tensor is a bfloat16 value (``x < t`` with ``t
+    = 0.9`` compares with 0.8984375), except where the kernel reads it as given (``mul``'s and
+    ``div``'s second operand). The device computed with the float32 value: ``x ** t`` differed in
+    30% of elements, ``atan2(x, t)`` 12%, ``x == t`` wherever ``x`` is bfloat16's 0.9, ``xlogy(x,
+    0.9)`` everywhere (CPU also rounds its log), ``nextafter`` nearly everywhere (computed in
+    float32), ``mse_loss`` 44% (CPU rounds the difference). Also an integer tensor with a half
+    one. Through torch.compile too."""
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(3000, generator=g) * 3).to(dtype)
+    x[:40], x[40:80] = 0.8984375, -0.8984375  # bfloat16's 0.9: on the edge of every comparison
+    y = torch.randn(3000, generator=g).to(dtype)
+    t, big = torch.tensor(0.9), torch.randint(-5000, 5000, (3000,), generator=g)
+
+    def f(x, y, t, big):
+        return [
+            x.abs() ** t,
+            t**x,
+            torch.atan2(x, t),
+            torch.atan2(t, x),
+            torch.logaddexp(x, t),
+            torch.xlogy(x, t),
+            torch.xlogy(x, 0.9),
+            torch.nextafter(x, t),
+            torch.fmod(t, x),
+            x < t,
+            x == t,
+            t >= x,
+            x * t,
+            t * x,
+            x / t,
+            t / x,
+            torch.floor_divide(x, t),
+            torch.div(x, t, rounding_mode="trunc"),
+            torch.div(x, 0.9, rounding_mode="trunc"),
+            torch.addcmul(x, y, t),
+            x + big,
+            torch.maximum(x, t.to(x.dtype)),
+            torch.nn.functional.mse_loss(x, y, reduction="none"),
+            torch.nn.functional.mse_loss(x, y),
+        ]
+
+    want = f(x, y, t, big)
+    dev = [v.to("xla") for v in (x, y, t, big)]
+    for path, fn in (("lazy", f), ("compiled", torch.compile(f, backend="openxla"))):
+        for i, (a, b) in enumerate(zip(fn(*dev), want)):
+            assert a.dtype == b.dtype and torch.equal(a.cpu(), b), (path, i, (a.cpu() != b).sum().item())

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from xlatorch.lowering import nn
+from xlatorch.lowering.pointwise import HALF
 
 
 def _acc(*xs):
@@ -38,9 +39,17 @@ def _scaled(grad_output, x, reduction):
 
 
 def mse_loss(out, self, target, reduction):
-    """``aten::mse_loss``: reduced squared difference."""
+    """``aten::mse_loss``: reduced squared difference. A bfloat16 / float16 loss is CPU's: the
+    difference and each square rounded to the input's dtype (its kernel computes in that dtype)
+    before the reduction."""
     x, t = _acc(self, target)
-    return _reduce(jnp.square(x - t), reduction)
+    half = self.dtype if self.dtype in HALF else None
+    d = _rounded(x - t, half)
+    return _reduce(_rounded(d * d, half), reduction)
+
+
+def _rounded(v, dtype):
+    return v if dtype is None else v.astype(dtype).astype(v.dtype)
 
 
 def mse_loss_backward(out, grad_output, self, target, reduction):

@@ -200,13 +200,21 @@ def native_layer_norm_backward(out, grad_out, input, normalized_shape, mean, rst
     return gi, gw, gb
 
 
-def gelu(out, self, approximate):
-    """GELU; half dtypes in float32, rounded once, as CPU's kernel."""
-    return jax.nn.gelu(_wide(self), approximate=(approximate == "tanh")).astype(self.dtype)
-
-
 # C's M_SQRT2, M_2_SQRTPI, M_SQRT1_2 (the constants of CPU's GELU kernels)
 _SQRT2, _2_SQRTPI, _SQRT1_2 = 1.41421356237309504880, 1.12837916709551257390, 0.70710678118654752440
+
+
+def gelu(out, self, approximate):
+    """GELU by CPU's kernel's formula, ``x * 0.5 * (1 + erf(x / sqrt(2)))`` (``tanh``: ``0.5 * x *
+    (1 + tanh(b * (x + k * x**3)))``); half dtypes in float32, rounded once. JAX's ``erfc`` form
+    is more accurate for negative ``x``, where ``1 + erf`` cancels, and so further from CPU's:
+    7.5% of bfloat16 results differed by one rounding, 4.9% with this one (the rest: XLA's and
+    CPU's float32 ``erf`` differ, up to 2e-3 relative in ``1 + erf`` below x = -3)."""
+    x = _wide(self)
+    if approximate == "tanh":
+        beta, kappa = _SQRT2 * _2_SQRTPI * 0.5, 0.044715
+        return (0.5 * x * (1 + jnp.tanh(beta * (x + kappa * (x * x * x))))).astype(self.dtype)
+    return (x * 0.5 * (1 + lax.erf(x * _SQRT1_2))).astype(self.dtype)
 
 
 def gelu_backward(out, grad_output, self, approximate):

@@ -280,8 +280,9 @@ def div_mode(out, self, other, rounding_mode):
     if rounding_mode is None:
         return div(self, other)
     if _is_float(self):
-        if rounding_mode == "trunc":  # CPU rounds the quotient (and a number divisor) to the output dtype first
-            return jnp.trunc(div(self, in_result_dtype(out, other)).astype(out.dtype))
+        if rounding_mode == "trunc":  # CPU rounds the quotient to the output dtype first, unless the
+            q = div(self, other)  # divisor is one number (0-d): then it truncates float32's quotient
+            return jnp.trunc(q if np.ndim(other) == 0 else q.astype(out.dtype))
         return _div_floor_float(self, other)
     self, other = jnp.broadcast_arrays(self, other)
     return lax.div(self, other) if rounding_mode == "trunc" else jnp.floor_divide(self, other)

@@ -105,6 +105,9 @@ def _emit(spec, args, info, checks=None, casts=None):
             return _emit_groups(spec, args, info, checks, casts)
         cd = to_jax(info.cdtype)
         args = list(args)
+        for i, common in info.rounds:  # CPU's value: rounded to the common dtype first
+            if args[i] is not None:
+                args[i] = _cast(args[i], common, casts)
         for i in spec.promote_idx:
             a = args[i]
             if type(a) is list or type(a) is tuple:  # a foreach op's list: each element

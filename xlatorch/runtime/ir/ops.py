@@ -44,10 +44,13 @@ class Info:
     tuple shared by all of them (set by ``trace/nodes.py`` at the first), so that comparing two
     graphs' keys finds equal nodes by identity instead of walking their signatures."""
 
-    __slots__ = ("avals", "cdtype", "checked", "big", "key", "one", "fast")
+    __slots__ = ("avals", "cdtype", "checked", "big", "key", "one", "fast", "rounds")
 
-    def __init__(self, avals, cdtype, checked=False):
+    def __init__(self, avals, cdtype, checked=False, rounds=()):
         self.avals = avals
+        # ``((position, dtype), ...)``: 0-d tensor arguments rounded to the common dtype before the
+        # cast to ``cdtype`` (``trace/nodes.py``, ``_rounded``)
+        self.rounds = rounds
         self.one = avals[0] if len(avals) == 1 else None
         self.cdtype = cdtype
         self.checked = checked
@@ -74,14 +77,14 @@ class OpSpec:
         "name", "overload", "emit", "arg_names", "kinds", "kwarg_only", "returns",
         "promote", "promote_idx", "view", "scatter", "cache", "meta_overload", "check", "check_integral", "check_reads",
         "counter", "mutates", "born", "index_dtype", "prepare", "copies", "distinct_out",
-        "out_overload", "validate", "refuse_dtypes", "validate_out",
+        "out_overload", "validate", "refuse_dtypes", "validate_out", "keeps_scalar",
     )  # fmt: skip
 
     def __init__(self, name, overload, emit, arg_names, kinds, kwarg_only, returns,
                  promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
                  check=None, check_integral=False, mutates=(), index_dtype=None, copies=False,
                  check_reads=None, distinct_out=False, out_overload=None, validate=None,
-                 refuse_dtypes=None, validate_out=None):  # fmt: skip
+                 refuse_dtypes=None, validate_out=None, keeps_scalar=()):  # fmt: skip
         self.name = name
         self.overload = overload
         self.emit = emit
@@ -92,6 +95,9 @@ class OpSpec:
         self.promote = PROMOTION[promote] if promote else None
         names = promote_args or [n for n, k in zip(arg_names, kinds) if k in _PROMOTING]
         self.promote_idx = tuple(arg_names.index(n) for n in names)
+        # ops.yaml ``keeps_scalar``: promoting positions CPU's kernel reads at their own precision
+        # when 0-d (``mul``'s, ``div``'s second operand); others are rounded to the common dtype
+        self.keeps_scalar = keeps_scalar
         self.view = view
         # ops.yaml ``copies``: its result holds its first argument's elements when the dtype stays
         self.copies = copies

@@ -12,7 +12,7 @@ import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
 from xlatorch.runtime.base import config
-from xlatorch.runtime.base.dtypes import PY_SCALAR_DTYPE
+from xlatorch.runtime.base.dtypes import PY_SCALAR_DTYPE, to_jax
 from xlatorch.runtime.base.record import COUNTERS
 from xlatorch.runtime.base.source import user_frame
 from xlatorch.runtime.base.threads import CHECKED_SINCE_SYNC, TICKS, owner
@@ -331,7 +331,28 @@ def info_of(spec: OpSpec, meta: list, avals: tuple) -> Info:
     if checked and spec.check_integral:
         dt = (cdtype[0] if type(cdtype) is tuple else cdtype) or next(a[1] for a in avals if a is not None)
         checked = not (dt.is_floating_point or dt.is_complex)
-    return Info(avals, cdtype, checked)
+    rounds = () if cdtype is None or type(cdtype) is tuple else _rounded(spec, meta, cdtype)
+    return Info(avals, cdtype, checked, rounds)
+
+
+def _rounded(spec: OpSpec, meta: list, cdtype: torch.dtype) -> tuple:
+    """The tensor arguments CPU rounds to the common dtype before computing in a wider one:
+    TensorIterator casts every operand to the common dtype, so a 0-d float32 tensor with a
+    bfloat16 tensor is a bfloat16 value when ``pow``, ``atan2`` or ``x < t`` compute in float32
+    (an integer tensor likewise). Not a number (the op's own rule, ``L.pointwise.in_result_dtype``)
+    nor a 0-d operand CPU's kernel reads as given (ops.yaml ``keeps_scalar``: ``mul``, ``div``)."""
+    args = [meta[i] for i in spec.promote_idx]
+    if not any(isinstance(a, torch.Tensor) for a in args) or any(isinstance(a, list) for a in args):
+        return ()  # no tensor, or a foreach op's lists (each element's promotion: _computation_dtype)
+    common = elementwise_dtypes(*(meta[i] for i in spec.promote_idx if meta[i] is not None),
+                                type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)[1]  # fmt: skip
+    if common == cdtype or not (common.is_floating_point or common.is_complex):
+        return ()
+    return tuple(
+        (i, to_jax(common)) for i in spec.promote_idx
+        if isinstance(meta[i], torch.Tensor) and meta[i].dtype != common
+        and not (meta[i].dim() == 0 and i in spec.keeps_scalar)
+    )  # fmt: skip
 
 
 def _computation_dtype(spec: OpSpec, meta: list):
