@@ -1766,12 +1766,12 @@ S_gelu_backward = OpSpec(
 )
 S_tanh_backward = OpSpec(
     "tanh_backward.default", aten.tanh_backward.default, E.tanh_backward, ('grad_output', 'output'), (TENSOR, TENSOR,), (False, False), ONE,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
     out_overload=aten.tanh_backward.grad_input,
 )
 S_sigmoid_backward = OpSpec(
     "sigmoid_backward.default", aten.sigmoid_backward.default, E.sigmoid_backward, ('grad_output', 'output'), (TENSOR, TENSOR,), (False, False), ONE,
-    promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    promote='default', promote_args=None, view=False, scatter=None, meta_overload=None,
     out_overload=aten.sigmoid_backward.grad_input,
 )
 S_acos = OpSpec(

@@ -8,6 +8,7 @@ the conformance suite compares only shapes there).
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -555,3 +556,53 @@ def test_gelu_of_half_dtypes_is_computed_in_float32_as_on_cpu(dtype, approximate
     for w, v in ((want.detach(), got.detach().cpu()), (xr.grad, xd.grad.cpu())):
         ulp = torch.finfo(dtype).eps * w.float().abs().clamp_min(torch.finfo(dtype).tiny)
         assert v.dtype == dtype and float(((v.float() - w.float()).abs() / ulp).max()) <= 1
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Tanh()),
+        lambda: torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Sigmoid()),
+        lambda: torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.SiLU()),
+        lambda: torch.nn.Conv1d(4, 8, 3),
+    ],
+    ids=["tanh", "sigmoid", "silu", "conv1d"],
+)
+def test_bfloat16_layers_and_their_gradients_are_cpus(make):
+    """A bfloat16 layer's output and gradients as CPU computes them: CPU's gradient kernels of
+    tanh / sigmoid / SiLU compute in float32 and round once (the device had computed tanh's and
+    sigmoid's in bfloat16, and SiLU's went through PyTorch's decomposition for other backends,
+    rounding each step: 33-50% of input gradients differed); a convolution adds its bias before
+    rounding (28% of outputs differed)."""
+    torch.manual_seed(0)
+    cpu = make().to(torch.bfloat16)
+    dev = copy.deepcopy(cpu).to("xla")
+    x = torch.randn(8, 4, 64) if isinstance(cpu, torch.nn.Conv1d) else torch.randn(8, 16, 64)
+    x = x.to(torch.bfloat16)
+    xs = [x.clone().requires_grad_(), x.to("xla").requires_grad_()]
+    outs = []
+    for m, xi in zip((cpu, dev), xs):
+        out = m(xi)
+        dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+        out.backward(dy.to(xi.device))
+        outs.append(out)
+    # float32's last bit (a matmul's order of summation, XLA's and CPU's tanh) may move a
+    # bfloat16 rounding in a few elements of a thousand; a formula computed otherwise moves a third
+    pairs = [(outs[1].detach(), outs[0].detach()), (xs[1].grad, xs[0].grad)]
+    pairs += [(q.grad, p.grad) for p, q in zip(cpu.parameters(), dev.parameters())]
+    for i, (got, want) in enumerate(pairs):
+        diff = (got.cpu() != want).sum().item()
+        assert diff <= want.numel() // 50, (i, diff, want.numel())
+
+
+def test_silus_gradient_of_a_gradient_still_records_through_its_decomposition():
+    """SiLU's gradient reaches its one-kernel lowering only when autograd need not record it;
+    a gradient of a gradient (``create_graph=True``) decomposes as before, and matches CPU."""
+    x = torch.randn(50, dtype=torch.float64)
+    grads = []
+    for xi in (x.clone().requires_grad_(), x.to("xla").requires_grad_()):
+        (g,) = torch.autograd.grad(torch.nn.functional.silu(xi).sum(), xi, create_graph=True)
+        (gg,) = torch.autograd.grad(g.sum(), xi)
+        grads.append((g.detach().cpu(), gg.cpu()))
+    torch.testing.assert_close(grads[1][0], grads[0][0])
+    torch.testing.assert_close(grads[1][1], grads[0][1])

@@ -165,6 +165,8 @@ def register(factories: dict) -> None:
     _lib.impl("is_pinned", _is_pinned, "CPU")
     _lib.impl("ctc_loss.Tensor", _ctc_loss, "AutogradPrivateUse1")
     _lib.impl("one_hot", _one_hot, "AutogradPrivateUse1")
+    for name in _FUSED_BACKWARD:
+        _lib.impl(name, _fused_backward(getattr(aten, name).default), "AutogradPrivateUse1")
     _lib.impl("set_.source_Tensor_storage_offset", views.set_to_view, "AutogradPrivateUse1")
     fork.HOOKS.append(_refuse_ops_in_a_forked_child)
     _nested = torch.library.Library("_", "IMPL")
@@ -232,6 +234,24 @@ def _ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, reduct
         il, tl = (t.tolist() for t in lens)
         return aten.ctc_loss.IntList(log_probs, targets, il, tl, blank, reduction, zero_infinity)
     return aten.ctc_loss.Tensor._op_dk(_IMPLICIT, log_probs, targets, *lens, blank, reduction, zero_infinity)
+
+
+# Gradient ops that CPU computes in one kernel and PyTorch decomposes for any other backend (a
+# CompositeImplicitAutograd kernel: ``sigmoid``, ``mul``, ``add``... each rounded to the
+# tensors' dtype): a bfloat16 SiLU's gradient differed from CPU's in 48% of elements. Here they
+# reach their ops.yaml lowering (CPU's formula in float32, rounded once). When autograd must
+# record them (a gradient of a gradient), or for fake tensors, they decompose as before.
+_FUSED_BACKWARD = ("silu_backward", "mish_backward")
+
+
+def _fused_backward(op):
+    def kernel(*args):
+        if (torch.is_grad_enabled() and any(a.requires_grad for a in args)) or any(
+                type(a) is not XlaTensor for a in args):  # fmt: skip
+            return op._op_dk(_IMPLICIT, *args)
+        return XlaTensor.__torch_dispatch__(op, (XlaTensor,), args)
+
+    return kernel
 
 
 def _one_hot(self, num_classes=-1):
