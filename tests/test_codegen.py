@@ -30,6 +30,9 @@ def _load(tmp_path, text):
         ("add.Tensor:\n  lower: self\n  validate: V.mm(self, alpha)\n", r"validate reads the traced number\(s\)"),
         ("abs:\n  lower: self\n  refuse_dtypes: {dtypes: [bool], error: 'Oops: no'}\n", "refuse_dtypes: error is"),
         ("abs:\n  lower: self\n  refuse_dtypes: {dtypes: [boolean], error: 'RuntimeError: x'}\n", "'boolean' is not a"),
+        ("mul.Tensor:\n  lower: self\n  keeps_scalar: [divisor]\n", "keeps_scalar names unknown argument 'divisor'"),
+        ("mul.Tensor:\n  lower: self\n  lower_inplace: othr\n", r"\(lower_inplace\): unknown name 'othr'"),
+        ("mul.Tensor:\n  lower: self\n  variants: false\n  lower_inplace: self\n", "lower_inplace needs a lower and"),
     ],
 )
 def test_bad_entries_are_rejected_by_name(tmp_path, text, msg):
