@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from xlatorch.lowering import nn
 from xlatorch.lowering.pointwise import HALF
+from xlatorch.lowering.pointwise import rounded as _rounded
 
 
 def _acc(*xs):
@@ -45,10 +46,6 @@ def mse_loss(out, self, target, reduction):
     half = self.dtype if self.dtype in HALF else None
     d = _rounded(x - t, half)
     return _reduce(_rounded(d * d, half), reduction)
-
-
-def _rounded(v, dtype):
-    return v if dtype is None else v.astype(dtype).astype(v.dtype)
 
 
 def mse_loss_backward(out, grad_output, self, target, reduction):

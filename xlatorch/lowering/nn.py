@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from xlatorch.lowering.pointwise import HALF
+from xlatorch.lowering.pointwise import HALF, rounded
 from xlatorch.lowering.pointwise import wide as _wide
 
 
@@ -114,13 +114,9 @@ def log_softmax(out, self, dim):
     x = _wide(self.astype(out.dtype))
     if out.dtype not in HALF or x.ndim == 0 or dim % x.ndim != x.ndim - 1:
         return _on_vectors(lambda v: jax.nn.log_softmax(v, axis=dim), x).astype(out.dtype)
-
-    def rounded(v):
-        return v.astype(out.dtype).astype(x.dtype)
-
-    m = jnp.max(x, axis=-1, keepdims=True)
-    shifted = x - m
-    return (shifted - rounded(jnp.log(rounded(jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True))))).astype(out.dtype)
+    shifted = x - jnp.max(x, axis=-1, keepdims=True)
+    log_sum = rounded(jnp.log(rounded(jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True), out.dtype)), out.dtype)
+    return (shifted - log_sum).astype(out.dtype)
 
 
 def log_softmax_backward(out, grad_output, output, dim, input_dtype):

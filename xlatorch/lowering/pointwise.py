@@ -25,6 +25,12 @@ def wide(x):
     return x.astype(jnp.float32) if x.dtype in HALF else x
 
 
+def rounded(v, dtype):
+    """``v`` rounded to ``dtype`` and back (``dtype`` None: ``v`` as it is): a value CPU's kernel
+    stores in a half float between its steps (a composite's op result, a row's sum)."""
+    return v if dtype is None else v.astype(dtype).astype(v.dtype)
+
+
 def _is_one(s) -> bool:
     """Whether ``s`` is a constant 1 (a Scalar argument at its default lowers to one). A traced
     ``s`` (a number the program passed) is not known."""
