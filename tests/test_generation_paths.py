@@ -72,16 +72,18 @@ print(met.counter_value("StagedSync") or 0, met.counter_value("StagedDonation") 
 """
 
 
-def test_lazy_static_cache_generate_runs_in_stages_and_gives_cpus_tokens_without_checks():
-    """The lazy path without on-device checks (``XLATORCH_CHECKS=0``): each token is a staged
-    step (``input_ids`` grows) and the tokens are CPU's. The cache's update is in the forward's
-    stage, not the last one, so it is not donated there (only a last stage donates: nothing can
-    fail after it); ``test_a_staged_step_donates_the_buffer_it_updates_in_place`` has one that is."""
-    env = dict(os.environ, XLATORCH_CHECKS="0", XLATORCH_CACHE_DIR="", PYTHONPATH=ROOT)
+@pytest.mark.parametrize("checks", ["1", "0"])
+def test_lazy_static_cache_generate_runs_in_stages_donates_its_cache_and_gives_cpus_tokens(checks):
+    """The lazy path, with on-device checks (the default) and without: each token is a staged
+    step (``input_ids`` grows) and the tokens are CPU's. The forward's stage is the last that
+    compiles (the stop check's bookkeeping after it runs on the host), and its checks (the
+    embedding's token ids, the cache's positions) are decided on the host from what the host
+    stages made, so it donates the static KV cache it updates in place at every token."""
+    env = dict(os.environ, XLATORCH_CHECKS=checks, XLATORCH_CACHE_DIR="", PYTHONPATH=ROOT)
     out = subprocess.run([sys.executable, "-c", _LAZY], cwd=ROOT, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     staged, donated = map(int, out.stdout.split()[-2:])
-    assert staged > 0
+    assert staged > 0 and donated == staged
 
 
 def _grow(steps, cache):

@@ -21,9 +21,10 @@ from xlatorch.runtime.base.fork import check as check_fork
 from xlatorch.runtime.base.record import COUNTERS
 from xlatorch.runtime.base.source import fmt_src, user_frame
 from xlatorch.runtime.base.threads import BODIES, CHECKED_SINCE_SYNC, DEFERRED, LOCK, _in_backward
-from xlatorch.runtime.execute import dry, faults, host, settle
+from xlatorch.runtime.execute import dry, faults, settle
 from xlatorch.runtime.execute.compile import executable
 from xlatorch.runtime.execute.execution import EXECUTIONS, uninterrupted
+from xlatorch.runtime.execute.staged import may_donate, run_stages
 from xlatorch.runtime.ir import failed
 from xlatorch.runtime.ir import values as ir
 from xlatorch.runtime.ir.failed import FailedValueError
@@ -90,11 +91,7 @@ class Step:
         # outputs are written would make XLA copy every updated buffer.
         out_avals = {st.value.aval for st in self.storages}
         self.held = held = () if in_graph else {id(leaves[k[0]]) for k in kept if k is not None and k[0] >= 0}
-        # Not data held on the host too (``Data.host``): small, maybe not uploaded yet; it saves nothing.
-        self.donate = tuple(
-            i for i, v in enumerate(data)
-            if (v.holders == 0 or v.donor) and v.aval in out_avals and id(v) not in held and v.host is None
-        )  # fmt: skip
+        self.donate = tuple(i for i, v in enumerate(data) if id(v) not in held and may_donate(v, out_avals))
         self.spmd = sharding.prepare(data, self.storages) if topology.SPMD[0] else None  # (mesh, key part, outs)
         self.key = (tuple(g.enc), g.root_refs, tuple([v.sig for v in leaves]), self.donate, gdev, kept,
                     self.spmd and self.spmd[1], in_graph)  # fmt: skip
@@ -346,7 +343,7 @@ def _run(step: Step) -> None:
             stage = stages.split(g.nodes, g.enc, g.root_refs, gdev, step.reason)
             if stage is not None:
                 with uninterrupted():  # a stage that donated runs and commits whole
-                    staged = _run_stages(step, stage)
+                    staged = run_stages(step, stage, _commit)
                 if staged:
                     _traced(step.t0)
                     return
@@ -415,85 +412,6 @@ def _traced(t0) -> None:
         # Host time of the step outside the sync itself: op tracing plus the user's Python.
         record.add_sample("LazyTracing", t0 - _last_sync)
     _last_sync = now
-
-
-def _run_stages(step: Step, stage) -> bool:
-    """Run the step's graph as the stages ``stages.split`` gave its nodes, then commit the step
-    whole. Nothing is committed before the last stage has run, so on a failure (a check that
-    fires, an error) this returns False having changed nothing, and the caller runs the graph
-    whole, which reports it as usual. Unless a stage donated: the step's donatable leaves
-    (``Step.prepare``; none in a checked graph or a borrowed plan) go to the last stage reading
-    each (``stages.donors``). After one did, an error fails the step whole instead: storages
-    get back their data from before it where it still exists, the others carry the error."""
-    settle.settle()  # before the try below: an earlier step's error is not a stage's to swallow
-    t_run = time.perf_counter_ns()
-    g, gdev, timed = step.graph, step.storages[0].dev, step.timed
-    nodes, leaves, enc = g.nodes, g.leaves, g.enc
-    cut: dict = {}  # id(Out) -> Data: values computed by the stages so far
-    outs = ()
-    whole = type(stage) is stages.Whole  # a tiny graph: on the host, or whole as usual
-    borrowed = type(stage) is stages.Borrowed  # runs only if it compiles nothing, else whole as before
-    parts = stages.stages(enc, g.root_refs, stage)
-    donors = {} if whole or borrowed else stages.donors(nodes, leaves, enc, stage, [step.data[i] for i in step.donate])
-    last = parts[-1][0] if parts else -1
-    donated = False
-    try:
-        for s, ks, refs in parts if borrowed else ():
-            if s & 1 and _stage_key(stages.encode(nodes, leaves, enc, stage, ks, refs, {}), gdev) not in cache.CACHE:
-                return False
-        for s, ks, refs in parts:
-            roots = [nodes[r // 4096].outs[r % 4096] for r in refs]
-            sn = [nodes[k] for k in ks]
-            if not s & 1:  # a stage of changing nodes: on the host if it may
-                uploaded = host.on_host(sn, cut, roots, gdev, whole)
-                if uploaded is not None:
-                    for o, d in zip(roots, uploaded):
-                        cut[id(o)] = d
-                    continue
-                if whole or borrowed:
-                    return False
-            sl, senc, srefs = stages.encode(nodes, leaves, enc, stage, ks, refs, cut)
-            data = [v for v in sl if type(v) is Data]
-            packed, kinds = pack(sl)
-            out_avals = {o.aval for o in roots}
-            # Only the last stage donates: nothing compiles after it, so an error after a donation
-            # can only be its own execution's (the whole path's case), never a later stage's compile.
-            donate = () if s != last else tuple(
-                i for i, d in enumerate(data) if donors.get(id(d)) == s and d.aval in out_avals)  # fmt: skip
-            req = CompileRequest(_stage_key((sl, senc, srefs), gdev, donate), sn, sl, kinds, srefs, data, packed,
-                                 donate, gdev, (), cut, None, not s & 1)  # fmt: skip
-            exe = executable(req, timed)
-            check_memory(exe, gdev, sn, step.reason)
-            record.add_sample("TensorsGraphSize", len(sn))
-            cache.touch(exe)
-            with timed("ExecuteDispatchTime"):
-                donated |= bool(donate)
-                outs = exe.compiled([d.array for d in data], packed)
-            if exe.checks is not None:
-                if checks.failure(exe.checks.rows, outs[-1], checks.where(exe.checks.rows, sn)) is not None:
-                    return False
-                outs = outs[:-1]
-            for o, arr in zip(roots, outs):
-                cut[id(o)] = Data(arr, o.aval, gdev)
-    except Exception as e:
-        if donated:
-            faults.give_back_or_fail(step.storages, e)
-            raise
-        return False
-    COUNTERS["GraphOnHost" if whole else "StagedSync"] += 1
-    if donated:
-        COUNTERS["StagedDonation"] += 1
-    with uninterrupted():
-        _commit(step, [cut[id(st.value)] for st in step.storages], t_run)
-    return True
-
-
-def _stage_key(encoded, gdev, donate=()) -> tuple:
-    """A stage's executable-cache key, from ``stages.encode`` and what it donates; no kept data."""
-    sl, senc, srefs = encoded
-    key = (tuple(senc), srefs, tuple([v.sig for v in sl]), donate, gdev, (), None)
-    opts = regions.options_key() if regions.ACTIVE or regions.CUSTOM else None
-    return key if opts is None else key + (opts,)
 
 
 def _give(step: Step, arrays) -> None:

@@ -202,13 +202,15 @@ def _same(n):
     return expr, tuple((n.args[i], cd if i in spec.promote_idx else None) for i in at), info.avals if out else None
 
 
-def decided(nodes) -> bool:
-    """Whether the checks of ``nodes`` (a graph's) are all decided on the host, none firing."""
+def decided(nodes, cut=None) -> bool:
+    """Whether the checks of ``nodes`` (a graph's, or a stage's) are all decided on the host,
+    none firing. ``cut``: a staged step's values computed so far (``id(Out)`` -> ``Data``): those
+    a host stage made are the host's values too."""
     checked = [n for n in nodes if n.info.checked]
     for n in checked:  # first the answer that costs nothing: a generation step's compiled forward
         if not isinstance(n.spec.overload, torch._ops.OpOverload):
             return False  # a body's or a compiled graph's checks (loops, torch.compile): on the device
-    views: dict = {}
+    views: dict = {} if not cut else {k: d.host for k, d in cut.items() if d.host is not None}
     passed: set = set()  # the checks decided so far, as _same's keys: a loss's backward repeats its forward's
     for n in checked:
         same = _same(n)

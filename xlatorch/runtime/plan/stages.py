@@ -50,6 +50,7 @@ __all__ = [
     "stages",
     "encode",
     "donors",
+    "donating",
     "exact",
     "bookkeeping",
     "Whole",
@@ -242,12 +243,12 @@ def encode(nodes, leaves, enc, stage, ks, refs, cut):
     return sl, senc, tuple(pos[r // 4096] * 4096 + r % 4096 for r in refs)
 
 
-def donors(nodes, leaves, enc, stage, data) -> dict:
+def donors(leaves, enc, stage, data) -> dict:
     """``id`` -> stage, for each of ``data`` (device-data leaves a staged step may donate: no
     live tensor holds them): the last stage reading it, whose executable may reuse its buffer.
-    Empty when a node is checked: a check that fires makes the caller run the graph whole, from
-    the leaves (and a checked step keeps what it updates in place, ``plan/keep.py``)."""
-    if not data or any(n.info.checked for n in nodes):
+    The caller donates only to a stage with no checks to read: a check that fires makes it run
+    the graph whole, from the leaves."""
+    if not data:
         return {}
     want = {id(d) for d in data}
     last: dict = {}
@@ -256,6 +257,16 @@ def donors(nodes, leaves, enc, stage, data) -> dict:
             if r < 0 and id(leaves[-1 - r]) in want:
                 last[id(leaves[-1 - r])] = stage[k]  # nodes are in order, stages increase along them
     return last
+
+
+def donating(parts, nodes) -> int:
+    """The stage that may donate, of ``stages``' ``parts``: the last one that compiles, that is
+    the last but trailing stages of bookkeeping with no checks (on the host: they compile
+    only if PyTorch's kernel fails there, and then read no check rows); -1 when none."""
+    for s, ks, _ in reversed(parts):
+        if s & 1 or not all(bookkeeping(nodes[k]) and not nodes[k].info.checked for k in ks):
+            return s
+    return -1
 
 
 HOST_MAX_ELEMENTS = 1 << 16  # per value: a stage reading or making more stays on the device

@@ -1,0 +1,100 @@
+"""A staged step (a growing loop: ``runtime/execute/staged.py``) donates the buffers it updates
+in place once its checks are decided on the host from the values its host stages made, and a
+check that fires still raises CPU's error with the state from before the step intact. Every
+op here is exact in float32 (powers of two, sums of a few of them, relu): the device's values
+must equal CPU's bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import xlatorch.core.xla_model as xm
+import xlatorch.debug.metrics as met
+
+ROWS = 16
+
+
+def _count(name: str) -> int:
+    return met.counter_value(name) or 0
+
+
+def _counts() -> dict:
+    return {k: _count(k) for k in ("StagedSync", "StagedDonation", "ChecksOnHost", "CheckRowsRead")}
+
+
+def _since(before: dict) -> dict:
+    return {k: _count(k) - v for k, v in before.items()}
+
+
+def _loop(steps, cache, bad_at=None, from_device=False):
+    """A generation loop's shape: ``ids`` gains a column per step (host bookkeeping), a row of
+    ``cache`` is computed by enough unchanged nodes for the step to run in stages and written
+    at a position taken from ``ids`` (``index_copy_``: a checked op), and the host reads a value
+    each step. ``bad_at``: the step whose position is out of range. ``from_device``: the
+    position comes from a device value (a float comparison), which the host does not hold."""
+    ids = torch.zeros(1, 1, dtype=torch.long, device=cache.device)
+    w = torch.full((8, 8), 0.5, device=cache.device)
+    for t in range(steps):
+        h = cache[:1] @ w
+        for _ in range(12):
+            h = torch.relu(h - 1.0) * 0.5
+        if from_device:
+            pos = (h.sum(1) >= 0).long() + ids[0, -1:] % (ROWS - 1)
+        else:
+            pos = ids[0, -1:] % ROWS if t != bad_at else ids[0, -1:] + 100
+        cache.index_copy_(0, pos, h + ids[0, -1].float())
+        ids = torch.cat([ids, ids[:, -1:] + 1], dim=1)
+        assert int(ids[0, -1]) == t + 1  # the host reads: one sync per step
+    return ids
+
+
+def _start():
+    cpu = torch.arange(ROWS * 8, dtype=torch.float32).reshape(ROWS, 8) / 8
+    dev = cpu.to("xla")
+    xm.mark_step()
+    return cpu, dev
+
+
+def test_a_staged_step_whose_checks_the_host_decides_donates_what_it_updates_in_place():
+    cpu, dev = _start()
+    before = _counts()
+    for _ in range(2):  # the first steps compile; the loop again reuses them
+        _loop(5, cpu)
+        _loop(5, dev)
+    got = _since(before)
+    assert torch.equal(dev.cpu(), cpu)
+    assert got["StagedSync"] >= 6, got  # each step but the first of a loop runs in stages
+    assert got["ChecksOnHost"] == got["StagedSync"], got  # index_copy_'s check, decided on the host
+    assert got["StagedDonation"] == got["StagedSync"], got  # ... so the cache's old buffer is reused
+
+
+def test_a_check_that_fires_in_a_staged_step_raises_cpus_error_with_the_state_from_before():
+    cpu, dev = _start()
+    _loop(4, cpu)
+    _loop(4, dev)
+    assert torch.equal(dev.cpu(), cpu)
+    with pytest.raises(IndexError, match="index 106 is out of bounds") as cpu_error:
+        _loop(7, cpu, bad_at=6)
+    before = _counts()
+    with pytest.raises(IndexError) as dev_error:
+        _loop(7, dev, bad_at=6)
+    assert str(dev_error.value).startswith(str(cpu_error.value))
+    # The steps before it ran in stages and donated; the failing one donated nothing (its check
+    # fires on the host too, so it runs checked) and undid itself
+    assert torch.equal(dev.cpu(), cpu)
+    got = _since(before)
+    assert got["StagedDonation"] == got["ChecksOnHost"] == got["StagedSync"] >= 2, got
+    _loop(3, dev)  # and the loop goes on from there
+    _loop(3, cpu)
+    assert torch.equal(dev.cpu(), cpu)
+
+
+def test_a_check_on_a_value_the_device_computed_is_read_and_donates_nothing():
+    cpu, dev = _start()
+    _loop(6, cpu, from_device=True)
+    before = _counts()
+    _loop(6, dev, from_device=True)
+    got = _since(before)
+    assert torch.equal(dev.cpu(), cpu)
+    assert got["StagedSync"] >= 4 and got["StagedDonation"] == 0 and got["ChecksOnHost"] == 0, got
