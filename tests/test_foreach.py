@@ -103,8 +103,21 @@ def _foreach_calls(xs, ys, zs):
 # float's rounding in a few elements of a thousand: an add with alpha and addcdiv (XLA's CPU code
 # fuses a multiply and an add into one rounding where CPU's kernel may round twice), a division by
 # a number (XLA multiplies by its reciprocal), sqrt and pow (XLA's float32 functions and CPU's
-# vectorized ones are not both correctly rounded).
+# vectorized ones are not both correctly rounded: on an AMD EPYC, PyTorch's float32 sqrt differs
+# from the correctly rounded one in 20% of elements; the device's is correctly rounded). A float32
+# tensor of these calls is compared to within that last bit; a half float's by its count.
 _LAST_BIT = {2, 6, 9, 10, 11, 12}
+
+
+def _differing(i, got, want) -> int:
+    """How many elements of ``got`` differ from ``want`` (NaN equal to NaN); for a float32
+    tensor of a ``_LAST_BIT`` call, asserts each is within one float32 ulp instead, and counts 0."""
+    got = got.cpu()
+    if i in _LAST_BIT and want.dtype == torch.float32:
+        ulp = torch.finfo(torch.float32).eps * want.abs()  # one ulp or two (at a power of two)
+        assert (((got - want).abs() <= ulp) | (got.isnan() & want.isnan())).all(), i
+        return 0
+    return ((got != want) & ~(want.isnan() & got.isnan())).sum().item()
 
 
 @pytest.mark.parametrize(
@@ -130,7 +143,7 @@ def test_foreach_ops_compute_each_tensor_as_its_single_op_on_cpu(dtypes):
         fn = _foreach_calls if path == "lazy" else torch.compile(_foreach_calls, backend="openxla")
         for i, (got, exp) in enumerate(zip(fn(*to_dev), want)):
             assert [a.dtype for a in got] == [b.dtype for b in exp]
-            diff = sum(((a.cpu() != b) & ~(b.isnan() & a.cpu().isnan())).sum().item() for a, b in zip(got, exp))
+            diff = sum(_differing(i, a, b) for a, b in zip(got, exp))
             assert diff <= (sum(b.numel() for b in exp) // 50 if i in _LAST_BIT else 0), (path, i, diff)
 
 
