@@ -128,7 +128,9 @@ def test_autocast_policy_matches_cpu(name, fn, make):
 
 
 # Ops each of whose outputs is a sum of products of its (bfloat16) inputs' elements
-SUMS_OF_PRODUCTS = set("mm bmm addmm baddbmm addbmm matmul linear conv1d conv2d conv_transpose2d.input einsum mv".split())
+SUMS_OF_PRODUCTS = set(
+    "mm bmm addmm baddbmm addbmm matmul linear conv1d conv2d conv_transpose2d.input einsum mv".split()
+)
 U = 2.0**-8  # bfloat16's unit roundoff
 
 
