@@ -26,7 +26,7 @@ bits (``zero_``, ``zeros``, views, ``cat``) or compares. A generation loop's set
 cache resets compile nothing then, each one new to the cache (counter ``GraphOnHost``). A graph
 cut by ``mark_step`` never does: its values stay on the device for the next step.
 
-``split`` decides; ``graph._run_stages`` runs the stages (``on_host`` for those that may)
+``split`` decides; ``execute/staged.run_stages`` runs the stages (``on_host`` for those that may)
 and commits the step whole. A changing part that must compile splits off only when it is
 the small part of a large graph (at most half the nodes, ``MIN_UNCHANGED`` unchanged ones);
 a graph needing more than ``MAX_STAGES`` stages, a graph with collectives, an SPMD graph
