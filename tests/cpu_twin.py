@@ -26,3 +26,16 @@ def runs_as_on_cpu(program, atol: float = 0, rtol: float = 0) -> None:
     want, got = program("cpu"), program("xla")
     assert got.dtype == want.dtype and got.shape == want.shape
     torch.testing.assert_close(got.cpu(), want, atol=atol, rtol=rtol)
+
+
+def bfloat16_sums_as_cpu(got, want, exact, magnitude, terms) -> None:
+    """Each element a bfloat16 sum of products. ``got`` (the device: summed in float32, rounded
+    once) is within a bfloat16 rounding of ``exact`` (the float64 sum of the same bfloat16
+    values). CPU's kernel may sum in bfloat16 itself (oneDNN on a CPU without bfloat16
+    instructions, such as an AMD EPYC), so ``want`` is held to the bound of such a sum: (terms
+    + 1) roundings of the sum of the terms' magnitudes. ``magnitude`` and ``terms``: per
+    element, that sum and the count of terms (the same computation on absolute values, on ones)."""
+    u = 2.0**-8  # bfloat16's unit roundoff
+    got, want = got.cpu().double(), want.double()
+    assert ((got - exact).abs() <= u * exact.abs() + 2.0**-20 * terms * magnitude).all()
+    assert ((want - exact).abs() <= (terms + 1) * u * magnitude).all()

@@ -14,6 +14,7 @@ import xlatorch
 import xlatorch.core.xla_model as xm
 import xlatorch.debug as xd
 import xlatorch.debug.metrics as met
+from tests.cpu_twin import bfloat16_sums_as_cpu
 from tests.tolerances import AdaptiveSteps
 from xlatorch.amp import GradScaler, autocast, syncfree
 from xlatorch.amp.policy import FP32, LOW, POLICY, PROMOTE
@@ -131,23 +132,16 @@ def test_autocast_policy_matches_cpu(name, fn, make):
 SUMS_OF_PRODUCTS = set(
     "mm bmm addmm baddbmm addbmm matmul linear conv1d conv2d conv_transpose2d.input einsum mv".split()
 )
-U = 2.0**-8  # bfloat16's unit roundoff
 
 
 def _assert_sum_of_products(fn, args, got, want):
-    """``got`` (the device: products summed in float32, rounded once to bfloat16) is within a
-    bfloat16 rounding of the exact sum, computed in float64 from the same bfloat16 inputs. CPU's
-    kernel may sum in bfloat16 itself (oneDNN without bfloat16 instructions: on an AMD EPYC 173 of
-    392 ``conv_transpose2d`` outputs were not the exact sum rounded, off by up to 0.075), so
-    ``want`` is held to the bound of a bfloat16 sum: (terms + 1) roundings of the sum of the
-    terms' magnitudes, each output's count of terms and that sum computed by the op itself."""
+    """The device's sum and CPU's, against the exact one (``cpu_twin.bfloat16_sums_as_cpu``: on an
+    AMD EPYC 173 of 392 of CPU's ``conv_transpose2d`` outputs were not the exact sum rounded, off
+    by up to 0.075), each output's count of terms and sum of magnitudes computed by the op itself."""
     low = [a.to(BF).double() if a.is_floating_point() else a for a in args]
-    exact = fn(*low)
     magnitude = fn(*[a.abs() if a.is_floating_point() else a for a in low])
     terms = fn(*[torch.ones_like(a) if a.is_floating_point() else a for a in low])
-    got, want = got.double(), want.double()
-    assert ((got - exact).abs() <= U * exact.abs() + 2.0**-20 * terms * magnitude).all()
-    assert ((want - exact).abs() <= (terms + 1) * U * magnitude).all()
+    bfloat16_sums_as_cpu(got, want, fn(*low), magnitude, terms)
 
 
 def test_every_class_is_exercised():

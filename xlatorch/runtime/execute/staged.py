@@ -84,9 +84,10 @@ def run_stages(step, stage, commit) -> bool:
             # check), so an error after a donation is its own execution's, as on the whole path.
             donate = () if s != last or rows else tuple(
                 i for i, d in enumerate(data) if donors.get(id(d)) == s and d.aval in out_avals)  # fmt: skip
-            key = _stage_key((sl, senc, srefs), gdev, donate, kept)
-            if donate or kept:  # a borrowed plan looks this stage up by its plain key
-                _variant(_stage_key((sl, senc, srefs), gdev), key)
+            key = plain = _stage_key((sl, senc, srefs), gdev)
+            if donate or kept:  # the same key with what it donates and keeps; a borrowed plan finds it by ``plain``
+                key = plain[:3] + (donate, gdev, kept) + plain[6:]
+                _variant(plain, key)
             if borrowed and not donated and key not in cache.CACHE:
                 return False  # nothing donated yet: only this stage or a later one donates
             req = CompileRequest(key, sn, sl, kinds, srefs, data, packed, donate, gdev, kept, cut, None, not s & 1)
@@ -127,10 +128,10 @@ def _variant(plain, key) -> None:
     _VARIANTS[plain] = key
 
 
-def _stage_key(encoded, gdev, donate=(), kept=()) -> tuple:
-    """A stage's executable-cache key, from ``stages.encode``, what it donates and whether its
-    checks were decided on the host (``kept``: ``keep.UNCHECKED``, else nothing kept)."""
+def _stage_key(encoded, gdev) -> tuple:
+    """A stage's plain executable-cache key, from ``stages.encode``: nothing donated (slot 3),
+    nothing kept (slot 5; ``keep.UNCHECKED`` there: its checks were decided on the host)."""
     sl, senc, srefs = encoded
-    key = (tuple(senc), srefs, tuple([v.sig for v in sl]), donate, gdev, kept, None)
+    key = (tuple(senc), srefs, tuple([v.sig for v in sl]), (), gdev, (), None)
     opts = regions.options_key() if regions.ACTIVE or regions.CUSTOM else None
     return key if opts is None else key + (opts,)
