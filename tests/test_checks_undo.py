@@ -292,9 +292,11 @@ def test_a_step_that_fails_gives_back_data_the_program_wrote_in_an_earlier_step(
     torch.testing.assert_close(x.cpu(), torch.ones(3))
 
 
-def test_a_compiled_graphs_checks_stay_on_the_device():
-    """A node holding a whole graph (torch.compile's, a loop's body) is checked on the device,
-    even over indices the host holds: only ops.yaml's own checks are computed on the host."""
+def test_a_compiled_graphs_checks_are_its_ops_checks_decided_on_the_host():
+    """A node holding torch.compile's graph gives its checked ops (``FxProgram.inner_checks``):
+    over indices the host holds, their ops.yaml checks are decided on the host as a lazily traced
+    op's are (the step then compiles and runs without them), and one that fires leaves the step
+    checked, raising CPU's error from the device."""
     w = torch.randn(10, 4).to("xla")
     f = torch.compile(lambda w, i: F.embedding(i, w) * 2, backend="openxla")
     xm.mark_step()
@@ -302,34 +304,38 @@ def test_a_compiled_graphs_checks_stay_on_the_device():
     got = f(w, I([1, 9], device="xla"))
     xm.mark_step()
     torch.testing.assert_close(got.cpu(), F.embedding(I([1, 9]), w.cpu()) * 2)
-    assert not met.counter_value("ChecksOnHost")
+    assert met.counter_value("ChecksOnHost") == 1 and met.counter_value("CheckRowsRead") is None
     with pytest.raises(IndexError, match="index out of range"):
         f(w, I([1, 12], device="xla")).cpu()
+    assert met.counter_value("ChecksOnHost") == 1 and met.counter_value("CheckRowsRead") == 1
 
 
-def test_beside_a_compiled_graphs_checks_no_check_is_computed_on_the_host(monkeypatch):
-    """A step holding a compiled graph's node runs checked whatever the host finds (above), so
-    the ops.yaml checks of its other nodes are not computed on the host first (a generation
-    step's mask indexing beside its compiled forward, once a token)."""
+def test_a_compiled_graphs_check_on_a_value_it_computes_stays_on_the_device(monkeypatch):
+    """An index the compiled graph computes itself (``i + 1``) is not the host's: the step runs
+    checked, and the host computes no check at all, not even the ops.yaml check of a lazily
+    traced op beside it (a generation step's mask indexing beside its compiled forward)."""
     from xlatorch.runtime.plan import prechecks
 
     w = torch.randn(10, 4).to("xla")
-    f = torch.compile(lambda w, i: F.embedding(i, w) * 2, backend="openxla")
-    ids = I([1, 9], device="xla")
+    f = torch.compile(lambda w, i: F.embedding(i + 1, w) * 2, backend="openxla")
+    ids = I([1, 8], device="xla")
     xm.mark_step()
     computed = []
     real = prechecks._bads
-    monkeypatch.setattr(prechecks, "_bads", lambda *a: computed.append(a[0].spec.name) or real(*a))
+    monkeypatch.setattr(prechecks, "_bads", lambda *a: computed.append(a[0].name) or real(*a))
     alone = F.embedding(ids, w)  # checked over ids the host holds: decided on the host by itself
     xm.mark_step()
     assert computed == ["embedding.default"]
     computed.clear()
-    alone = F.embedding(ids, w)
+    met.clear_all()
     got = f(w, ids)
+    alone = F.embedding(ids, w)
     xm.mark_step()
-    assert computed == []
-    torch.testing.assert_close(got.cpu(), F.embedding(I([1, 9]), w.cpu()) * 2)
-    torch.testing.assert_close(alone.cpu(), F.embedding(I([1, 9]), w.cpu()))
+    assert computed == [] and met.counter_value("ChecksOnHost") is None
+    torch.testing.assert_close(got.cpu(), F.embedding(I([2, 9]), w.cpu()) * 2)
+    torch.testing.assert_close(alone.cpu(), F.embedding(I([1, 8]), w.cpu()))
+    with pytest.raises(IndexError, match="index out of range"):
+        f(w, I([1, 9], device="xla")).cpu()
 
 
 def test_a_losss_backward_is_not_checked_again_on_the_targets_its_forward_checked(monkeypatch):
@@ -340,7 +346,7 @@ def test_a_losss_backward_is_not_checked_again_on_the_targets_its_forward_checke
 
     computed = []
     real = prechecks._bads
-    monkeypatch.setattr(prechecks, "_bads", lambda *a: computed.append(a[0].spec.name) or real(*a))
+    monkeypatch.setattr(prechecks, "_bads", lambda *a: computed.append(a[0].name) or real(*a))
     w = torch.randn(3, 5, requires_grad=True)
     x, y = torch.randn(4, 3), I([0, 4, 2, 1])
     wd = w.detach().to("xla").requires_grad_()

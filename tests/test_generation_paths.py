@@ -37,12 +37,16 @@ def test_a_compiled_forward_with_a_static_cache_gives_cpus_tokens_and_compiles_o
     """Hugging Face's fast path. The first call compiles the prefill and the decode step (at
     most 6 programs); the second traces the prefill once more (Hugging Face's static cache
     initializes itself lazily: the first prefill was traced creating it, and Dynamo guards
-    on that), and from then on a call compiles nothing."""
+    on that), and from then on a call compiles nothing. Each token is a staged step whose
+    compiled forward's checks (the embedding's ids, the cache's positions) are decided on the
+    host, so it donates the static KV cache it updates in place."""
     cpu = _llama()
     dev = _llama().to(xm.xla_device())
     dev.forward = torch.compile(dev.forward, backend="openxla")
     compiles = []
     for seed in range(4):
+        if seed == 2:
+            start = {k: _count(k) for k in ("StagedSync", "StagedDonation")}
         ids = torch.randint(1, V, (1, 6), generator=torch.Generator().manual_seed(seed))
         with torch.no_grad():
             want = cpu.generate(ids, attention_mask=torch.ones_like(ids), **KW)
@@ -55,6 +59,8 @@ def test_a_compiled_forward_with_a_static_cache_gives_cpus_tokens_and_compiles_o
     assert compiles[0] <= 6
     assert compiles[1] <= 1  # the prefill over the initialized cache
     assert compiles[2:] == [0, 0]
+    staged, donated = (_count(k) - v for k, v in start.items())
+    assert staged > 0 and donated == staged, (staged, donated)
 
 
 _LAZY = """

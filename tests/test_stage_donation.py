@@ -1,6 +1,7 @@
 """A staged step (a growing loop: ``runtime/execute/staged.py``) donates the buffers it updates
-in place once its checks are decided on the host from the values its host stages made, and a
-check that fires still raises CPU's error with the state from before the step intact. Every
+in place once its checks are decided on the host from the values its host stages made (also
+those of the ops inside a ``torch.compile`` graph), and a check that fires still raises CPU's
+error with the state from before the step intact. Every
 op here is exact in float32 (powers of two, sums of a few of them, relu): the device's values
 must equal CPU's bit for bit."""
 
@@ -27,7 +28,17 @@ def _since(before: dict) -> dict:
     return {k: _count(k) - v for k, v in before.items()}
 
 
-def _loop(steps, cache, bad_at=None, from_device=False):
+def _put(cache, pos, row):
+    cache.index_copy_(0, pos, row)
+
+
+def _writer(how):
+    """How the loop writes the cache: ``index_copy_`` traced lazily, or inside a graph of
+    ``torch.compile`` (one node holding the checked op; on CPU always the plain call)."""
+    return _put if how == "lazy" else torch.compile(_put, backend="openxla")
+
+
+def _loop(steps, cache, bad_at=None, from_device=False, put=_put):
     """A generation loop's shape: ``ids`` gains a column per step (host bookkeeping), a row of
     ``cache`` is computed by enough unchanged nodes for the step to run in stages and written
     at a position taken from ``ids`` (``index_copy_``: a checked op), and the host reads a value
@@ -43,7 +54,7 @@ def _loop(steps, cache, bad_at=None, from_device=False):
             pos = (h.sum(1) >= 0).long() + ids[0, -1:] % (ROWS - 1)
         else:
             pos = ids[0, -1:] % ROWS if t != bad_at else ids[0, -1:] + 100
-        cache.index_copy_(0, pos, h + ids[0, -1].float())
+        (put if cache.device.type == "xla" else _put)(cache, pos, h + ids[0, -1].float())
         ids = torch.cat([ids, ids[:, -1:] + 1], dim=1)
         assert int(ids[0, -1]) == t + 1  # the host reads: one sync per step
     return ids
@@ -56,12 +67,14 @@ def _start():
     return cpu, dev
 
 
-def test_a_staged_step_whose_checks_the_host_decides_donates_what_it_updates_in_place():
+@pytest.mark.parametrize("how", ["lazy", "compiled"])
+def test_a_staged_step_whose_checks_the_host_decides_donates_what_it_updates_in_place(how, fresh_dynamo):
     cpu, dev = _start()
+    put = _writer(how)
     before = _counts()
     for _ in range(2):  # the first steps compile; the loop again reuses them
         _loop(5, cpu)
-        _loop(5, dev)
+        _loop(5, dev, put=put)
     got = _since(before)
     assert torch.equal(dev.cpu(), cpu)
     assert got["StagedSync"] >= 6, got  # each step but the first of a loop runs in stages
@@ -69,23 +82,25 @@ def test_a_staged_step_whose_checks_the_host_decides_donates_what_it_updates_in_
     assert got["StagedDonation"] == got["StagedSync"], got  # ... so the cache's old buffer is reused
 
 
-def test_a_check_that_fires_in_a_staged_step_raises_cpus_error_with_the_state_from_before():
+@pytest.mark.parametrize("how", ["lazy", "compiled"])
+def test_a_check_that_fires_in_a_staged_step_raises_cpus_error_with_the_state_from_before(how, fresh_dynamo):
     cpu, dev = _start()
+    put = _writer(how)
     _loop(4, cpu)
-    _loop(4, dev)
+    _loop(4, dev, put=put)
     assert torch.equal(dev.cpu(), cpu)
     with pytest.raises(IndexError, match="index 106 is out of bounds") as cpu_error:
         _loop(7, cpu, bad_at=6)
     before = _counts()
     with pytest.raises(IndexError) as dev_error:
-        _loop(7, dev, bad_at=6)
+        _loop(7, dev, bad_at=6, put=put)
     assert str(dev_error.value).startswith(str(cpu_error.value))
     # The steps before it ran in stages and donated; the failing one donated nothing (its check
     # fires on the host too, so it runs checked) and undid itself
     assert torch.equal(dev.cpu(), cpu)
     got = _since(before)
     assert got["StagedDonation"] == got["ChecksOnHost"] == got["StagedSync"] >= 2, got
-    _loop(3, dev)  # and the loop goes on from there
+    _loop(3, dev, put=put)  # and the loop goes on from there
     _loop(3, cpu)
     assert torch.equal(dev.cpu(), cpu)
 

@@ -77,7 +77,7 @@ class OpSpec:
         "name", "overload", "emit", "arg_names", "kinds", "kwarg_only", "returns",
         "promote", "promote_idx", "view", "scatter", "cache", "meta_overload", "check", "check_integral", "check_reads",
         "counter", "mutates", "born", "index_dtype", "prepare", "copies", "distinct_out",
-        "out_overload", "validate", "refuse_dtypes", "validate_out", "keeps_scalar",
+        "out_overload", "validate", "refuse_dtypes", "validate_out", "keeps_scalar", "inner_checks",
     )  # fmt: skip
 
     def __init__(self, name, overload, emit, arg_names, kinds, kwarg_only, returns,
@@ -139,6 +139,9 @@ class OpSpec:
         self.born = False
         # The converter of its arguments (runtime/trace/dispatch.py makes it at the first call).
         self.prepare = None
+        # A node that is a whole graph (``torch.compile``'s, runtime/trace/fx.py): its checked ops
+        # with the node's arguments, for plan/prechecks.py to decide on the host (None: it cannot)
+        self.inner_checks = None
 
     def __repr__(self):
         return f"OpSpec({self.name})"

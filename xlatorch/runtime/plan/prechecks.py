@@ -16,7 +16,10 @@ step runs checked as before, and a check that fires raises there with CPU's erro
 the step as usual. The checks are the ops' own (``L.checks``), computed with numpy on the
 host's values (those written for it: index bounds, loss targets, integer divisors; a check
 that is not, or that reads a value the host does not hold, is not decided so for that node's
-signature again). Counter ``ChecksOnHost``: steps whose checks were decided so.
+signature again). A node holding a whole graph of ``torch.compile`` gives its checked ops
+(``trace/fx.FxProgram.inner_checks``: the graph's inputs as the node's arguments, what the graph
+computes itself as shapes only), decided the same way; a loop's body keeps its checks on the
+device. Counter ``ChecksOnHost``: steps whose checks were decided so.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from xlatorch.runtime.base.dtypes import to_jax
 from xlatorch.runtime.base.record import COUNTERS
 from xlatorch.runtime.ir.values import Data, Out, Scalar
 from xlatorch.runtime.plan.stages import small_integral
+from xlatorch.runtime.trace.fx import Inner
 from xlatorch.runtime.trace.nodes import run_node_on_cpu
 
 __all__ = ["decided"]
@@ -90,6 +94,11 @@ def _args(args, host: list, views: dict) -> tuple:
         elif t is Scalar:  # a parameter too: its value changes from step to step
             out.append(("h", len(host)))
             host.append(torch.tensor(a.value, dtype=a.aval[1]))
+        elif t is Inner:  # computed inside a compiled graph's node
+            out.append(("s", _struct(a.aval)))
+        elif t is torch.Tensor:  # a compiled graph's constant
+            out.append(("h", len(host)))
+            host.append(a)
         elif t is tuple and any(type(x) in (Data, Out, Scalar) for x in a):
             out.append(("t", _args(a, host, views)))
         else:
@@ -171,9 +180,8 @@ def _flat(layout):
             yield kind, x
 
 
-def _bads(n, layout, vals) -> list:
-    """Node ``n``'s check over the host's values ``vals`` (numpy): its rows' ``bad`` flags."""
-    spec, info = n.spec, n.info
+def _bads(spec, info, layout, vals) -> list:
+    """An op's check over the host's values ``vals`` (numpy): its rows' ``bad`` flags."""
     first = [_struct(a) for a in info.avals]
     first = first[0] if len(first) == 1 and spec.returns == 0 else tuple(first)
     args = _fill(layout, vals)
@@ -187,33 +195,41 @@ def _bads(n, layout, vals) -> list:
     return [r[0] for r in (found if isinstance(found, list) else [found]) if r is not None]
 
 
-def _same(n):
-    """What node ``n``'s check decides, as a key: its expression (ops.yaml ``check``) and the
+def _same(spec, info, args):
+    """What an op's check decides, as a key: its expression (ops.yaml ``check``) and the
     values it reads (tensors by identity, static arguments by value, each with the dtype the check
     casts it to), and the outputs' avals if it reads them. ``nll_loss_backward`` checks its
     forward's targets again: equal keys, one answer. None for an op whose check reads nothing
     recorded; the key may hold an argument that is not hashable (``decided`` skips those)."""
-    spec, info = n.spec, n.info
     reads = spec.check_reads
     if reads is None:
         return None
     expr, at, out = reads
     cd = info.cdtype
-    return expr, tuple((n.args[i], cd if i in spec.promote_idx else None) for i in at), info.avals if out else None
+    return expr, tuple((args[i], cd if i in spec.promote_idx else None) for i in at), info.avals if out else None
 
 
 def decided(nodes, cut=None) -> bool:
     """Whether the checks of ``nodes`` (a graph's, or a stage's) are all decided on the host,
     none firing. ``cut``: a staged step's values computed so far (``id(Out)`` -> ``Data``): those
     a host stage made are the host's values too."""
-    checked = [n for n in nodes if n.info.checked]
-    for n in checked:  # first the answer that costs nothing: a generation step's compiled forward
-        if not isinstance(n.spec.overload, torch._ops.OpOverload):
-            return False  # a body's or a compiled graph's checks (loops, torch.compile): on the device
+    ops = []  # per checked op: its key, spec, info and arguments
+    for n in nodes:
+        if not n.info.checked:
+            continue
+        if isinstance(n.spec.overload, torch._ops.OpOverload):
+            ops.append((n.key, n.spec, n.info, n.args))
+            continue
+        # A compiled graph's node (torch.compile: a generation step's forward) holds its checked
+        # ops; a loop's body does not give them: its checks stay on the device
+        inner = n.spec.inner_checks(n.args[0]) if n.spec.inner_checks is not None else None
+        if inner is None:
+            return False
+        ops.extend(((n.key, k), spec, info, args) for k, spec, info, args in inner)
     views: dict = {} if not cut else {k: d.host for k, d in cut.items() if d.host is not None}
     passed: set = set()  # the checks decided so far, as _same's keys: a loss's backward repeats its forward's
-    for n in checked:
-        same = _same(n)
+    for node_key, spec, info, args in ops:
+        same = _same(spec, info, args)
         if same is not None:
             try:
                 if same in passed:
@@ -222,14 +238,14 @@ def decided(nodes, cut=None) -> bool:
             except TypeError:  # an argument that is not hashable: decided on its own
                 pass
         host: list = []
-        layout = _args(n.args, host, views)
+        layout = _args(args, host, views)
         if not any(k == "h" for k, _ in _flat(layout)):
             return False  # nothing the host holds: the check reads the device's values
-        key = (n.key, _pattern(layout))
+        key = (node_key, _pattern(layout))
         if key in _UNDECIDABLE:
             return False
         try:
-            bads = _bads(n, layout, [h.numpy() for h in host])
+            bads = _bads(spec, info, layout, [h.numpy() for h in host])
         except Exception:  # it reads a value the host does not hold (a shape-only stand-in)
             bads = None
         # A check not written for numpy gives device values (jax.numpy on host arrays: never
@@ -241,6 +257,6 @@ def decided(nodes, cut=None) -> bool:
             return False
         if any(bads):
             return False  # it fires: the step runs checked, and raises as it always has
-    if checked:
+    if ops:
         COUNTERS["ChecksOnHost"] += 1
-    return bool(checked)
+    return bool(ops)

@@ -42,7 +42,7 @@ from xlatorch.runtime.trace.collectives import TRACED
 from xlatorch.runtime.trace.nodes import info_of
 from xlatorch.runtime.trace.tensor import XlaTensor, value_of, wrap
 
-__all__ = ["FxProgram", "Unlowerable", "HANDLED", "SPECS"]
+__all__ = ["FxProgram", "Unlowerable", "Inner", "HANDLED", "SPECS"]
 
 aten = torch.ops.aten
 _ids = itertools.count()
@@ -79,6 +79,34 @@ class _Num:
 
     def jax(self):
         return lax.optimization_barrier(weak_number(self.value))
+
+
+class Inner:
+    """A value the graph computes inside its node, as an argument of one of its checked ops
+    (``FxProgram.inner_checks``): the host does not hold it, only its aval."""
+
+    __slots__ = ("aval",)
+
+    def __init__(self, aval):
+        self.aval = aval
+
+
+class _In:
+    """Where a checked op reads the graph's ``i``-th input (``FxProgram.inner_checks``)."""
+
+    __slots__ = ("i",)
+
+    def __init__(self, i: int):
+        self.i = i
+
+
+def _bind(a, inputs):
+    t = type(a)
+    if t is _In:
+        return inputs[a.i]
+    if t is tuple:
+        return tuple(_bind(x, inputs) for x in a)
+    return a
 
 
 def _number(a):
@@ -205,6 +233,8 @@ class FxProgram:
         self.spec = OpSpec(f"xlatorch::compiled_{name}_{next(_ids)}", None, self._emit, ("inputs",),
                            (TENSOR_LIST,), (False,), TUPLE)  # fmt: skip
         self.spec.check = self._check if checked and config.CHECKS else None
+        self.spec.inner_checks = self.inner_checks
+        self._checked_ops = None  # inner_checks' plan, made at its first call
         self.info = Info(self.avals, None, self.spec.check is not None)
         if self.collective and world_size() > 1:  # compiled as one program per replica (SPMD)
             COLLECTIVES.add(self.spec)
@@ -254,6 +284,48 @@ class FxProgram:
         info = info_of(spec, margs, tuple(None if v is None else _aval(v) for v in vals))
         self.steps.append(("op", n, spec, tuple(args), info))
         return info.checked
+
+    def inner_checks(self, inputs) -> list | None:
+        """The graph's checked ops applied to the node's arguments ``inputs`` (its inputs'
+        values, in order), for ``plan/prechecks.decided``: per op ``(position, spec, info,
+        arguments)``, an argument that is an input of the graph given as its value (an alias of
+        one too), a constant as its CPU tensor, a Python number as a ``Scalar``, and a value the
+        graph computes as ``Inner`` (its aval). None when a check is not an op's own (linalg's)."""
+        plan = self._checked_ops
+        if plan is None:
+            plan = self._checked_ops = self._plan_checked_ops()
+        if plan is False:
+            return None
+        return [(k, spec, info, _bind(args, inputs)) for k, spec, info, args in plan]
+
+    def _plan_checked_ops(self):
+        where: dict = {p: _In(i) for i, p in enumerate(self.inputs)}
+        where.update(self.constants)
+
+        def arg(a):
+            if isinstance(a, torch.fx.Node):
+                w = where.get(a)
+                return w if w is not None else Inner(_aval(a.meta.get("val")))
+            if type(a) is _Num:
+                return Scalar(a.value, PY_SCALAR_DTYPE[type(a.value)])
+            if type(a) is _Seed:
+                return None
+            if type(a) is tuple:
+                return tuple(arg(x) for x in a)
+            return a
+
+        plan = []
+        try:
+            for k, (kind, n, spec, args, info) in enumerate(self.steps):
+                if kind == "identity" and args in where:
+                    where[n] = where[args]
+                elif kind == "linalg_check":
+                    return False
+                elif kind == "op" and info.checked:
+                    plan.append((k, spec, info, tuple(arg(a) for a in args)))
+        except Unlowerable:  # a value that is not one tensor
+            return False
+        return plan
 
     def _plan_effect(self, n) -> bool:
         """``with_effects(token, op, *args)``: ``_linalg_check_errors`` (after ``linalg.cholesky``,
