@@ -32,11 +32,11 @@ import torch
 from xlatorch.runtime.base.dtypes import to_jax
 from xlatorch.runtime.base.record import COUNTERS
 from xlatorch.runtime.ir.values import Data, Out, Scalar
-from xlatorch.runtime.plan.stages import small_integral
+from xlatorch.runtime.plan.stages import bookkeeping, small_integral
 from xlatorch.runtime.trace.fx import Inner
 from xlatorch.runtime.trace.nodes import run_node_on_cpu
 
-__all__ = ["decided"]
+__all__ = ["decided", "carried"]
 
 _UNDECIDABLE: set = set()  # (node key, which arguments the host holds) whose check is not decided so
 _LIMIT = 1024
@@ -108,18 +108,23 @@ def _args(args, host: list, views: dict) -> tuple:
 
 def _held(v, views: dict, depth: int = 0):
     """The host's value of pending value ``v`` when it is a view (``spec.view``: a slice, a
-    ``view``, a transpose) or a same-dtype copy (ops.yaml ``copies``: a tensor made on the device
-    from a Python list is a copy of the host's upload) of data the host holds, or of such
-    a value: the same elements, taken by PyTorch on the host (a language model's targets are
-    ``y.view(-1)``, its positions ``positions[:t]``). None otherwise. Found values are kept in
-    ``views`` (by ``id``) for the graph's other checks."""
+    ``view``, a transpose), a same-dtype copy (ops.yaml ``copies``: a tensor made on the device
+    from a Python list is a copy of the host's upload) or small integer arithmetic
+    (``stages.bookkeeping``) of data the host holds, or of such a value: computed by PyTorch on
+    the host, exactly as CPU computes it (a language model's targets are ``y.view(-1)``, its
+    positions ``positions[:t]``, a decode loop's next position ``pos + 1``). None otherwise.
+    Found values are kept in ``views`` (by ``id``) for the graph's other checks."""
     found = views.get(id(v), views)
     if found is not views:
         return found
     n = v.node
     res = None
     spec = n.spec
-    same = spec.view or (spec.copies and type(n.args[0]) in (Data, Out) and n.args[0].aval[1] == v.aval[1])
+    same = (
+        spec.view
+        or (spec.copies and type(n.args[0]) in (Data, Out) and n.args[0].aval[1] == v.aval[1])
+        or bookkeeping(n)  # integer arithmetic on such values: a decode loop's ``pos + 1``
+    )
     # What the host holds is small integer data; a view as large as a float tensor (an expand) is not taken
     if (
         same
@@ -209,10 +214,11 @@ def _same(spec, info, args):
     return expr, tuple((args[i], cd if i in spec.promote_idx else None) for i in at), info.avals if out else None
 
 
-def decided(nodes, cut=None) -> bool:
+def decided(nodes, cut=None, views=None) -> bool:
     """Whether the checks of ``nodes`` (a graph's, or a stage's) are all decided on the host,
     none firing. ``cut``: a staged step's values computed so far (``id(Out)`` -> ``Data``): those
-    a host stage made are the host's values too."""
+    a host stage made are the host's values too. ``views``: a dict that gets the host values
+    found (for ``carried``)."""
     ops = []  # per checked op: its key, spec, info and arguments
     for n in nodes:
         if not n.info.checked:
@@ -226,7 +232,10 @@ def decided(nodes, cut=None) -> bool:
         if inner is None:
             return False
         ops.extend(((n.key, k), spec, info, args) for k, spec, info, args in inner)
-    views: dict = {} if not cut else {k: d.host for k, d in cut.items() if d.host is not None}
+    if views is None:
+        views = {}
+    if cut:
+        views.update((k, d.host) for k, d in cut.items() if d.host is not None)
     passed: set = set()  # the checks decided so far, as _same's keys: a loss's backward repeats its forward's
     for node_key, spec, info, args in ops:
         same = _same(spec, info, args)
@@ -260,3 +269,23 @@ def decided(nodes, cut=None) -> bool:
     if ops:
         COUNTERS["ChecksOnHost"] += 1
     return bool(ops)
+
+
+_INTEGRAL = frozenset((torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool))
+
+
+def carried(values, views: dict) -> list | None:
+    """After ``decided`` (its ``views``): per value of a step's results, its host value where the
+    host takes it from what it holds (``_held``), else None; None when it takes none. The step
+    gives it to the result's data (``Data.host``), so that a decode loop's position stays known to
+    the host from step to step: its next step's checks (the cache write at that position) are
+    decided on the host too, and the step runs unchecked and donates the cache it updates."""
+    out = None
+    for i, v in enumerate(values):
+        if type(v) is Out and v.aval[1] in _INTEGRAL:
+            h = _held(v, views)
+            if h is not None:
+                if out is None:
+                    out = [None] * len(values)
+                out[i] = h
+    return out
