@@ -261,8 +261,9 @@ def test_mark_step_does_not_wait_to_read_the_checks():
     xm.mark_step()
     met.clear_all()
     for i in range(3):
-        # Indices computed on the device: checked there (the host's own are checked before the step).
-        w.add_(F.embedding(I([i, 9], device="xla") * 1, w).sum())
+        # Indices computed on the device (through a float; integer arithmetic on the host's ids is the
+        # host's too): checked there (the host's own are checked before the step).
+        w.add_(F.embedding(I([i, 9], device="xla").float().long(), w).sum())
         xm.mark_step()  # reads the rows of the step before, if any (it has finished or is running)
         assert (met.counter_value("CheckRowsRead") or 0) == i
     w.cpu()
@@ -276,7 +277,7 @@ def test_once_a_second_thread_uses_the_device_each_step_reads_its_own_checks():
 
     w = torch.randn(10, 4, device="xla")
     xm.mark_step()
-    w.add_(F.embedding(I([1, 2], device="xla") * 1, w).sum())  # checked on the device
+    w.add_(F.embedding(I([1, 2], device="xla").float().long(), w).sum())  # checked on the device
     xm.mark_step()
     met.clear_all()
     xm.mark_step()  # one thread so far: the rows of the step before are read now, not at its own sync
@@ -286,7 +287,7 @@ def test_once_a_second_thread_uses_the_device_each_step_reads_its_own_checks():
     def other():
         try:
             v = torch.randn(10, 4, device="xla")
-            v.add_(F.embedding(I([3, 9], device="xla") * 1, v).sum())
+            v.add_(F.embedding(I([3, 9], device="xla").float().long(), v).sum())
             xm.mark_step()
         except BaseException as e:  # noqa: BLE001 - the test reads it
             errors.append(e)
@@ -295,7 +296,7 @@ def test_once_a_second_thread_uses_the_device_each_step_reads_its_own_checks():
     t.start()
     t.join()
     assert errors == [] and met.counter_value("CheckRowsRead") == 2  # read by its own sync
-    w.add_(F.embedding(I([4, 12], device="xla") * 1, w).sum())  # 12: out of range
+    w.add_(F.embedding(I([4, 12], device="xla").float().long(), w).sum())  # 12: out of range
     with pytest.raises(IndexError, match="index out of range|out of bounds"):
         xm.mark_step()  # the step's own sync raises
 

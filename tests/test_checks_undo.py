@@ -80,7 +80,7 @@ def _adam_steps_with_a_bad_target(device, record=None, computed=False):
     def step(target):
         opt.zero_grad()
         t = I(target, device=device)
-        F.cross_entropy(model(x), t * 1 if computed else t).backward()
+        F.cross_entropy(model(x), t.float().long() if computed else t).backward()
         recorded_step(opt, model.parameters(), record)
         xm.mark_step()
 

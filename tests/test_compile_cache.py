@@ -231,7 +231,7 @@ w = torch.arange(12.0).view(4, 3).to("xla")
 i = torch.tensor([int(sys.argv[1])]).to("xla")
 xm.mark_step()
 try:
-    y = torch.nn.functional.embedding(i * 1, w) * 2  # an index computed on the device: checked there
+    y = torch.nn.functional.embedding(i.float().long(), w) * 2  # an index computed on the device: checked there
     xm.mark_step()
     out = y.cpu().tolist()
 except IndexError as e:

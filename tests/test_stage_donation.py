@@ -78,8 +78,10 @@ def test_a_staged_step_whose_checks_the_host_decides_donates_what_it_updates_in_
     got = _since(before)
     assert torch.equal(dev.cpu(), cpu)
     assert got["StagedSync"] >= 6, got  # each step but the first of a loop runs in stages
-    assert got["ChecksOnHost"] == got["StagedSync"], got  # index_copy_'s check, decided on the host
-    assert got["StagedDonation"] == got["StagedSync"], got  # ... so the cache's old buffer is reused
+    # index_copy_'s check, decided on the host at every step (the unstaged first ones too: their
+    # position is arithmetic on ids the host made), so no rows are read ...
+    assert got["ChecksOnHost"] >= got["StagedSync"] and got["CheckRowsRead"] == 0, got
+    assert got["StagedDonation"] == got["StagedSync"], got  # ... and the cache's old buffer is reused
 
 
 @pytest.mark.parametrize("how", ["lazy", "compiled"])
@@ -99,7 +101,7 @@ def test_a_check_that_fires_in_a_staged_step_raises_cpus_error_with_the_state_fr
     # fires on the host too, so it runs checked) and undid itself
     assert torch.equal(dev.cpu(), cpu)
     got = _since(before)
-    assert got["StagedDonation"] == got["ChecksOnHost"] == got["StagedSync"] >= 2, got
+    assert got["StagedDonation"] == got["StagedSync"] >= 2 and got["ChecksOnHost"] >= got["StagedSync"], got
     _loop(3, dev, put=put)  # and the loop goes on from there
     _loop(3, cpu)
     assert torch.equal(dev.cpu(), cpu)

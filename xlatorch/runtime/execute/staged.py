@@ -22,9 +22,13 @@ __all__ = ["run_stages", "may_donate"]
 
 def may_donate(v, out_avals) -> bool:
     """Whether device data ``v`` may be donated to a step with outputs of ``out_avals``: no live
-    tensor holds it (or the user marked it donatable), an output can reuse it, and it is not held
-    on the host too (``Data.host``: small, maybe not uploaded yet; it saves nothing)."""
-    return (v.holders == 0 or v.donor) and v.aval in out_avals and v.host is None
+    tensor holds it (or the user marked it donatable), an output can reuse it, and it is not small
+    integer data held on the host too (``Data.host``: token ids, positions; maybe not uploaded
+    yet, it saves nothing). Other data held on the host (a tiny float graph run there) is
+    donated as if the device alone held it: which data a step donates is part of its key, and
+    must not depend on whether an earlier graph ran on the host (a decode loop's prefill after
+    its cache was reset there compiled again)."""
+    return (v.holders == 0 or v.donor) and v.aval in out_avals and (v.host is None or not stages.small_integral(v.aval))
 
 
 def run_stages(step, stage, commit) -> bool:
