@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from itertools import repeat
 
 import jax
 
@@ -422,9 +423,8 @@ def _give(step: Step, arrays) -> None:
     """Each of the step's storages takes its array (or ``Data``: a staged step's value, which
     may be held on the host) as device data: none is pending any more."""
     gdev = step.storages[0].dev
-    host = step.host
-    for i, (st, arr) in enumerate(zip(step.storages, arrays)):
-        st.set(arr if type(arr) is Data else Data(arr, st.value.aval, gdev, host and host[i]))
+    for st, arr, host in zip(step.storages, arrays, step.host or repeat(None)):
+        st.set(arr if type(arr) is Data else Data(arr, st.value.aval, gdev, host))
         st.prev = None
     if step.everything:
         PENDING.clear()

@@ -271,9 +271,6 @@ def decided(nodes, cut=None, views=None) -> bool:
     return bool(ops)
 
 
-_INTEGRAL = frozenset((torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool))
-
-
 def carried(values, views: dict) -> list | None:
     """After ``decided`` (its ``views``): per value of a step's results, its host value where the
     host takes it from what it holds (``_held``), else None; None when it takes none. The step
@@ -282,7 +279,7 @@ def carried(values, views: dict) -> list | None:
     decided on the host too, and the step runs unchecked and donates the cache it updates."""
     out = None
     for i, v in enumerate(values):
-        if type(v) is Out and v.aval[1] in _INTEGRAL:
+        if type(v) is Out and small_integral(v.aval):
             h = _held(v, views)
             if h is not None:
                 if out is None:
