@@ -18,12 +18,15 @@ from xlatorch.runtime.trace.nodes import run_node_on_cpu
 __all__ = ["on_host"]
 
 
-def on_host(nodes, cut, roots, gdev, whole=False) -> list | None:
+def on_host(nodes, cut, roots, gdev, whole=False, known=None) -> list | None:
     """Run a stage's ``nodes`` on the host with PyTorch's CPU kernels: ``roots``' values, as
     device data held on the host (``Data.host``; uploaded when a graph reads one); None when
     the stage may not run there: a value that is not a small integer or boolean tensor
     (``whole``, a tiny graph: nor an exact float op), a random op, or an op that raises (the
-    caller then compiles the stage, and a real error is reported from the device as usual)."""
+    caller then compiles the stage, and a real error is reported from the device as usual).
+    ``known``: values the host computed already, by ``id(Out)`` (``prechecks.decided``'s, by
+    the same kernels): a node whose outputs are all there is not run again. The values this
+    stage computes are added to it."""
     if not all((exact if whole else bookkeeping)(n) for n in nodes):
         return None
     host: dict = {}  # id(value) -> CPU tensor
@@ -46,14 +49,21 @@ def on_host(nodes, cut, roots, gdev, whole=False) -> list | None:
             return [None if x is None else value(x) for x in a]
         return a
 
+    if known is None:
+        known = {}
     try:
         for n in nodes:
+            outs = n.outs
+            if outs and all(o is not None and id(o) in known for o in outs):
+                for o in outs:
+                    host[id(o)] = known[id(o)]
+                continue
             res = run_node_on_cpu(n, value)
             for o, r in zip(n.outs, res):
                 if o is not None:
                     if (tuple(r.shape), r.dtype) != o.aval:
                         return None
-                    host[id(o)] = r
+                    host[id(o)] = known[id(o)] = r
     except Exception:
         return None
     finally:

@@ -53,6 +53,10 @@ def run_stages(step, stage, commit) -> bool:
     g, gdev, timed = step.graph, step.storages[0].dev, step.timed
     nodes, leaves, enc = g.nodes, g.leaves, g.enc
     cut: dict = {}  # id(Out) -> Data: values computed by the stages so far
+    # The host values found deciding the whole graph's checks (its small integer values): the host
+    # stages take them, and the stages' checks see them. Not the values not found then: a host
+    # stage may make their operands.
+    views = {k: v for k, v in step.views.items() if v is not None} if step.views else {}
     outs = ()
     whole = type(stage) is stages.Whole  # a tiny graph: on the host, or whole as usual
     borrowed = type(stage) is stages.Borrowed  # runs only if it compiles nothing, else whole as before
@@ -70,7 +74,7 @@ def run_stages(step, stage, commit) -> bool:
             roots = [nodes[r // 4096].outs[r % 4096] for r in refs]
             sn = [nodes[k] for k in ks]
             if not s & 1:  # a stage of changing nodes: on the host if it may
-                uploaded = host.on_host(sn, cut, roots, gdev, whole)
+                uploaded = host.on_host(sn, cut, roots, gdev, whole, views)
                 if uploaded is not None:
                     for o, d in zip(roots, uploaded):
                         cut[id(o)] = d
@@ -81,7 +85,7 @@ def run_stages(step, stage, commit) -> bool:
             data = [v for v in sl if type(v) is Data]
             packed, kinds = pack(sl)
             checked = any(n.info.checked for n in sn)
-            rows = checked and not prechecks.decided(sn, cut)  # else it compiles without its checks
+            rows = checked and not prechecks.decided(sn, cut, views)  # else it compiles without its checks
             kept = keep.UNCHECKED if checked and not rows else ()
             out_avals = {o.aval for o in roots}
             # Only the last stage that compiles donates (after it only host stages that cannot fail a

@@ -65,12 +65,14 @@ class Step:
     never keep it (it holds the step's graph and buffers)."""
 
     __slots__ = ("reason", "dev", "storages", "graph", "everything", "t0", "timed", "once",
-                 "keep", "held", "data", "donate", "spmd", "key", "host")  # fmt: skip
+                 "keep", "held", "data", "donate", "spmd", "key", "views")  # fmt: skip
 
     def __init__(self, reason, dev, storages, graph, everything, t0, timed, once=False):
         self.reason, self.dev, self.storages, self.graph = reason, dev, storages, graph
         self.everything, self.t0, self.timed, self.once = everything, t0, timed, once
-        self.host = None  # per storage: its result's value the host took too (prechecks.carried), or None
+        # The host's values of the graph's small integer values found deciding its checks
+        # (``prechecks.decided``), by ``id(Out)``: its host stages and its results take them
+        self.views = None
 
     def prepare(self):
         """Decide donation, what is kept for undo and the cache key; the cached executable or None."""
@@ -79,12 +81,11 @@ class Step:
         gdev = self.storages[0].dev
         kept = ()
         in_graph = False  # a checked step undoes itself in the graph (runtime/plan/keep.py)
+        self.views = None
         if config.CHECKS and any(n.info.checked for n in g.nodes):
-            views: dict = {}
+            self.views = views = {}
             if prechecks.decided(g.nodes, views=views):  # none can fire: the step runs unchecked
                 kept = keep.UNCHECKED
-                if not topology.SPMD[0] and not dry.ACTIVE[0]:  # a decode loop's next position, on the host too
-                    self.host = prechecks.carried([st.value for st in self.storages], views)
             else:
                 kept = keep.undoable(self.storages, g.nodes, leaves)
                 in_graph = kept.in_graph = any(k is not None for k in kept) and keep.undo_in_graph(gdev)
@@ -423,7 +424,10 @@ def _give(step: Step, arrays) -> None:
     """Each of the step's storages takes its array (or ``Data``: a staged step's value, which
     may be held on the host) as device data: none is pending any more."""
     gdev = step.storages[0].dev
-    for st, arr, host in zip(step.storages, arrays, step.host or repeat(None)):
+    carried = None  # a decode loop's next position, held on the host too (a staged step's Data has it already)
+    if step.keep is keep.UNCHECKED and arrays and type(arrays[0]) is not Data and not topology.SPMD[0] and not dry.ACTIVE[0]:
+        carried = prechecks.carried([st.value for st in step.storages], step.views)
+    for st, arr, host in zip(step.storages, arrays, carried or repeat(None)):
         st.set(arr if type(arr) is Data else Data(arr, st.value.aval, gdev, host))
         st.prev = None
     if step.everything:
