@@ -115,3 +115,37 @@ def test_a_check_on_a_value_the_device_computed_is_read_and_donates_nothing():
     got = _since(before)
     assert torch.equal(dev.cpu(), cpu)
     assert got["StagedSync"] >= 4 and got["StagedDonation"] == 0 and got["ChecksOnHost"] == 0, got
+
+
+@pytest.mark.parametrize("how", ["lazy", "compiled"])
+def test_a_staged_step_runs_each_host_op_once(how, fresh_dynamo, monkeypatch):
+    """The host computes a position once a step: deciding the checks (``prechecks``) takes it
+    from the ids the host holds, and the host stage that makes it takes that value, not
+    computing it again; nor are the step's results' host values computed apart."""
+    from xlatorch.runtime.execute import host
+    from xlatorch.runtime.plan import prechecks
+
+    runs = []  # every node run on the host, kept alive so that no two share an id
+
+    def counted(real):
+        def run(n, conv):
+            runs.append(n)
+            return real(n, conv)
+
+        return run
+
+    monkeypatch.setattr(host, "run_node_on_cpu", counted(host.run_node_on_cpu))
+    monkeypatch.setattr(prechecks, "run_node_on_cpu", counted(prechecks.run_node_on_cpu))
+    cpu, dev = _start()
+    put = _writer(how)
+    _loop(3, dev, put=put)
+    runs.clear()
+    before = _counts()
+    ids = _loop(5, dev, put=put)
+    _loop(5, cpu)
+    got = _since(before)
+    assert torch.equal(dev.cpu(), cpu) and got["StagedSync"] >= 2 and got["ChecksOnHost"] >= got["StagedSync"], got
+    assert ids.tolist() == [list(range(6))]
+    assert runs, "no op ran on the host"
+    twice = sorted({n.spec.name for n in runs if sum(m is n for m in runs) > 1})
+    assert not twice, f"ran on the host more than once in a step: {twice}"

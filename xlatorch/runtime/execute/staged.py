@@ -42,8 +42,9 @@ def run_stages(step, stage, commit) -> bool:
     others carry the error.
 
     A compiled stage's checks are decided on the host when they can be (``prechecks.decided``,
-    which sees the values the host stages made: a generation step's token ids and cache
-    positions): it then compiles without them (``keep.UNCHECKED`` in its key) and reads no rows,
+    with the whole graph's in ``Step.prepare``, or for the stage, seeing the values the host
+    stages made: a generation step's token ids and cache positions; the host stages take the
+    values it computed instead of computing them again): it then compiles without them (``keep.UNCHECKED`` in its key) and reads no rows,
     so it may donate (a static KV cache updated in place is not copied at every token).
     Otherwise its rows are read after it runs, and one that is set makes the step run whole,
     from its leaves. A borrowed plan runs only if its compiled stages are cached as they ran
@@ -85,7 +86,9 @@ def run_stages(step, stage, commit) -> bool:
             data = [v for v in sl if type(v) is Data]
             packed, kinds = pack(sl)
             checked = any(n.info.checked for n in sn)
-            rows = checked and not prechecks.decided(sn, cut, views)  # else it compiles without its checks
+            # Decided with the whole graph's (``step.keep``): a stage's checks are some of its checks,
+            # on the same values; else decided for this stage, which sees what earlier stages made
+            rows = checked and step.keep is not keep.UNCHECKED and not prechecks.decided(sn, cut, views)
             kept = keep.UNCHECKED if checked and not rows else ()
             out_avals = {o.aval for o in roots}
             # Only the last stage that compiles donates (after it only host stages that cannot fail a
