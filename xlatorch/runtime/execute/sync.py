@@ -424,8 +424,10 @@ def _give(step: Step, arrays) -> None:
     """Each of the step's storages takes its array (or ``Data``: a staged step's value, which
     may be held on the host) as device data: none is pending any more."""
     gdev = step.storages[0].dev
-    carried = None  # a decode loop's next position, held on the host too (a staged step's Data has it already)
-    if step.keep is keep.UNCHECKED and arrays and type(arrays[0]) is not Data and not topology.SPMD[0] and not dry.ACTIVE[0]:
+    # A decode loop's next position, held on the host too (a staged step's Data has it already)
+    carried = None
+    whole = arrays and type(arrays[0]) is not Data
+    if whole and step.keep is keep.UNCHECKED and not topology.SPMD[0] and not dry.ACTIVE[0]:
         carried = prechecks.carried([st.value for st in step.storages], step.views)
     for st, arr, host in zip(step.storages, arrays, carried or repeat(None)):
         st.set(arr if type(arr) is Data else Data(arr, st.value.aval, gdev, host))
