@@ -45,7 +45,8 @@ def run_stages(step, stage, commit) -> bool:
     with the whole graph's in ``Step.prepare``, or for the stage, seeing the values the host
     stages made: a generation step's token ids and cache positions; the host stages take the
     values it computed instead of computing them again): it then compiles without them
-    (``keep.UNCHECKED`` in its key) and reads no rows, so it may donate (a static KV cache updated in place is not copied at every token).
+    (``keep.UNCHECKED`` in its key) and reads no rows, so it may donate (a static KV cache
+    updated in place is not copied at every token).
     Otherwise its rows are read after it runs, and one that is set makes the step run whole,
     from its leaves. A borrowed plan runs only if its compiled stages are cached as they ran
     before (``_VARIANTS``), or returns before its donating stage runs."""
