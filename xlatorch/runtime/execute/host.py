@@ -25,8 +25,7 @@ def on_host(nodes, cut, roots, gdev, whole=False, known=None) -> list | None:
     (``whole``, a tiny graph: nor an exact float op), a random op, or an op that raises (the
     caller then compiles the stage, and a real error is reported from the device as usual).
     ``known``: values the host computed already, by ``id(Out)`` (``prechecks.decided``'s, by
-    the same kernels): a node whose outputs are all there is not run again. The values this
-    stage computes are added to it."""
+    the same kernels): a node whose outputs are all there is not run again."""
     if not all((exact if whole else bookkeeping)(n) for n in nodes):
         return None
     host: dict = {}  # id(value) -> CPU tensor
@@ -49,8 +48,7 @@ def on_host(nodes, cut, roots, gdev, whole=False, known=None) -> list | None:
             return [None if x is None else value(x) for x in a]
         return a
 
-    if known is None:
-        known = {}
+    known = known or {}
     try:
         for n in nodes:
             outs = n.outs
@@ -63,7 +61,7 @@ def on_host(nodes, cut, roots, gdev, whole=False, known=None) -> list | None:
                 if o is not None:
                     if (tuple(r.shape), r.dtype) != o.aval:
                         return None
-                    host[id(o)] = known[id(o)] = r
+                    host[id(o)] = r
     except Exception:
         return None
     finally:
