@@ -319,3 +319,27 @@ def test_a_backward_pass_whose_user_code_raises_leaves_the_gradients_as_cpu_does
     assert lines == [f"{w} SAME" for w in ("leaf hook", "good pass", "intermediate hook", "node prehook", "node hook",
                                            "unpack hook", "host loss, device hook", "host loss, host node hook",
                                            "host loss", "training goes on")], r.stdout  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda dev: torch.nn.LazyLinear(3).to(dev),
+        lambda dev: torch.nn.LazyLinear(3, device=dev),
+        lambda dev: torch.nn.LazyBatchNorm1d().to(dev),
+    ],
+    ids=["moved", "made on the device", "buffer"],
+)
+def test_a_lazy_modules_uninitialized_parameters_say_to_initialize_on_cpu_first(make):
+    """An uninitialized parameter cannot be materialized in place into a device array later (an
+    optimizer made before its first forward holds that object), so it may not reach the device:
+    the error says what to do (it used to be PyTorch's "Can't access the shape" from the upload,
+    or its tensor-subclass message). Initialized on CPU by one forward, the module moves and
+    computes CPU's result."""
+    dev = xm.xla_device()
+    with pytest.raises(RuntimeError, match="run one forward pass there with a sample input"):
+        make(dev)
+    torch.manual_seed(0)
+    m, x = torch.nn.LazyLinear(3), torch.randn(2, 4)
+    expected = m(x)
+    assert torch.allclose(m.to(dev)(x.to(dev)).cpu(), expected, rtol=1e-6, atol=1e-6)

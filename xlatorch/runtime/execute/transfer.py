@@ -7,6 +7,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import torch
+from torch.nn.parameter import UninitializedTensorMixin
 
 from xlatorch.runtime.base import config, fork, record, topology
 from xlatorch.runtime.base.dtypes import EXACT, TORCH_TO_JAX, to_jax
@@ -15,7 +16,7 @@ from xlatorch.runtime.execute import dry, settle
 from xlatorch.runtime.ir.values import UPLOAD, Data
 from xlatorch.runtime.multi import sharding
 from xlatorch.runtime.plan.stages import small_integral
-from xlatorch.runtime.trace.tensor import nested_error
+from xlatorch.runtime.trace.tensor import UNINITIALIZED, nested_error
 
 __all__ = ["to_device", "upload", "from_array"]
 
@@ -39,6 +40,8 @@ def _to_numpy(t: torch.Tensor, private: bool = False) -> np.ndarray:
 def to_device(t: torch.Tensor, dev: int | None = None) -> Data:
     """Upload a CPU tensor (to local device ``dev``, default: this thread's), stored in the
     device's dtype for it; counted in ``TransferToDeviceTime``."""
+    if isinstance(t, UninitializedTensorMixin):
+        raise RuntimeError(UNINITIALIZED)
     to_jax(t.dtype)  # a clear error for unsupported dtypes
     if t.is_nested:
         raise nested_error("cannot make")

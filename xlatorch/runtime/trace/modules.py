@@ -28,7 +28,7 @@ from xlatorch.runtime.base import interrupts
 from xlatorch.runtime.base.threads import CALLERS, DEFERRED, _get_ident, _in_backward, defer_to_owners, owner
 from xlatorch.runtime.base.topology import thread_replicas
 from xlatorch.runtime.ir import values as ir
-from xlatorch.runtime.trace.tensor import XlaTensor
+from xlatorch.runtime.trace.tensor import DEVICE, UNINITIALIZED, XlaTensor
 
 __all__ = ["install"]
 
@@ -256,12 +256,29 @@ def _stand_in(packed):
     return packed if isinstance(packed, torch.Tensor) else torch.zeros(())
 
 
+def _not_on_device(new):
+    """A lazy module's uninitialized parameter made on the xla device (``nn.LazyLinear(3,
+    device=dev)``, or under ``torch.device(dev)``) raises what to do (PyTorch's own error names
+    tensor subclasses); elsewhere as before."""
+
+    @functools.wraps(new)
+    def __new__(cls, *args, **kwargs):
+        device = kwargs.get("device", args[1] if len(args) > 1 else None)
+        if torch.device(device if device is not None else torch.get_default_device()).type == DEVICE.type:
+            raise RuntimeError(UNINITIALIZED)
+        return new(cls, *args, **kwargs)
+
+    return staticmethod(__new__)
+
+
 def install() -> None:
     """Wrap ``nn.Module._apply``, autograd's engine entry and the user's code it calls (once)."""
     global _original
     if _original is None:
         _original = nn.Module._apply
         nn.Module._apply = _apply
+        for cls in (nn.parameter.UninitializedParameter, nn.parameter.UninitializedBuffer):
+            cls.__new__ = _not_on_device(cls.__new__)
         import torch.autograd as autograd
         from torch.autograd.function import BackwardCFunction, _HookMixin
 
