@@ -1732,11 +1732,11 @@ def dot(out, self, tensor):
 
 
 def addmm(out, self, mat1, mat2, beta, alpha):
-    return L.pointwise.beta_alpha(out, self, beta, jnp.matmul(mat1, mat2), alpha)
+    return L.pointwise.beta_alpha(out, self, beta, jnp.matmul(mat1, mat2, preferred_element_type=L.pointwise.accumulated(out.dtype)), alpha)
 
 
 def baddbmm(out, self, batch1, batch2, beta, alpha):
-    return L.pointwise.beta_alpha(out, self, beta, jnp.matmul(batch1, batch2), alpha)
+    return L.pointwise.beta_alpha(out, self, beta, jnp.matmul(batch1, batch2, preferred_element_type=L.pointwise.accumulated(out.dtype)), alpha)
 
 
 def addbmm(out, self, batch1, batch2, beta, alpha):

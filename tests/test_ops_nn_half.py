@@ -156,3 +156,68 @@ def test_half_float_losses_are_cpus(dtype):
     for i, (got, want) in enumerate(zip(f(x.to("xla"), y.to("xla"), t.to("xla")), f(x, y, t))):
         diff = (got.cpu() != want).sum().item()
         assert diff <= (x.numel() // 500 if i == 1 else 0), (i, diff)  # pos_weight: log_sigmoid's last bit
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_float_results_are_rounded_after_each_op_inside_a_graph(dtype):
+    """Each op's half-float result is rounded before the next op reads it, as PyTorch rounds
+    every op's result: XLA's default lets a fusion keep a matmul's float32 result for the
+    elementwise ops after it (Muon's Newton-Schulz step ``b * A + c * (A @ A)`` differed from
+    CPU in half its bfloat16 elements, while each op alone matched). Checked against CPU's
+    elementwise ops on the device's own matmul results (CPU's half-float matmul itself differs
+    between CPUs with and without bfloat16 instructions; its elementwise ops do not)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 12, generator=g).to(dtype).to("xla")
+    a = x @ x.mT
+    aa = a @ a
+    b = -4.775 * a + 2.0315 * aa
+    bx = b @ x
+    y = 3.4445 * x + bx
+    a, aa, b, bx, y = (t.cpu() for t in (a, aa, b, bx, y))  # one graph: every value read at once
+    assert torch.equal(b, -4.775 * a + 2.0315 * aa)
+    assert torch.equal(y, 3.4445 * x.cpu() + bx)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("op", ["addmm", "baddbmm"])
+def test_a_half_float_addmm_scales_and_adds_in_float32_and_rounds_once(op, dtype):
+    """CPU's ``addmm`` / ``baddbmm`` of half floats compute ``beta * self + alpha * (a @ b)`` in
+    float32 (beta and alpha in float32, the float32 sums) and round once; the device rounded the
+    product, beta and alpha to the half dtype first: 16-45% of elements differed whenever beta or
+    alpha was not 1 (``torch.optim.Muon``'s step, ``baddbmm`` of attention scores). Four-term
+    sums of half-float products are exact in float32, so no summation order can move a result."""
+    g = torch.Generator().manual_seed(0)
+    batch = (3,) if op == "baddbmm" else ()
+    # 16 x 4 x 12: CPU's baddbmm takes its gemm here (below 400 multiply-adds a matrix it loops
+    # itself, and rounds an element otherwise now and then)
+    c, a, b = (torch.randn(batch + s, generator=g).to(dtype) for s in ((16, 12), (16, 4), (4, 12)))
+    fn = getattr(torch, op)
+    for beta, alpha in ((1, 1), (3.4445, 1), (-4.775, 2.0315), (0.5, 0.3), (0, 0.7)):
+        want = fn(c, a, b, beta=beta, alpha=alpha)
+        got = fn(c.to("xla"), a.to("xla"), b.to("xla"), beta=beta, alpha=alpha).cpu()
+        # CPU's own kernels may round an element otherwise now and then (float16 baddbmm: one of
+        # 576 here), by one unit in its last place
+        ulp = torch.finfo(dtype).eps * want.float().abs().clamp_min(torch.finfo(dtype).tiny)
+        assert float(((got.float() - want.float()).abs() / ulp).max()) <= 1, (beta, alpha)
+        assert (got != want).sum() <= want.numel() // 100, (beta, alpha, (got != want).sum())
+
+
+def test_muons_bfloat16_orthogonalization_steps_as_on_cpu():
+    """``torch.optim.Muon`` orthogonalizes each update by Newton-Schulz iterations in bfloat16
+    (``addmm`` with beta and alpha); its parameters after three steps are CPU's (they were 7e-3
+    away after four). The matrices are 4 x 6, so every bfloat16 sum has at most 6 exact terms."""
+    torch.manual_seed(0)
+    w = torch.randn(4, 6)
+    x, y = torch.randn(5, 6), torch.randn(5, 4)
+    results = []
+    for device in ("cpu", "xla"):
+        p = torch.nn.Parameter(w.clone().to(device))
+        opt = torch.optim.Muon([p], lr=0.02)
+        for _ in range(3):
+            opt.zero_grad()
+            ((x.to(device) @ p.T - y.to(device)) ** 2).mean().backward()
+            opt.step()
+        results.append(p.detach().cpu())
+    # float32 steps between the bfloat16 ones (the loss's gradient, the update) round as CPU's
+    # up to their last bit
+    torch.testing.assert_close(results[1], results[0], rtol=1e-6, atol=1e-6)

@@ -98,9 +98,18 @@ def add(out, a, b, alpha, sign=1):
 def beta_alpha(out, self, beta, prod, alpha):
     """``beta * self + alpha * prod`` as ``addmm`` / ``baddbmm`` compute it: ``self`` ignored
     (NaN included) where beta is 0, and integer results truncating beta and alpha to the
-    result's dtype, as PyTorch does; real defaults of 1 lower to no multiply."""
-    s = self if _is_one(beta) and not _complex(self) else jnp.where(beta == 0, 0, beta.astype(out.dtype) * self)
-    return s + (prod if _is_one(alpha) and not _complex(prod) else alpha.astype(out.dtype) * prod)
+    result's dtype, as PyTorch does; real defaults of 1 lower to no multiply. A half-float
+    ``prod`` comes in float32 (``accumulated``): CPU's kernel scales and adds the float32 sums
+    with beta and alpha in float32 and rounds once."""
+    acc = prod.dtype
+    self = self.astype(acc)
+    s = self if _is_one(beta) and not _complex(self) else jnp.where(beta == 0, 0, beta.astype(acc) * self)
+    return (s + (prod if _is_one(alpha) and not _complex(prod) else alpha.astype(acc) * prod)).astype(out.dtype)
+
+
+def accumulated(dtype):
+    """The dtype a product of ``dtype`` values is summed in on CPU: float32 for half floats."""
+    return jnp.float32 if dtype in HALF else dtype
 
 
 def lerp(a, b, w, parts=None):

@@ -1,5 +1,8 @@
 """Options handed to XLA's compiler with the graphs xlatorch compiles.
 
+Every graph rounds bfloat16 and float16 values where PyTorch does, after each op
+(``xla_allow_excess_precision=false``; ``_AS_CPU_ROUNDS``).
+
 A graph that will run once or a few times should compile fast; a training step's graph runs
 thousands of times and should run fast. Two kinds of graph are the first kind: the stages of
 a staged sync whose nodes changed shape (``runtime/plan/stages.py``: a growing ``generate()``
@@ -62,6 +65,12 @@ _FAST_COMPILE = {
     }
 }
 
+# Every graph: a bfloat16 / float16 value is rounded wherever its op's result is, as PyTorch
+# rounds each op's result. XLA's default lets a fusion keep such intermediates in float32
+# (it drops the convert pairs between ops): a chain of half-float ops whose first is a matmul
+# (Muon's Newton-Schulz step, ``b * A + c * (A @ A)``) then differed from CPU in half its
+# elements, where every op alone matched.
+_AS_CPU_ROUNDS = {"xla_allow_excess_precision": False}
 
 # XLA's CPU library fusions: its defaults (dots, reductions, convolutions) less convolutions.
 _EIGEN_CONVOLUTIONS = {
@@ -92,12 +101,12 @@ def _options(once: bool, platform: str | None) -> dict | None:
     if given is not None:
         return given or None
     if not once:
-        return None
+        return dict(_AS_CPU_ROUNDS)
     if platform is None:
         import jax
 
         platform = jax.default_backend()
-    return dict(_FAST_COMPILE.get(platform, {})) or None
+    return {**_AS_CPU_ROUNDS, **_FAST_COMPILE.get(platform, {})}
 
 
 def compile(lowered, once: bool = False):
