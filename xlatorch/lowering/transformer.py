@@ -88,13 +88,14 @@ def masked_softmax(out, self, mask, dim=None, mask_type=None):
 
 def masked_softmax_backward(out, grad_output, output, mask, dim=None):
     """aten._masked_softmax_backward: ``y * (g - sum(g * y))`` over the unmasked elements, 0 at
-    masked ones (the mask has the gradient's shape); half floats in float32, rounded once."""
-    g, y = _wide(grad_output.reshape(-1) if grad_output.ndim == 0 else grad_output), _wide(output)
-    y = y.reshape(g.shape)
-    m = mask.reshape(g.shape)
+    masked ones (the mask has the gradient's shape). Half floats as CPU's kernel: each product
+    ``g * y`` rounded to the dtype before the float32 sum, the rest in float32, rounded once."""
+    shape = grad_output.shape or (1,)
+    g, y, m = grad_output.reshape(shape), output.reshape(shape), mask.reshape(shape)
+    half = g.dtype if g.dtype in HALF else None
     d = g.ndim - 1 if dim is None else dim % g.ndim
-    s = jnp.sum(jnp.where(m, 0, g * y), axis=d, keepdims=True)
-    return jnp.where(m, 0, y * (g - s)).astype(out.dtype).reshape(out.shape)
+    s = jnp.sum(jnp.where(m, 0, rounded(_wide(g) * _wide(y), half)), axis=d, keepdims=True)
+    return jnp.where(m, 0, _wide(y) * (_wide(g) - s)).astype(out.dtype).reshape(out.shape)
 
 
 def _attention(query, key, value, embed_dim, num_head, qkv_weight, qkv_bias, proj_weight, proj_bias, mask,
