@@ -242,6 +242,14 @@ def _validate_native_group_norm(input, weight, bias, N, C, HxW, group, eps):
     V.norm_params(input, weight, bias)
 
 
+def _validate__native_multi_head_attention(query, key, value, embed_dim, num_head, qkv_weight, qkv_bias, proj_weight, proj_bias, mask, need_weights, average_attn_weights, mask_type):
+    [torch._check(ok(), msg) for ok, msg in ( (lambda: query.dim() == 3, lambda: f"expected 3-D `query`, got {query.dim()}-D tensor"), (lambda: query.shape[2] == embed_dim, lambda: f"passed-in embed_dim {embed_dim} didn't match last dim of query {query.shape[2]}"), (lambda: key.dim() == 3, lambda: f"expected 3-D `key`, got {key.dim()}-D tensor"), (lambda: value.dim() == 3, lambda: f"expected 3-D `value`, got {value.dim()}-D tensor"), (lambda: query.shape == key.shape == value.shape, lambda: "expected `query`/`key`/`value` shapes to match"), (lambda: qkv_weight.dim() == 2, lambda: f"expected 2-D `qkv_weight`, got {qkv_weight.dim()}-D tensor"), (lambda: embed_dim * 3 == qkv_weight.shape[0], lambda: "expected `qkv_weight` first dim to be 3x embed_dim"), (lambda: embed_dim == qkv_weight.shape[1], lambda: "expected `qkv_weight` second dim to be embed_Dim"), (lambda: qkv_bias.dim() == 1, lambda: f"expected 1-D `qkv_bias`, got {qkv_bias.dim()}-D tensor"), (lambda: qkv_bias.shape[0] == 3 * embed_dim, lambda: "expected `qkv_bias` first dim and first dim of query to be equal"), (lambda: embed_dim % num_head == 0, lambda: "`embed_dim` must divide evenly by `num_heads`"))]
+
+
+def _validate__transformer_encoder_layer_fwd(src, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight, proj_bias, use_gelu, norm_first, eps, norm_weight_1, norm_bias_1, norm_weight_2, norm_bias_2, ffn_weight_1, ffn_bias_1, ffn_weight_2, ffn_bias_2, mask, mask_type):
+    [torch._check(ok(), msg) for ok, msg in ( (lambda: src.dim() == 3, lambda: f"expected 3-D `query`, got {src.dim()}-D tensor"), (lambda: src.shape[2] == embed_dim, lambda: f"passed-in embed_dim {embed_dim} didn't match last dim of query {src.shape[2]}"), (lambda: src.dim() == 3, lambda: f"expected 3-D `key`, got {src.dim()}-D tensor"), (lambda: src.dim() == 3, lambda: f"expected 3-D `value`, got {src.dim()}-D tensor"), (lambda: src.shape == src.shape == src.shape, lambda: "expected `query`/`key`/`value` shapes to match"), (lambda: qkv_weight.dim() == 2, lambda: f"expected 2-D `qkv_weight`, got {qkv_weight.dim()}-D tensor"), (lambda: embed_dim * 3 == qkv_weight.shape[0], lambda: "expected `qkv_weight` first dim to be 3x embed_dim"), (lambda: embed_dim == qkv_weight.shape[1], lambda: "expected `qkv_weight` second dim to be embed_Dim"), (lambda: qkv_bias.dim() == 1, lambda: f"expected 1-D `qkv_bias`, got {qkv_bias.dim()}-D tensor"), (lambda: qkv_bias.shape[0] == 3 * embed_dim, lambda: "expected `qkv_bias` first dim and first dim of query to be equal"), (lambda: embed_dim % num_heads == 0, lambda: "`embed_dim` must divide evenly by `num_heads`")) if src.numel()]
+
+
 def _validate__nested_tensor_from_mask(t, mask, mask_check):
     torch._check(False, lambda: 'xlatorch: nn.TransformerEncoder(enable_nested_tensor=True) with a src_key_padding_mask, in eval mode under no_grad, makes a nested tensor (torch._nested_tensor_from_mask), which the xla device cannot hold. Construct the encoder with enable_nested_tensor=False: its output is the nested path\'s except at padded positions, which the nested path sets to 0 (out.masked_fill(src_key_padding_mask.unsqueeze(-1), 0) gives them)')
 
@@ -3843,11 +3851,13 @@ S__safe_softmax = OpSpec(
 S__native_multi_head_attention = OpSpec(
     "_native_multi_head_attention.default", aten._native_multi_head_attention.default, E._native_multi_head_attention, ('query', 'key', 'value', 'embed_dim', 'num_head', 'qkv_weight', 'qkv_bias', 'proj_weight', 'proj_bias', 'mask', 'need_weights', 'average_attn_weights', 'mask_type'), (TENSOR, TENSOR, TENSOR, STATIC, STATIC, TENSOR, TENSOR, TENSOR, TENSOR, OPT_TENSOR, STATIC, STATIC, STATIC,), (False, False, False, False, False, False, False, False, False, False, False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    validate=_validate__native_multi_head_attention,
     refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"transform_bias_rescale_qkv" not implemented for \'{scalar_type}\'', False, False),),
 )
 S__transformer_encoder_layer_fwd = OpSpec(
     "_transformer_encoder_layer_fwd.default", aten._transformer_encoder_layer_fwd.default, E._transformer_encoder_layer_fwd, ('src', 'embed_dim', 'num_heads', 'qkv_weight', 'qkv_bias', 'proj_weight', 'proj_bias', 'use_gelu', 'norm_first', 'eps', 'norm_weight_1', 'norm_bias_1', 'norm_weight_2', 'norm_bias_2', 'ffn_weight_1', 'ffn_bias_1', 'ffn_weight_2', 'ffn_bias_2', 'mask', 'mask_type'), (TENSOR, STATIC, STATIC, TENSOR, TENSOR, TENSOR, TENSOR, STATIC, STATIC, STATIC, TENSOR, TENSOR, TENSOR, TENSOR, TENSOR, TENSOR, TENSOR, TENSOR, OPT_TENSOR, STATIC,), (False, False, False, False, False, False, False, False, False, False, False, False, False, False, False, False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    validate=_validate__transformer_encoder_layer_fwd,
     refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"transform_bias_rescale_qkv" not implemented for \'{scalar_type}\'', False, False),),
 )
 S__transform_bias_rescale_qkv = OpSpec(

@@ -285,3 +285,21 @@ def test_unfold_backward_matches_cpu(shape, dim, size, step):
     (xd.unfold(dim, size, step) * g.to(DEV)).sum().backward()
     torch.testing.assert_close(xd.grad.cpu(), want, **TOL)
     assert _fallbacks() == []
+
+
+def test_multi_head_attention_errors_as_on_cpu():
+    """PyTorch's meta kernel checks nothing: the entry's validate raises CPU's errors at the call."""
+    q, w, b, p, pb = torch.randn(2, 3, 8), torch.randn(24, 8), torch.randn(24), torch.randn(8, 8), torch.randn(8)
+    bad = [
+        (q, q, q, 6, 2, torch.randn(18, 6), torch.randn(18), p, pb),  # embed_dim is not query's
+        (q, q, q, 8, 3, w, b, p, pb),  # heads do not divide embed_dim
+        (q, torch.randn(2, 4, 8), torch.randn(2, 4, 8), 8, 2, w, b, p, pb),
+        (q, q, q, 8, 2, torch.randn(16, 8), b, p, pb),
+        (q, q, q, 8, 2, w, torch.randn(16), p, pb),
+        (q[0], q[0], q[0], 8, 2, w, b, p, pb),
+    ]
+    for args in bad:
+        with pytest.raises(RuntimeError) as cpu_err:
+            aten._native_multi_head_attention(*args)
+        with pytest.raises(RuntimeError, match=str(cpu_err.value).replace("`", ".")):
+            aten._native_multi_head_attention(*[_dev(a) for a in args])
