@@ -251,7 +251,7 @@ def _validate__transformer_encoder_layer_fwd(src, embed_dim, num_heads, qkv_weig
 
 
 def _validate__nested_tensor_from_mask(t, mask, mask_check):
-    torch._check(False, lambda: 'xlatorch: nn.TransformerEncoder(enable_nested_tensor=True) with a src_key_padding_mask, in eval mode under no_grad, makes a nested tensor (torch._nested_tensor_from_mask), which the xla device cannot hold. Construct the encoder with enable_nested_tensor=False: its output is the nested path\'s except at padded positions, which the nested path sets to 0 (out.masked_fill(src_key_padding_mask.unsqueeze(-1), 0) gives them)')
+    torch._check(False, lambda: 'xlatorch: nn.TransformerEncoder(enable_nested_tensor=True) with a src_key_padding_mask, in eval mode under no_grad, makes a nested tensor (torch._nested_tensor_from_mask), which the xla device cannot hold. Construct the encoder with enable_nested_tensor=False (or set encoder.use_nested_tensor = False; in nn.Transformer: model.encoder.use_nested_tensor = False): its output is the nested path\'s except at padded positions, which the nested path sets to 0 (out.masked_fill(src_key_padding_mask.unsqueeze(-1), 0) gives them)')
 
 S_empty_memory_format = OpSpec(
     "empty.memory_format", aten.empty.memory_format, E.empty_memory_format, ('size', 'dtype', 'layout', 'device', 'pin_memory', 'memory_format'), (STATIC, STATIC, STATIC, STATIC, STATIC, STATIC,), (False, True, True, True, True, True), ONE,
