@@ -60,7 +60,7 @@ def _expand_mask(x, mask, dim, mask_type):
     attention mask [L, L] of 4-d scores [B, H, L, L], 1 a padding mask [B, L], 2 (or any other
     shapes) a mask of ``x``'s own shape."""
     mask = mask.astype(bool)
-    if mask.ndim != 2 or x.ndim != 4 or mask_type == 2 or mask_type is None:
+    if mask.ndim != 2 or x.ndim != 4 or mask_type == 2:
         return mask
     if mask_type == 1:
         return jnp.broadcast_to(mask[:, None, None, :], x.shape)
@@ -211,6 +211,10 @@ def _transform_bias_rescale_qkv_meta(qkv, qkv_bias, num_heads):
 def _masked_softmax_meta(self, mask, dim=None, mask_type=None):
     torch._check(mask.dtype == torch.bool, lambda: "Mask should be a boolean tensor")
     mt = 2 if mask.dim() != 2 or self.dim() != 4 else mask_type
+    torch._check(mt is not None, lambda: "Mask Type should be defined")
+    torch._check(
+        mt in (0, 1, 2), lambda: "Mask Type should be 0 (src_mask) or 1 (src_key_padding_mask), or 2 (default_mask)"
+    )
     if mt == 2:
         torch._check(self.shape == mask.shape, lambda: "For mask_type == 2 mask shape should match input shape")
     elif mt == 1:
