@@ -227,10 +227,9 @@ def _masked_softmax_meta(self, mask, dim=None, mask_type=None):
 
 
 def _masked_softmax_backward_meta(grad_output, output, mask, dim=None):
-    shape = grad_output.shape or (1,)
-    torch._check(tuple(shape) == tuple(mask.shape or (1,)), lambda: "Mask shape should match grad shape")
+    torch._check(grad_output.shape == mask.shape, lambda: "Mask shape should match grad shape")
     torch._check(mask.dtype == torch.bool, lambda: "Mask should be a boolean tensor")
-    return grad_output.new_empty(shape)
+    return grad_output.new_empty(grad_output.shape or (1,))  # CPU's result of a 0-d gradient is 1-d
 
 
 def _add_relu_scalar_meta(self, other, alpha=1):
