@@ -2347,6 +2347,50 @@ def _safe_softmax(out, self, dim, dtype):
     return L.norm.safe_softmax(out, self, dim, dtype)
 
 
+def _native_multi_head_attention(out, query, key, value, embed_dim, num_head, qkv_weight, qkv_bias, proj_weight, proj_bias, mask, need_weights, average_attn_weights, mask_type):
+    return L.transformer.native_multi_head_attention(out, query, key, value, embed_dim, num_head, qkv_weight, qkv_bias, proj_weight, proj_bias, mask, need_weights, average_attn_weights, mask_type)
+
+
+def _transformer_encoder_layer_fwd(out, src, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight, proj_bias, use_gelu, norm_first, eps, norm_weight_1, norm_bias_1, norm_weight_2, norm_bias_2, ffn_weight_1, ffn_bias_1, ffn_weight_2, ffn_bias_2, mask, mask_type):
+    return L.transformer.transformer_encoder_layer_fwd(out, src, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight, proj_bias, use_gelu, norm_first, eps, norm_weight_1, norm_bias_1, norm_weight_2, norm_bias_2, ffn_weight_1, ffn_bias_1, ffn_weight_2, ffn_bias_2, mask, mask_type)
+
+
+def _transform_bias_rescale_qkv(out, qkv, qkv_bias, num_heads):
+    return L.transformer.transform_bias_rescale_qkv(out, qkv, qkv_bias, num_heads)
+
+
+def _masked_softmax(out, self, mask, dim, mask_type):
+    return L.transformer.masked_softmax(out, self, mask, dim, mask_type)
+
+
+def _masked_softmax_backward(out, grad_output, output, mask, dim):
+    return L.transformer.masked_softmax_backward(out, grad_output, output, mask, dim)
+
+
+def _nested_tensor_from_mask(out, t, mask, mask_check):
+    return t
+
+
+def _add_relu_Tensor(out, self, other, alpha):
+    return L.transformer.add_relu(out, self, other, alpha)
+
+
+def _add_relu_Scalar(out, self, other, alpha):
+    return L.transformer.add_relu(out, self, other, alpha)
+
+
+def _is_all_true(out, self):
+    return jnp.all(self)
+
+
+def _is_any_true(out, self):
+    return jnp.any(self)
+
+
+def unfold_backward(out, grad_in, input_sizes, dim, size, step):
+    return L.shape.unfold_backward(out, grad_in, input_sizes, dim, size, step)
+
+
 def upsample_bicubic2d(out, self, output_size, align_corners, scales_h, scales_w):
     return L.sample.upsample_bicubic2d(out, self, output_size, align_corners, scales_h, scales_w)
 

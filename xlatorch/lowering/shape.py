@@ -92,6 +92,18 @@ def unfold(out, self, dimension, size, step):
     return jnp.moveaxis(jnp.take(self, ix, axis=d), d + 1, -1)
 
 
+def unfold_backward(out, grad_in, input_sizes, dim, size, step):
+    """aten.unfold_backward (``Tensor.unfold``'s gradient): each window's gradient added back at
+    its elements of a zero input, overlapping windows summed."""
+    if len(input_sizes) == 0:
+        return grad_in.reshape(())
+    d = dim % len(input_sizes)
+    n = (input_sizes[d] - size) // step + 1
+    ix = jnp.arange(n)[:, None] * step + jnp.arange(size)[None, :]
+    src = jnp.moveaxis(grad_in, -1, d + 1).astype(out.dtype)
+    return jnp.zeros(out.shape, out.dtype).at[(slice(None),) * d + (ix,)].add(src)
+
+
 def unfold_scatter(out, self, src, dimension, size, step, idx):
     if self.ndim == 0:
         return src.reshape(()).astype(self.dtype)
