@@ -1835,6 +1835,22 @@ def diag_embed(out, self, offset, dim1, dim2):
     return L.linalg.diag_embed(out, self, offset, dim1, dim2)
 
 
+def _upsample_bilinear2d_aa(out, self, output_size, align_corners, scales_h, scales_w):
+    return L.antialias.upsample_bilinear2d_aa(out, self, output_size, align_corners, scales_h, scales_w)
+
+
+def _upsample_bilinear2d_aa_backward(out, grad_output, output_size, input_size, align_corners, scales_h, scales_w):
+    return L.antialias.upsample_bilinear2d_aa_backward(out, grad_output, output_size, input_size, align_corners, scales_h, scales_w)
+
+
+def _upsample_bicubic2d_aa(out, self, output_size, align_corners, scales_h, scales_w):
+    return L.antialias.upsample_bicubic2d_aa(out, self, output_size, align_corners, scales_h, scales_w)
+
+
+def _upsample_bicubic2d_aa_backward(out, grad_output, output_size, input_size, align_corners, scales_h, scales_w):
+    return L.antialias.upsample_bicubic2d_aa_backward(out, grad_output, output_size, input_size, align_corners, scales_h, scales_w)
+
+
 def _fft_r2c(out, self, dim, normalization, onesided):
     return L.fft.fft_r2c(out, self, dim, normalization, onesided)
 
