@@ -1851,6 +1851,18 @@ def _upsample_bicubic2d_aa_backward(out, grad_output, output_size, input_size, a
     return L.antialias.upsample_bicubic2d_aa_backward(out, grad_output, output_size, input_size, align_corners, scales_h, scales_w)
 
 
+def linalg_matrix_exp(out, self):
+    return L.linalg_more.matrix_exp(out, self)
+
+
+def linalg_lu(out, A, pivot):
+    return L.linalg_more.linalg_lu(out, A, pivot)
+
+
+def linalg_householder_product(out, input, tau):
+    return L.linalg_more.householder_product(out, input, tau)
+
+
 def _fft_r2c(out, self, dim, normalization, onesided):
     return L.fft.fft_r2c(out, self, dim, normalization, onesided)
 

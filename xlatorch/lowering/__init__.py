@@ -12,6 +12,7 @@ from xlatorch.lowering import (  # noqa: F401
     fft,
     index,
     linalg,
+    linalg_more,
     loss,
     nn,
     norm,
