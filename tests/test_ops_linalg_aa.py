@@ -107,3 +107,90 @@ def test_aa_dtypes_refused_as_on_cpu():
         lambda d: backward(torch.ones(1, 1, 3, 3, dtype=torch.bfloat16, device=d), [3, 3], [1, 1, 8, 8], False),
         at_call=True,
     )
+
+
+# --- matrix exponential -----------------------------------------------------------------
+
+
+def _mexp_matrices(dtype):
+    """A batch whose 1-norms fall in each of CPU's degree intervals (float32 bounds 1.2e-7,
+    6e-4, 0.051, 0.58, 1.46) and past them (scaling and squaring: s = 0, 2, 5)."""
+    torch.manual_seed(0)
+    base = torch.randn(8, 4, 4, dtype=torch.float64)
+    base = base / base.abs().sum(-2).amax(-1)[:, None, None]  # 1-norm 1
+    norms = torch.tensor([1e-8, 3e-4, 0.03, 0.4, 1.2, 2.5, 10.0, 80.0], dtype=torch.float64)
+    return (base * norms[:, None, None]).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.complex64])
+def test_matrix_exp_every_degree_matches_cpu(dtype):
+    a = _mexp_matrices(torch.float64)
+    if dtype.is_complex:
+        a = torch.complex(a, _mexp_matrices(torch.float64).flip(0) * 0.5)
+    a = a.to(dtype)
+    want = torch.linalg.matrix_exp(a)
+    met.clear_counters()
+    got = torch.linalg.matrix_exp(a.to("xla")).cpu()
+    _no_fallback("linalg_matrix_exp")
+    assert got.dtype == want.dtype
+    # Both compute CPU's polynomial; summation orders differ. The error is norm-wise: per matrix
+    # about u * 2^s * n * max|e^A| (s squarings; here s <= 5, n = 4)
+    u = torch.finfo(dtype).eps / 2
+    scale = want.abs().amax((-2, -1), keepdim=True)
+    err = ((got - want).abs() / scale).amax((-2, -1))
+    assert (err <= 2 * u * 2**5 * 4).all(), err
+
+
+def test_matrix_exp_trivial_sizes():
+    for shape in [(3, 1, 1), (2, 0, 0)]:
+        a = torch.randn(shape)
+        assert torch.equal(torch.linalg.matrix_exp(a.to("xla")).cpu(), torch.linalg.matrix_exp(a))
+
+
+# --- LU ---------------------------------------------------------------------------------
+
+
+def test_linalg_lu_shapes_and_values_match_cpu():
+    for shape in [(4, 4), (5, 3), (3, 5), (2, 3, 6, 4)]:
+        a = torch.randn(shape, dtype=torch.float64)
+        want = torch.linalg.lu(a)
+        met.clear_counters()
+        got = torch.linalg.lu(a.to("xla"))
+        _no_fallback("linalg_lu")
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and g.dtype == w.dtype
+            # partial pivoting picks the same rows (no near-ties in Gaussian data): P exact,
+            # L and U within float64 rounding of an elimination of ~n steps
+            torch.testing.assert_close(g.cpu(), w, atol=1e-12, rtol=1e-12)
+
+
+def test_linalg_lu_without_pivoting_refused_as_on_cpu():
+    refused_as_on_cpu(lambda d: torch.linalg.lu(torch.randn(3, 3, device=d), pivot=False), at_call=True)
+    refused_as_on_cpu(lambda d: torch.linalg.lu(torch.ones(3, 3, dtype=torch.int64, device=d)), at_call=True)
+    # an empty A factors without pivoting on CPU: P is an empty (0,)
+    want = torch.linalg.lu(torch.ones(0, 3, 4), pivot=False)
+    got = torch.linalg.lu(torch.ones(0, 3, 4).to("xla"), pivot=False)
+    assert [tuple(t.shape) for t in got] == [tuple(t.shape) for t in want]
+
+
+# --- Householder products ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex128])
+def test_householder_product_matches_cpu(dtype):
+    # the reflectors geqrf leaves, and arbitrary ones; tau with fewer entries than columns
+    a = torch.randn(2, 6, 4, dtype=dtype)
+    h, tau = torch.geqrf(a)
+    cases = [(h, tau), (a, torch.randn(2, 3, dtype=dtype)), (a[0], torch.randn(0, dtype=dtype))]
+    for v, t in cases:
+        want = torch.linalg.householder_product(v, t)
+        met.clear_counters()
+        got = torch.linalg.householder_product(v.to("xla"), t.to("xla")).cpu()
+        _no_fallback("linalg_householder_product")
+        # a product of k reflectors: k rank-one updates, each exact to float64 rounding
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    bf16 = dict(dtype=torch.bfloat16)
+    refused_as_on_cpu(
+        lambda d: torch.linalg.householder_product(torch.ones(5, 3, **bf16, device=d), torch.ones(2, **bf16, device=d)),
+        at_call=True,
+    )

@@ -27,13 +27,15 @@ _THETAS_F64 = (2.220446049250313e-16, 2.580956802971767e-08, 3.397168839976962e-
 
 _SQRT_177 = 0.1330413469565007072504e2
 _X3 = 2.0 / 3.0
+# x7 divides by x3^2 (the paper's; torch 2.13's CPU results agree, older copies of this code
+# divide by x3 once, which is off by ~1e-13 in float64)
 _T8 = dict(
     x1=_X3 * ((1.0 + _SQRT_177) / 88.0),
     x2=_X3 * ((1.0 + _SQRT_177) / 352.0),
     x4=(-271.0 + 29.0 * _SQRT_177) / (315.0 * _X3),
     x5=(-11.0 + 11.0 * _SQRT_177) / (1260.0 * _X3),
     x6=(-99.0 + 11.0 * _SQRT_177) / (5040.0 * _X3),
-    x7=(89.0 - _SQRT_177) / (5040.0 * _X3),
+    x7=(89.0 - _SQRT_177) / (5040.0 * _X3 * _X3),
     y2=(857.0 - 58.0 * _SQRT_177) / 630.0,
 )
 # T12's and T18's coefficients: row i gives B_i as a combination of (I, A, A^2, A^3[, A^6]).
