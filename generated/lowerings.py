@@ -1863,6 +1863,22 @@ def linalg_householder_product(out, input, tau):
     return L.linalg_more.householder_product(out, input, tau)
 
 
+def linalg_eig(out, self):
+    return L.linalg_more.linalg_eig(out, self)
+
+
+def linalg_eig__check(out, self):
+    return L.linalg_more.eig_finite(self)
+
+
+def _linalg_eigvals(out, self):
+    return L.linalg_more.linalg_eigvals(out, self)
+
+
+def _linalg_eigvals__check(out, self):
+    return L.linalg_more.eig_finite(self)
+
+
 def _fft_r2c(out, self, dim, normalization, onesided):
     return L.fft.fft_r2c(out, self, dim, normalization, onesided)
 

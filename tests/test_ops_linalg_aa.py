@@ -194,3 +194,34 @@ def test_householder_product_matches_cpu(dtype):
         lambda d: torch.linalg.householder_product(torch.ones(5, 3, **bf16, device=d), torch.ones(2, **bf16, device=d)),
         at_call=True,
     )
+
+
+# --- eigendecomposition -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex128])
+def test_linalg_eig_matches_cpu(dtype):
+    # Eigenvalues: geev's, in its order, on both sides. Eigenvectors: geev makes each of unit
+    # 2-norm with its largest component real, which leaves its sign free (LAPACK builds differ:
+    # CPU's MKL and JAX's LAPACK flip some), so they are compared up to a unit factor per
+    # column. Gaussian matrices have well separated eigenvalues (gaps ~0.1 and more): values
+    # and vectors within ~u * |A| / gap of CPU's, far below 1e-10
+    a = torch.randn(3, 6, 6, dtype=dtype)
+    w, v = torch.linalg.eig(a)
+    met.clear_counters()
+    gw, gv = (t.cpu() for t in torch.linalg.eig(a.to("xla")))
+    vals = torch.linalg.eigvals(a.to("xla")).cpu()
+    _no_fallback("linalg_eig", "_linalg_eigvals")
+    assert gw.dtype == w.dtype and gv.dtype == v.dtype
+    torch.testing.assert_close(gw, w, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(vals, w, atol=1e-10, rtol=1e-10)
+    phase = (v.conj() * gv).sum(-2, keepdim=True)  # <v, gv> per column: a unit factor
+    torch.testing.assert_close(phase.abs(), torch.ones_like(phase.abs()), atol=1e-10, rtol=0)
+    torch.testing.assert_close(gv, v * phase, atol=1e-10, rtol=1e-10)
+
+
+def test_linalg_eig_errors_as_on_cpu():
+    nan = torch.eye(3)
+    nan[1, 2] = float("nan")
+    refused_as_on_cpu(lambda d: torch.linalg.eig(nan.to(d))[0])  # CPU's check on the data
+    refused_as_on_cpu(lambda d: torch.linalg.eig(torch.eye(3, dtype=torch.bfloat16, device=d)), at_call=True)

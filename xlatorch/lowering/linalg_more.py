@@ -143,3 +143,36 @@ def householder_product(out, input, tau):
     if math.prod(input.shape) == 0:
         return jnp.zeros(out.shape, out.dtype)
     return lax.linalg.householder_product(input, tau)
+
+
+def eig_finite(self):
+    """The check CPU's ``linalg_eig`` makes before LAPACK's geev: no inf or NaN in the input."""
+    if self.size == 0:
+        return None
+    return (
+        jnp.any(~jnp.isfinite(self)),
+        0,
+        0,
+        RuntimeError,
+        "torch.linalg.eig: input tensor should not contain infs or NaNs.",
+    )
+
+
+@_lapack
+def linalg_eig(out, self):
+    """aten.linalg_eig: complex eigenvalues and right eigenvectors from geev, as CPU's: its
+    eigenvalue order, each eigenvector of unit 2-norm with its largest component real. That
+    leaves each eigenvector's sign to the LAPACK build (CPU's MKL and JAX's flip some apart)."""
+    if self.size == 0:
+        return jnp.zeros(out[0].shape, out[0].dtype), jnp.zeros(out[1].shape, out[1].dtype)
+    w, v = lax.linalg.eig(self, compute_left_eigenvectors=False)
+    return w.astype(out[0].dtype), v.astype(out[1].dtype)
+
+
+@_lapack
+def linalg_eigvals(out, self):
+    """aten._linalg_eigvals: the eigenvalues of :func:`linalg_eig`."""
+    if self.size == 0:
+        return jnp.zeros(out.shape, out.dtype)
+    (w,) = lax.linalg.eig(self, compute_left_eigenvectors=False, compute_right_eigenvectors=False)
+    return w.astype(out.dtype)
