@@ -1835,6 +1835,50 @@ def diag_embed(out, self, offset, dim1, dim2):
     return L.linalg.diag_embed(out, self, offset, dim1, dim2)
 
 
+def _upsample_bilinear2d_aa(out, self, output_size, align_corners, scales_h, scales_w):
+    return L.antialias.upsample_bilinear2d_aa(out, self, output_size, align_corners, scales_h, scales_w)
+
+
+def _upsample_bilinear2d_aa_backward(out, grad_output, output_size, input_size, align_corners, scales_h, scales_w):
+    return L.antialias.upsample_bilinear2d_aa_backward(out, grad_output, output_size, input_size, align_corners, scales_h, scales_w)
+
+
+def _upsample_bicubic2d_aa(out, self, output_size, align_corners, scales_h, scales_w):
+    return L.antialias.upsample_bicubic2d_aa(out, self, output_size, align_corners, scales_h, scales_w)
+
+
+def _upsample_bicubic2d_aa_backward(out, grad_output, output_size, input_size, align_corners, scales_h, scales_w):
+    return L.antialias.upsample_bicubic2d_aa_backward(out, grad_output, output_size, input_size, align_corners, scales_h, scales_w)
+
+
+def linalg_matrix_exp(out, self):
+    return L.linalg_more.matrix_exp(out, self)
+
+
+def linalg_lu(out, A, pivot):
+    return L.linalg_more.linalg_lu(out, A, pivot)
+
+
+def linalg_householder_product(out, input, tau):
+    return L.linalg_more.householder_product(out, input, tau)
+
+
+def linalg_eig(out, self):
+    return L.linalg_more.linalg_eig(out, self)
+
+
+def linalg_eig__check(out, self):
+    return L.linalg_more.eig_finite(self)
+
+
+def _linalg_eigvals(out, self):
+    return L.linalg_more.linalg_eigvals(out, self)
+
+
+def _linalg_eigvals__check(out, self):
+    return L.linalg_more.eig_finite(self)
+
+
 def _fft_r2c(out, self, dim, normalization, onesided):
     return L.fft.fft_r2c(out, self, dim, normalization, onesided)
 

@@ -6,11 +6,13 @@ ATen schema's arguments in order, and returns JAX values.
 
 from xlatorch.lowering import (  # noqa: F401
     amp,
+    antialias,
     checks,
     factory,
     fft,
     index,
     linalg,
+    linalg_more,
     loss,
     nn,
     norm,
