@@ -2099,6 +2099,14 @@ def nll_loss2d_backward__check(out, grad_output, self, target, weight, reduction
     return L.checks.targets(self, target, ignore_index, 1)
 
 
+def _weight_norm_interface(out, v, g, dim):
+    return L.norm.weight_norm_interface(out, v, g, dim)
+
+
+def _weight_norm_interface_backward(out, grad_w, saved_v, saved_g, saved_norms, dim):
+    return L.norm.weight_norm_interface_backward(out, grad_w, saved_v, saved_g, saved_norms, dim)
+
+
 def reflection_pad1d(out, self, padding):
     return L.sample.reflection_pad(out, self, padding)
 
