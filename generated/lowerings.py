@@ -2107,6 +2107,14 @@ def _weight_norm_interface_backward(out, grad_w, saved_v, saved_g, saved_norms, 
     return L.norm.weight_norm_interface_backward(out, grad_w, saved_v, saved_g, saved_norms, dim)
 
 
+def _ctc_loss(out, log_probs, targets, input_lengths, target_lengths, blank, zero_infinity):
+    return L.ctc.ctc_loss(out, log_probs, targets, input_lengths, target_lengths, blank, zero_infinity)
+
+
+def _ctc_loss_backward(out, grad, log_probs, targets, input_lengths, target_lengths, neg_log_likelihood, log_alpha, blank, zero_infinity):
+    return L.ctc.ctc_loss_backward(out, grad, log_probs, targets, input_lengths, target_lengths, neg_log_likelihood, log_alpha, blank, zero_infinity)
+
+
 def reflection_pad1d(out, self, padding):
     return L.sample.reflection_pad(out, self, padding)
 

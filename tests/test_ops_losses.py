@@ -89,3 +89,108 @@ def test_weight_norm_interface_refuses_as_cpu():
     g0 = torch.randn(4, 1, 1)
     refused_as_on_cpu(lambda d: aten._weight_norm_interface(v.to(d), g0.double().to(d), 0)[0], at_call=True)
     refused_as_on_cpu(lambda d: aten._weight_norm_interface(v.long().to(d), g0.long().to(d), 0)[0], at_call=True)
+
+
+# --- CTC -----------------------------------------------------------------------------------
+# The alpha / beta recursions add a rounding per time step to log values of magnitude up to
+# T log C (~25 here): 1e-5 relative on the loss. The gradient, exp(lp) - exp(lcab + nll - lp),
+# carries the same absolute error of the exponent into values at most 1: 2e-5 absolute.
+_LOSS_TOL = dict(rtol=1e-5, atol=1e-5)
+_GRAD_TOL = dict(rtol=1e-5, atol=2e-5)
+
+
+def _ctc_case(layout):
+    """T=12, B=4, C=6: a full-length input, a shorter one, an empty target, and an impossible
+    alignment (5 labels with repeats need at least 7 inputs; sample 3 has 4)."""
+    torch.manual_seed(2)
+    lp = torch.randn(12, 4, 6).log_softmax(2)
+    il, tl = (12, 9, 7, 4), (5, 3, 0, 5)
+    padded = torch.randint(1, 6, (4, 5))
+    padded[3] = torch.tensor([2, 2, 3, 3, 1])
+    if layout == "padded":
+        return lp, padded, il, tl
+    return lp, torch.cat([padded[b, : tl[b]] for b in range(4)]), il, tl
+
+
+@pytest.mark.parametrize("zero_infinity", [False, True])
+@pytest.mark.parametrize("layout", ["padded", "concatenated"])
+def test_ctc_loss_and_gradient_match_cpu(layout, zero_infinity):
+    """``F.ctc_loss`` with the lengths as tuples (``_ctc_loss`` and its backward), each
+    reduction: loss and gradient against CPU, an infinite loss (or its zero, and a zero
+    gradient) and the NaN gradient CPU gives an impossible alignment without ``zero_infinity``
+    included. One graph for the three reductions (read back at the end)."""
+    lp, targets, il, tl = _ctc_case(layout)
+    res = {}
+    met.clear_counters()
+    for d in ("cpu", "xla"):
+        res[d] = []
+        for reduction in ("none", "mean", "sum"):
+            x = lp.to(d).requires_grad_()
+            loss = F.ctc_loss(x, targets.to(d), il, tl, reduction=reduction, zero_infinity=zero_infinity)
+            w = torch.linspace(0.5, 1.5, loss.numel()).reshape(loss.shape).to(d)
+            (g,) = torch.autograd.grad((loss * w).sum(), x)
+            res[d] += [loss.detach(), g]
+        res[d] = [v.cpu() for v in res[d]]
+    _no_fallback("_ctc_loss", "_ctc_loss_backward")
+    assert torch.isinf(res["cpu"][0]).any() != zero_infinity  # the impossible sample is in
+    for k, (got, want) in enumerate(zip(res["xla"], res["cpu"])):
+        torch.testing.assert_close(got, want, equal_nan=True, **(_GRAD_TOL if k % 2 else _LOSS_TOL))
+
+
+@pytest.mark.parametrize("layout", ["padded", "concatenated"])
+def test_ctc_loss_ops_match_cpu(layout):
+    """The ATen ops: ``log_alpha`` of (B, T, 2 max(L) + 1) where CPU writes it (each sample's
+    first input_length times and 2 L + 1 states; CPU leaves the rest uninitialised), the
+    backward with and without ``zero_infinity``, a target holding the blank label itself and
+    float64."""
+    lp, targets, il, tl = _ctc_case(layout)
+    targets = targets.clone()
+    if layout == "padded":  # the last label of the first sample is the blank
+        targets[0, tl[0] - 1] = 0
+    else:
+        targets[tl[0] - 1] = 0
+    for dtype in (torch.float32, torch.float64):
+        grad = torch.linspace(-1, 2, 4, dtype=dtype)
+        res = {}
+        met.clear_counters()
+        for d in ("cpu", "xla"):
+            x, t = lp.to(dtype).to(d), targets.to(d)
+            nll, alpha = aten._ctc_loss(x, t, il, tl, 0, False)
+            g0 = aten._ctc_loss_backward(grad.to(d), x, t, il, tl, nll, alpha, 0, False)
+            g1 = aten._ctc_loss_backward(grad.to(d), x, t, il, tl, nll, alpha, 0, True)
+            res[d] = [v.cpu() for v in (nll, alpha, g0, g1)]
+        _no_fallback("_ctc_loss", "_ctc_loss_backward")
+        (nll, alpha, g0, g1), (want_nll, want_alpha, want0, want1) = res["xla"], res["cpu"]
+        assert alpha.shape == want_alpha.shape == (4, 12, 11) and alpha.dtype == dtype
+        written = torch.zeros(alpha.shape, dtype=torch.bool)
+        for b in range(4):
+            written[b, : il[b], : 2 * tl[b] + 1] = True
+        torch.testing.assert_close(nll, want_nll, **_LOSS_TOL)
+        torch.testing.assert_close(alpha[written], want_alpha[written], **_LOSS_TOL)
+        torch.testing.assert_close(g0, want0, equal_nan=True, **_GRAD_TOL)
+        torch.testing.assert_close(g1, want1, **_GRAD_TOL)
+
+
+def test_ctc_loss_with_lengths_held_on_the_host_does_not_fall_back():
+    """Lengths as CPU tensors (a DataLoader's) reach ``_ctc_loss`` with int lists
+    (runtime/device.py): lowered, loss and gradient as on CPU."""
+    lp, targets, il, tl = _ctc_case("padded")
+    res = {}
+    met.clear_counters()
+    for d in ("cpu", "xla"):
+        x = lp.to(d).requires_grad_()
+        loss = F.ctc_loss(x, targets.to(d), torch.tensor(il), torch.tensor(tl), zero_infinity=True)
+        (g,) = torch.autograd.grad(loss, x)
+        res[d] = loss.detach().cpu(), g.cpu()
+    _no_fallback("_ctc_loss", "_ctc_loss_backward")
+    torch.testing.assert_close(res["xla"][0], res["cpu"][0], **_LOSS_TOL)
+    torch.testing.assert_close(res["xla"][1], res["cpu"][1], **_GRAD_TOL)
+
+
+def test_ctc_loss_refuses_as_cpu():
+    lp, targets, il, tl = _ctc_case("padded")
+    refused_as_on_cpu(lambda d: aten._ctc_loss(lp.bfloat16().to(d), targets.to(d), il, tl)[0], at_call=True)
+    refused_as_on_cpu(lambda d: aten._ctc_loss(lp.to(d), targets.float().to(d), il, tl)[0], at_call=True)
+    refused_as_on_cpu(lambda d: aten._ctc_loss(lp.to(d), targets.to(d), il, (5, 3, 0, 6))[0], at_call=True)
+    refused_as_on_cpu(lambda d: aten._ctc_loss(lp.to(d), targets.to(d), (13, 9, 7, 4), tl)[0], at_call=True)
+    refused_as_on_cpu(lambda d: aten._ctc_loss(lp.to(d), targets.to(d), il, tl, 6)[0], at_call=True)

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from xlatorch.lowering import nn
+from xlatorch.lowering import (
+    ctc,  # noqa: F401 - L.ctc: CTC's lowerings (ops.yaml names them), its meta kernel
+    nn,
+)
 from xlatorch.lowering.pointwise import HALF
 from xlatorch.lowering.pointwise import rounded as _rounded
 
