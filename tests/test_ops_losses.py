@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import xlatorch.debug.metrics as met
-from tests.cpu_twin import refused_as_on_cpu
+from tests.cpu_twin import refused_as_on_cpu, runs_as_on_cpu
 
 aten = torch.ops.aten
 
@@ -194,3 +194,49 @@ def test_ctc_loss_refuses_as_cpu():
     refused_as_on_cpu(lambda d: aten._ctc_loss(lp.to(d), targets.to(d), il, (5, 3, 0, 6))[0], at_call=True)
     refused_as_on_cpu(lambda d: aten._ctc_loss(lp.to(d), targets.to(d), (13, 9, 7, 4), tl)[0], at_call=True)
     refused_as_on_cpu(lambda d: aten._ctc_loss(lp.to(d), targets.to(d), il, tl, 6)[0], at_call=True)
+
+
+# --- margin losses over classes ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_multilabel_margin_loss_matches_cpu(reduction):
+    """Targets ended by -1 early, a repeated target label (CPU counts its slot twice), values
+    after the -1 ignored, no -1 at all, and a 1-d input: loss, gradient and no fallback. Sums of
+    at most 36 terms of magnitude ~3: float32 rounding (CPU sums the frames in double)."""
+    torch.manual_seed(3)
+    x = torch.randn(4, 6)
+    t = torch.tensor([[3, 0, -1, 1, 5, 2], [2, 2, 4, -1, 0, 0], [0, 1, 2, 3, 4, 5], [-1, 3, 3, 3, 3, 3]])
+    met.clear_counters()
+    res = {}
+    for d in ("cpu", "xla"):
+        got = []
+        for xx, tt in ((x, t), (x[1], t[1])):
+            xd = xx.to(d).requires_grad_()
+            loss = F.multilabel_margin_loss(xd, tt.to(d), reduction=reduction)
+            w = torch.linspace(0.5, 1.5, loss.numel()).reshape(loss.shape).to(d)
+            (g,) = torch.autograd.grad((loss * w).sum(), xd)
+            got += [loss.detach(), g]
+        res[d] = [v.cpu() for v in got]
+    _no_fallback("multilabel_margin_loss_forward", "multilabel_margin_loss_backward")
+    for got, want in zip(res["xla"], res["cpu"]):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_margin_losses_refuse_targets_out_of_range_as_cpu():
+    x = torch.randn(3, 4)
+    refused_as_on_cpu(lambda d: F.multi_margin_loss(x.to(d), torch.tensor([0, 4, 1]).to(d)))
+    refused_as_on_cpu(lambda d: F.multi_margin_loss(x.to(d), torch.tensor([0, -1, 1]).to(d)))
+    bad = torch.tensor([[0, 1, -1, 4]] * 3)
+    refused_as_on_cpu(lambda d: F.multilabel_margin_loss(x.to(d), bad.to(d)))
+    refused_as_on_cpu(lambda d: F.multilabel_margin_loss(x.to(d), torch.tensor([[0, -2, -1, 1]] * 3).to(d)))
+    refused_as_on_cpu(lambda d: F.multi_margin_loss(x.to(d), torch.tensor([0, 1, 1]).to(d), p=3), at_call=True)
+
+
+def test_margin_losses_of_a_1d_input_are_0d_as_on_cpu():
+    """``reduction='none'`` of one frame (a 1-d input): CPU's loss is 0-d (PyTorch's meta
+    kernels said [1])."""
+    x = torch.randn(5)
+    runs_as_on_cpu(lambda d: F.multilabel_margin_loss(x.to(d), torch.tensor([1, 3, -1, 0, 0]).to(d), reduction="none"))
+    runs_as_on_cpu(lambda d: F.multi_margin_loss(x.to(d), torch.tensor(2).to(d), reduction="none"), rtol=1e-6)
