@@ -250,6 +250,10 @@ def _validate__weight_norm_interface_backward(grad_w, saved_v, saved_g, saved_no
     (torch._check(dim == 0 or dim == saved_v.dim() - 1, lambda: 'dim == 0 || dim == saved_v.dim() - 1 INTERNAL ASSERT FAILED: fused kernels can only be applied for first or last dim'), [torch._check(t.dtype == saved_v.dtype, lambda: f'expected scalar type {V.dtype_name(saved_v.dtype)} but found {V.dtype_name(t.dtype)}') for t in (grad_w, saved_g)])
 
 
+def _validate__ctc_loss(log_probs, targets, input_lengths, target_lengths, blank, zero_infinity):
+    torch._check(log_probs.numel() > 0, lambda: 'log_probs tensor must not be empty')
+
+
 def _validate_multi_margin_loss(self, target, p, margin, weight, reduction):
     torch._check(weight is None or weight.dtype == self.dtype, lambda: f'expected scalar type {V.dtype_name(self.dtype)} but found {V.dtype_name(weight.dtype)}')
 
@@ -3543,6 +3547,7 @@ S__ctc_loss = OpSpec(
     "_ctc_loss.default", aten._ctc_loss.default, E._ctc_loss, ('log_probs', 'targets', 'input_lengths', 'target_lengths', 'blank', 'zero_infinity'), (TENSOR, TENSOR, STATIC, STATIC, STATIC, STATIC,), (False, False, False, False, False, False), TUPLE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
     index_dtype=(((1,), (torch.int64, torch.int32), RuntimeError, "Expected tensor for argument #2 'targets' to have scalar type Int; but got {tensor_type} instead (while checking arguments for ctc_loss_allocate_outputs)", False),),
+    validate=_validate__ctc_loss,
     refuse_dtypes=(((torch.bfloat16, torch.float16, torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"ctc_loss_cpu" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten._ctc_loss.out,
 )

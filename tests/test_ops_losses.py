@@ -187,8 +187,29 @@ def test_ctc_loss_with_lengths_held_on_the_host_does_not_fall_back():
     torch.testing.assert_close(res["xla"][1], res["cpu"][1], **_GRAD_TOL)
 
 
+def test_ctc_loss_of_empty_targets_and_one_input_match_cpu():
+    """Every target empty (log_alpha of one state; padded and concatenated), and one input."""
+    torch.manual_seed(4)
+    lp = torch.randn(4, 2, 5).log_softmax(2)
+    cases = [(lp, torch.ones(2, 0, dtype=torch.long), (4, 2), (0, 0)),
+             (lp, torch.ones(0, dtype=torch.long), (4, 2), (0, 0)),
+             (lp[:1], torch.ones(2, 1, dtype=torch.long), (1, 1), (1, 0))]  # fmt: skip
+    res = {}
+    met.clear_counters()
+    for d in ("cpu", "xla"):
+        got = []
+        for x, t, il, tl in cases:
+            nll, alpha = aten._ctc_loss(x.to(d), t.to(d), il, tl)
+            got += [nll, aten._ctc_loss_backward(torch.ones(2).to(d), x.to(d), t.to(d), il, tl, nll, alpha, 0)]
+        res[d] = [v.cpu() for v in got]
+    _no_fallback("_ctc_loss", "_ctc_loss_backward")
+    for got, want in zip(res["xla"], res["cpu"]):
+        torch.testing.assert_close(got, want, **_GRAD_TOL)
+
+
 def test_ctc_loss_refuses_as_cpu():
     lp, targets, il, tl = _ctc_case("padded")
+    refused_as_on_cpu(lambda d: aten._ctc_loss(lp[:0].to(d), targets.to(d), (0,) * 4, tl)[0], at_call=True)
     refused_as_on_cpu(lambda d: aten._ctc_loss(lp.bfloat16().to(d), targets.to(d), il, tl)[0], at_call=True)
     refused_as_on_cpu(lambda d: aten._ctc_loss(lp.to(d), targets.float().to(d), il, tl)[0], at_call=True)
     refused_as_on_cpu(lambda d: aten._ctc_loss(lp.to(d), targets.to(d), il, (5, 3, 0, 6))[0], at_call=True)

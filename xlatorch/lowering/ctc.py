@@ -57,10 +57,12 @@ def _lse3(a1, a2, a3):
 
 def _shift(x, k, fill=_NEG_INF):
     """``x[..., s - k]`` for k > 0 (``x[..., s + |k|]`` for k < 0), ``fill`` where out of range."""
-    pad = jnp.full(x.shape[:-1] + (abs(k),), fill, x.dtype)
+    n = x.shape[-1]
+    m = min(abs(k), n)
+    pad = jnp.full(x.shape[:-1] + (m,), fill, x.dtype)
     if k > 0:
-        return jnp.concatenate([pad, x[..., :-k]], axis=-1)
-    return jnp.concatenate([x[..., -k:], pad], axis=-1)
+        return jnp.concatenate([pad, x[..., : n - m]], axis=-1)
+    return jnp.concatenate([x[..., m:], pad], axis=-1)
 
 
 def _gathered(log_probs, prime):
@@ -123,7 +125,7 @@ def ctc_loss_backward(out, grad, log_probs, targets, input_lengths, target_lengt
     lp = _gathered(log_probs, prime)  # (T, B, S')
     s_idx = np.arange(states)[None, :]
     has2 = s_idx < 2 * tl[:, None]
-    has3 = (s_idx < 2 * tl[:, None] - 1) & jnp.concatenate([skip[:, 2:], jnp.zeros((n_b, 2), jnp.bool_)], axis=1)
+    has3 = (s_idx < 2 * tl[:, None] - 1) & _shift(skip, -2, False)
     ends = (s_idx == 2 * tl[:, None]) | ((s_idx == 2 * tl[:, None] - 1) & (tl[:, None] > 0))
     t_idx = np.arange(n_t)
     start = t_idx[:, None] == il[None, :] - 1  # (T, B): each sample's last input
