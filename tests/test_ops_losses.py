@@ -4,6 +4,7 @@ none of them falls back to CPU."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -261,3 +262,26 @@ def test_margin_losses_of_a_1d_input_are_0d_as_on_cpu():
     x = torch.randn(5)
     runs_as_on_cpu(lambda d: F.multilabel_margin_loss(x.to(d), torch.tensor([1, 3, -1, 0, 0]).to(d), reduction="none"))
     runs_as_on_cpu(lambda d: F.multi_margin_loss(x.to(d), torch.tensor(2).to(d), reduction="none"), rtol=1e-6)
+
+
+def test_ctc_lowering_takes_traced_lengths_as_int_lists():
+    """The helpers with the lengths traced (what a lowering of lengths held on the device would
+    give them) compute what they compute with int lists."""
+    import jax
+    import jax.numpy as jnp
+
+    from xlatorch.lowering import ctc
+
+    lp, targets, il, tl = _ctc_case("concatenated")
+    x, t = jnp.asarray(lp.numpy()), jnp.asarray(targets.numpy())
+    avals = (jax.ShapeDtypeStruct((4,), x.dtype), jax.ShapeDtypeStruct((4, 12, 11), x.dtype))
+    grad = jnp.linspace(-1.0, 2.0, 4, dtype=x.dtype)
+
+    def run(il, tl):
+        nll, alpha = ctc.ctc_loss(avals, x, t, il, tl, 0, True)
+        return nll, ctc.ctc_loss_backward(avals[0].update(shape=x.shape), grad, x, t, il, tl, nll, alpha, 0, True)
+
+    want = run(il, tl)
+    got = jax.jit(run)(jnp.asarray(il), jnp.asarray(tl))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)

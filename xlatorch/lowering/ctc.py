@@ -1,5 +1,7 @@
-"""Connectionist temporal classification: ``_ctc_loss`` and ``_ctc_loss_backward`` with the
-lengths as int lists (compile-time constants), as CPU's kernel computes them.
+"""Connectionist temporal classification: ``_ctc_loss`` and ``_ctc_loss_backward`` as CPU's
+kernel computes them. The lengths are int lists there (compile-time constants: each new set of
+lengths compiles anew); the helpers take them traced as well (only the number of states, from
+``log_alpha``'s shape, is static), for lengths held on the device.
 
 ``log_probs`` is (T, B, C). A sample's extended target l' has 2 L + 1 states (blanks between
 and around its L labels). The forward is CPU's log-space alpha recursion, a ``lax.scan`` over
@@ -21,19 +23,25 @@ from jax import lax
 _NEG_INF = -jnp.inf
 
 
+def _lengths(lengths):
+    """Lengths as an int32 vector: an int list (compile-time constants, ``_ctc_loss``) or a
+    traced tensor alike (only the number of states, from the result's shape, is static)."""
+    return jnp.asarray(lengths, dtype=jnp.int32).reshape(-1)
+
+
 def _target_primes(targets, input_lengths, target_lengths, blank, states):
     """l'(b, s) for every sample and state (blank at even states and past a sample's target),
     whether state s may skip from s - 2 (its label differs from l'(s - 2)), and the static
     (B, states) mask of the states CPU computes (s < 2 L + 1)."""
-    tl = np.asarray(target_lengths, dtype=np.int64)
-    b, s_max = len(tl), (states - 1) // 2
+    tl = _lengths(target_lengths)
+    b, s_max = tl.shape[0], (states - 1) // 2
     j = np.arange(s_max)
     valid = j[None, :] < tl[:, None]
     if s_max == 0:
         labels = jnp.zeros((b, 0), jnp.int32)
     elif targets.ndim == 1:  # concatenated: sample b's labels start at the sum of the lengths before it
-        offsets = np.concatenate([[0], np.cumsum(tl)[:-1]])
-        idx = np.where(valid, offsets[:, None] + j[None, :], 0)
+        offsets = jnp.concatenate([jnp.zeros((1,), tl.dtype), jnp.cumsum(tl)[:-1]])
+        idx = jnp.where(valid, offsets[:, None] + j[None, :], 0)
         labels = targets[idx].astype(jnp.int32)
     else:
         labels = targets[:, :s_max].astype(jnp.int32)
@@ -77,12 +85,11 @@ def ctc_loss(out, log_probs, targets, input_lengths, target_lengths, blank, zero
     losses itself)."""
     n_t, n_b, _ = log_probs.shape
     states = out[1].shape[2]
-    il = np.asarray(input_lengths, dtype=np.int64)
-    tl = np.asarray(target_lengths, dtype=np.int64)
+    il, tl = _lengths(input_lengths), _lengths(target_lengths)
     prime, skip, in_target = _target_primes(targets, input_lengths, target_lengths, blank, states)
     lp = _gathered(log_probs, prime)  # (T, B, S')
     s_idx = np.arange(states)
-    first = np.where((s_idx[None, :] == 0) | ((s_idx[None, :] == 1) & (tl[:, None] > 0)), True, False)
+    first = (s_idx[None, :] == 0) | ((s_idx[None, :] == 1) & (tl[:, None] > 0))
     alpha0 = jnp.where(first & (il[:, None] > 0), lp[0], _NEG_INF)
 
     def step(prev, lp_t):
@@ -98,10 +105,10 @@ def ctc_loss(out, log_probs, targets, input_lengths, target_lengths, blank, zero
         alpha = alpha0[None]
     computed = (np.arange(n_t)[:, None, None] < il[None, :, None]) & in_target[None]
     alpha = jnp.where(computed, alpha, _NEG_INF)  # (T, B, S')
-    last = np.maximum(il - 1, 0)
+    last = jnp.maximum(il - 1, 0)
     end = alpha[last, np.arange(n_b)]  # (B, S'): each sample's row at its last input
-    l1 = jnp.take_along_axis(end, np.minimum(2 * tl, states - 1)[:, None], axis=1)[:, 0]
-    l2 = jnp.take_along_axis(end, np.maximum(2 * tl - 1, 0)[:, None], axis=1)[:, 0]
+    l1 = jnp.take_along_axis(end, jnp.minimum(2 * tl, states - 1)[:, None], axis=1)[:, 0]
+    l2 = jnp.take_along_axis(end, jnp.maximum(2 * tl - 1, 0)[:, None], axis=1)[:, 0]
     m = jnp.maximum(l1, l2)
     m = jnp.where(m == _NEG_INF, 0, m)
     ll = jnp.where(tl > 0, jnp.log(jnp.exp(l1 - m) + jnp.exp(l2 - m)) + m, l1)
@@ -119,8 +126,7 @@ def ctc_loss_backward(out, grad, log_probs, targets, input_lengths, target_lengt
     gradient under ``zero_infinity``."""
     n_t, n_b, n_c = log_probs.shape
     states = log_alpha.shape[2]
-    il = np.asarray(input_lengths, dtype=np.int64)
-    tl = np.asarray(target_lengths, dtype=np.int64)
+    il, tl = _lengths(input_lengths), _lengths(target_lengths)
     prime, skip, in_target = _target_primes(targets, input_lengths, target_lengths, blank, states)
     lp = _gathered(log_probs, prime)  # (T, B, S')
     s_idx = np.arange(states)[None, :]
@@ -145,7 +151,7 @@ def ctc_loss_backward(out, grad, log_probs, targets, input_lengths, target_lengt
     computed = (t_idx[:, None, None] < il[None, :, None]) & in_target[None]
     # At the last input CPU assigns the two end states' terms rather than adding them: where the
     # last label is the blank itself, the second (state 2 L - 1) replaces the first.
-    dup = (jnp.take_along_axis(prime, np.maximum(2 * tl - 1, 0)[:, None], axis=1)[:, 0] == blank) & (tl > 0)
+    dup = (jnp.take_along_axis(prime, jnp.maximum(2 * tl - 1, 0)[:, None], axis=1)[:, 0] == blank) & (tl > 0)
     replaced = start[:, :, None] & (s_idx == 2 * tl[:, None])[None] & dup[None, :, None]
     computed = computed & ~replaced
     ab = jnp.where(computed, jnp.transpose(log_alpha, (1, 0, 2)) + beta, _NEG_INF)
