@@ -2115,6 +2115,10 @@ def _ctc_loss_backward(out, grad, log_probs, targets, input_lengths, target_leng
     return L.ctc.ctc_loss_backward(out, grad, log_probs, targets, input_lengths, target_lengths, neg_log_likelihood, log_alpha, blank, zero_infinity)
 
 
+def _ctc_loss_backward_Tensor(out, grad, log_probs, targets, input_lengths, target_lengths, neg_log_likelihood, log_alpha, blank, zero_infinity):
+    return L.ctc.ctc_loss_backward(out, grad, log_probs, targets, input_lengths, target_lengths, neg_log_likelihood, log_alpha, blank, zero_infinity)
+
+
 def multi_margin_loss(out, self, target, p, margin, weight, reduction):
     return L.loss.multi_margin_loss(out, self, target, p, margin, weight, reduction)
 

@@ -188,6 +188,24 @@ def test_ctc_loss_with_lengths_held_on_the_host_does_not_fall_back():
     torch.testing.assert_close(res["xla"][1], res["cpu"][1], **_GRAD_TOL)
 
 
+def test_ctc_loss_backward_of_lengths_held_on_the_device_does_not_fall_back():
+    """Lengths as device tensors (Wav2Vec2ForCTC's): the forward ``_ctc_loss.Tensor`` still
+    falls back (its result's shape depends on their values), its backward is lowered with the
+    lengths traced. Loss and gradient against CPU; concatenated targets, as Wav2Vec2's."""
+    lp, targets, il, tl = _ctc_case("concatenated")
+    res = {}
+    for d in ("cpu", "xla"):
+        met.clear_counters()
+        x = lp.to(d).requires_grad_()
+        lens = (torch.tensor(il).to(d), torch.tensor(tl).to(d))
+        loss = F.ctc_loss(x, targets.to(d), *lens, zero_infinity=True)
+        (g,) = torch.autograd.grad(loss, x)
+        res[d] = loss.detach().cpu(), g.cpu()
+    _no_fallback("_ctc_loss_backward")
+    torch.testing.assert_close(res["xla"][0], res["cpu"][0], **_LOSS_TOL)
+    torch.testing.assert_close(res["xla"][1], res["cpu"][1], **_GRAD_TOL)
+
+
 def test_ctc_loss_of_empty_targets_and_one_input_match_cpu():
     """Every target empty (log_alpha of one state; padded and concatenated), and one input."""
     torch.manual_seed(4)

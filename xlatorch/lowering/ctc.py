@@ -171,13 +171,14 @@ def ctc_loss_backward(out, grad, log_probs, targets, input_lengths, target_lengt
     return jnp.where(live, res, 0).astype(out.dtype)
 
 
-# PyTorch has no meta kernel for the backward: its result is shaped as ``log_probs``.
+# PyTorch has no meta kernels for the backwards: the result is shaped as ``log_probs``.
 def _ctc_loss_backward_meta(grad, log_probs, *args, **kwargs):
     return log_probs.new_empty(log_probs.shape)
 
 
 _LIB = torch.library.Library("aten", "IMPL")
-try:
-    _LIB.impl("_ctc_loss_backward", _ctc_loss_backward_meta, "Meta")
-except RuntimeError:  # a torch that registers its own
-    pass
+for _name in ("_ctc_loss_backward", "_ctc_loss_backward.Tensor"):
+    try:
+        _LIB.impl(_name, _ctc_loss_backward_meta, "Meta")
+    except RuntimeError:  # a torch that registers its own
+        pass
