@@ -2143,6 +2143,58 @@ def nll_loss2d_backward__check(out, grad_output, self, target, weight, reduction
     return L.checks.targets(self, target, ignore_index, 1)
 
 
+def _weight_norm_interface(out, v, g, dim):
+    return L.norm.weight_norm_interface(out, v, g, dim)
+
+
+def _weight_norm_interface_backward(out, grad_w, saved_v, saved_g, saved_norms, dim):
+    return L.norm.weight_norm_interface_backward(out, grad_w, saved_v, saved_g, saved_norms, dim)
+
+
+def _ctc_loss(out, log_probs, targets, input_lengths, target_lengths, blank, zero_infinity):
+    return L.ctc.ctc_loss(out, log_probs, targets, input_lengths, target_lengths, blank, zero_infinity)
+
+
+def _ctc_loss_backward(out, grad, log_probs, targets, input_lengths, target_lengths, neg_log_likelihood, log_alpha, blank, zero_infinity):
+    return L.ctc.ctc_loss_backward(out, grad, log_probs, targets, input_lengths, target_lengths, neg_log_likelihood, log_alpha, blank, zero_infinity)
+
+
+def _ctc_loss_backward_Tensor(out, grad, log_probs, targets, input_lengths, target_lengths, neg_log_likelihood, log_alpha, blank, zero_infinity):
+    return L.ctc.ctc_loss_backward(out, grad, log_probs, targets, input_lengths, target_lengths, neg_log_likelihood, log_alpha, blank, zero_infinity)
+
+
+def multi_margin_loss(out, self, target, p, margin, weight, reduction):
+    return L.loss.multi_margin_loss(out, self, target, p, margin, weight, reduction)
+
+
+def multi_margin_loss__check(out, self, target, p, margin, weight, reduction):
+    return L.checks.in_range(target, 0, self.shape[-1] if self.ndim else 1, RuntimeError, "target out of range")
+
+
+def multi_margin_loss_backward(out, grad_output, self, target, p, margin, weight, reduction):
+    return L.loss.multi_margin_loss_backward(out, grad_output, self, target, p, margin, weight, reduction)
+
+
+def multi_margin_loss_backward__check(out, grad_output, self, target, p, margin, weight, reduction):
+    return L.checks.in_range(target, 0, self.shape[-1] if self.ndim else 1, RuntimeError, "target out of range")
+
+
+def multilabel_margin_loss_forward(out, self, target, reduction):
+    return L.loss.multilabel_margin_loss_forward(out, self, target, reduction)
+
+
+def multilabel_margin_loss_forward__check(out, self, target, reduction):
+    return L.checks.in_range(target, -1, self.shape[-1] if self.ndim else 1, RuntimeError, "argument #2 'target' is out of range")
+
+
+def multilabel_margin_loss_backward(out, grad_output, self, target, reduction, is_target):
+    return L.loss.multilabel_margin_loss_backward(out, grad_output, self, target, reduction, is_target)
+
+
+def multilabel_margin_loss_backward__check(out, grad_output, self, target, reduction, is_target):
+    return [L.checks.in_range(target, -1, self.shape[-1] if self.ndim else 1, RuntimeError, "argument #3 'target' is out of range"), L.checks.in_range(jnp.where((is_target >= 0) & (is_target <= 1), 0, 1), 0, 1, RuntimeError, "argument #5 'is_target' is out of range")]
+
+
 def reflection_pad1d(out, self, padding):
     return L.sample.reflection_pad(out, self, padding)
 

@@ -8,8 +8,12 @@ formulas are PyTorch's own (including its choices at kinks, e.g. smooth L1 at 0)
 from __future__ import annotations
 
 import jax.numpy as jnp
+import torch
 
-from xlatorch.lowering import nn
+from xlatorch.lowering import (
+    ctc,  # noqa: F401 - L.ctc: CTC's lowerings (ops.yaml names them), its meta kernel
+    nn,
+)
 from xlatorch.lowering.pointwise import HALF
 from xlatorch.lowering.pointwise import rounded as _rounded
 
@@ -176,3 +180,138 @@ def nll_loss2d_backward(out, grad_output, self, target, weight, reduction, ignor
     grad = nn.nll_loss_backward(out, g, x, t, weight, reduction, ignore_index, total_weight)
     n, c = self.shape[0], self.shape[1]
     return jnp.moveaxis(grad.reshape((n,) + self.shape[2:] + (c,)), -1, 1)
+
+
+# --- margin losses over classes --------------------------------------------------------
+
+
+def _frames(self, target):
+    """``self`` as CPU's kernels read it, (frames, classes): a 0-d input is one class, a 1-d
+    one a single frame; ``target`` flattened to match."""
+    x = self.reshape((1, 1) if self.ndim == 0 else (1, -1) if self.ndim == 1 else self.shape)
+    return x, target.reshape((x.shape[0], -1)).astype(jnp.int64)
+
+
+def _per_frame(rows, reduction, out_shape, n, dim):
+    """CPU's reduction of the per-frame sums ``rows``: each divided by ``dim``, then their sum,
+    or their mean over the frames, or (``none`` with a frame per target) the rows."""
+    if out_shape:
+        return rows / dim
+    total = jnp.sum(rows) / dim
+    return total / n if reduction == 1 else total
+
+
+def multi_margin_loss(out, self, target, p, margin, weight, reduction):
+    """``aten::multi_margin_loss``: per frame, ``sum over d != t of w[t] max(margin - x[t] +
+    x[d], 0)^p / dim``, then the reduction (``none`` for a 1-d input gives a 0-d result)."""
+    x, t = _frames(self, target)
+    n, dim = x.shape
+    t = t.reshape(n)
+    xt = jnp.take_along_axis(x, t[:, None], axis=1)
+    z = jnp.asarray(margin, x.dtype) - xt + x
+    h = jnp.where(z > 0, z if p == 1 else z * z, 0)
+    if weight is not None:
+        h = h * weight.reshape(-1)[t][:, None]
+    h = jnp.where(jnp.arange(dim)[None, :] == t[:, None], 0, h)
+    return _per_frame(jnp.sum(h, axis=1), reduction, out.shape, n, dim).reshape(out.shape).astype(out.dtype)
+
+
+def multi_margin_loss_backward(out, grad_output, self, target, p, margin, weight, reduction):
+    """``aten::multi_margin_loss_backward``: CPU's kernel: with ``g = 1 / dim`` (``1 / (frames
+    dim)`` for the mean), ``h = w[t] (g or 2 g z)`` where ``z > 0``, each class d != t gets
+    ``h`` and the target class minus their sum; times the output's gradient."""
+    x, t = _frames(self, target)
+    n, dim = x.shape
+    t = t.reshape(n)
+    g = 1.0 / (n * dim) if reduction == 1 else 1.0 / dim
+    xt = jnp.take_along_axis(x, t[:, None], axis=1)
+    z = jnp.asarray(margin, x.dtype) - xt + x
+    h = jnp.where(z > 0, g if p == 1 else 2 * g * z, 0).astype(x.dtype)
+    if weight is not None:
+        h = h * weight.reshape(-1)[t][:, None]
+    is_t = jnp.arange(dim)[None, :] == t[:, None]
+    h = jnp.where(is_t, 0, h)
+    gi = jnp.where(is_t, -jnp.sum(h, axis=1, keepdims=True), h)
+    go = grad_output.reshape((n, 1) if reduction == 0 and grad_output.ndim else ())
+    return (gi * go).reshape(self.shape).astype(out.dtype)
+
+
+def _label_sets(x, t):
+    """multilabel: per frame, which target slots count (those before the first negative) and
+    which classes are targets (``is_target``)."""
+    dim = x.shape[1]
+    neg = t < 0
+    first = jnp.min(jnp.where(neg, jnp.arange(dim)[None, :], dim), axis=1, keepdims=True)
+    used = jnp.arange(dim)[None, :] < first
+    hits = used[:, :, None] & (t[:, :, None] == jnp.arange(dim)[None, None, :])
+    return used, jnp.any(hits, axis=1)
+
+
+def _label_margins(x, t, used, nontarget):
+    """z[i, j, d] = 1 - x[i, t_j] + x[i, d] > 0 for each counted slot j and non-target d."""
+    xt = jnp.take_along_axis(x, jnp.where(used, t, 0), axis=1)
+    z = 1 - xt[:, :, None] + x[:, None, :]
+    return z, used[:, :, None] & nontarget[:, None, :] & (z > 0)
+
+
+def multilabel_margin_loss_forward(out, self, target, reduction):
+    """``aten::multilabel_margin_loss_forward``: (loss, is_target). Per frame, the sum over the
+    target slots before the first -1 and the non-target classes d of ``max(1 - x[t_j] + x[d],
+    0)``, over ``dim``; then the reduction (``none`` for a 1-d input gives a 0-d result)."""
+    x, t = _frames(self, target)
+    n, dim = x.shape
+    used, is_target = _label_sets(x, t)
+    z, live = _label_margins(x, t, used, ~is_target)
+    rows = jnp.sum(jnp.where(live, z, 0), axis=(1, 2))
+    loss = _per_frame(rows, reduction, out[0].shape, n, dim).reshape(out[0].shape)
+    return loss.astype(out[0].dtype), is_target.reshape(target.shape).astype(out[1].dtype)
+
+
+def multilabel_margin_loss_backward(out, grad_output, self, target, reduction, is_target):
+    """``aten::multilabel_margin_loss_backward``: CPU's kernel: for each counted slot j and
+    class d not marked in ``is_target`` (the argument, as CPU reads it) with ``1 - x[t_j] +
+    x[d] > 0``, ``g`` added to d and taken from t_j (``g = 1 / dim``, ``1 / (frames dim)`` for
+    the mean); times the output's gradient."""
+    x, t = _frames(self, target)
+    n, dim = x.shape
+    g = 1.0 / (n * dim) if reduction == 1 else 1.0 / dim
+    used, _ = _label_sets(x, t)
+    _, live = _label_margins(x, t, used, is_target.reshape(n, dim) == 0)
+    count = live.astype(x.dtype)
+    plus = jnp.sum(count, axis=1)  # (n, dim): per class d
+    minus = jnp.zeros_like(x).at[jnp.arange(n)[:, None], jnp.where(used, t, 0)].add(jnp.sum(count, axis=2))
+    gi = (plus - minus) * jnp.asarray(g, x.dtype)
+    go = grad_output.reshape((n, 1) if reduction == 0 and grad_output.ndim else ())
+    return (gi * go).reshape(self.shape).astype(out.dtype)
+
+
+# PyTorch has no meta kernels for these backwards: the gradient is shaped as ``self``.
+def _like_self_meta(grad_output, self, *args, **kwargs):
+    return self.new_empty(self.shape)
+
+
+# The forwards' meta kernels (PyTorch's decompositions) give ``reduction='none'`` of a 1-d
+# input a loss of shape [1]; CPU gives a 0-d one (multi_margin: for a 0-d target). Their checks
+# stand, the shape is CPU's.
+_DECOMP = torch._decomp.decomposition_table
+_aten = torch.ops.aten
+
+
+def _multi_margin_meta(self, target, p=1, margin=1, weight=None, reduction=1):
+    res = _DECOMP[_aten.multi_margin_loss.default](self, target, p, margin, weight, reduction)
+    return res.reshape(()) if reduction == 0 and target.dim() == 0 else res
+
+
+def _multilabel_margin_meta(self, target, reduction):
+    loss, is_target = _DECOMP[_aten.multilabel_margin_loss_forward.default](self, target, reduction)
+    return (loss.reshape(()) if target.dim() <= 1 else loss), is_target
+
+
+_LIB = torch.library.Library("aten", "IMPL")
+for _name, _meta in (("multi_margin_loss_backward", _like_self_meta),
+                     ("multilabel_margin_loss_backward", _like_self_meta), ("multi_margin_loss", _multi_margin_meta),
+                     ("multilabel_margin_loss_forward", _multilabel_margin_meta)):  # fmt: skip
+    try:
+        _LIB.impl(_name, _meta, "Meta")
+    except RuntimeError:  # a torch that registers its own
+        pass

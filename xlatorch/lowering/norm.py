@@ -224,3 +224,41 @@ def embedding_renorm(out, self, indices, max_norm, norm_type):
     norms = _pnorm(self.astype(jnp.float32), norm_type)
     scale = jnp.where(used & (norms > max_norm), max_norm / (norms + 1e-7), 1.0)
     return (self * scale[:, None].astype(self.dtype)).astype(self.dtype)
+
+
+# --- weight norm (torch.nn.utils.weight_norm's fused kernels) --------------------------
+
+
+def _weight_norm_axes(v, dim):
+    """The axes CPU's fused kernel reduces (every one but ``dim``, which is 0 or the last) and
+    ``dim``'s per-slice values' shape to broadcast against ``v``."""
+    axes = tuple(i for i in range(v.ndim) if i != dim)
+    keep = tuple(v.shape[i] if i == dim else 1 for i in range(v.ndim))
+    return axes, keep
+
+
+def weight_norm_interface(out, v, g, dim):
+    """``aten::_weight_norm_interface``: ``norm = sqrt(sum(v^2))`` over every dim but ``dim`` and
+    ``w = v * (g / norm)``, all in CPU's accumulation type (float32 for bfloat16 / float16, w
+    rounded once). ``norm`` has ``g``'s shape (CPU fills it as a flat vector of the slices)."""
+    x = _acc(v)
+    axes, keep = _weight_norm_axes(v, dim)
+    norm = jnp.sqrt(jnp.sum(x * x, axis=axes))
+    a = _acc(g).reshape(norm.shape).astype(x.dtype) / norm
+    w = x * a.reshape(keep)
+    return w.astype(out[0].dtype), norm.reshape(out[1].shape).astype(out[1].dtype)
+
+
+def weight_norm_interface_backward(out, grad_w, saved_v, saved_g, saved_norms, dim):
+    """``aten::_weight_norm_interface_backward``: CPU's kernel's formulas per slice, in its
+    accumulation type: ``s = sum(grad_w * v)``, ``grad_g = s / norm``, ``a = g / norm``,
+    ``b = a * grad_g / norm`` (grad_g unrounded) and ``grad_v = a * grad_w - b * v``."""
+    x, gw = _acc(saved_v), _acc(grad_w)
+    axes, keep = _weight_norm_axes(saved_v, dim)
+    norm = saved_norms.reshape(-1).astype(x.dtype)
+    s = jnp.sum(gw * x, axis=axes)
+    grad_g = s / norm
+    a = _acc(saved_g).reshape(-1).astype(x.dtype) / norm
+    b = a * grad_g / norm
+    grad_v = a.reshape(keep) * gw - b.reshape(keep) * x
+    return grad_v.astype(out[0].dtype), grad_g.reshape(out[1].shape).astype(out[1].dtype)
