@@ -2159,6 +2159,14 @@ def _ctc_loss_backward(out, grad, log_probs, targets, input_lengths, target_leng
     return L.ctc.ctc_loss_backward(out, grad, log_probs, targets, input_lengths, target_lengths, neg_log_likelihood, log_alpha, blank, zero_infinity)
 
 
+def _ctc_loss_Tensor(out, log_probs, targets, input_lengths, target_lengths, blank, zero_infinity):
+    return L.ctc.ctc_loss(out, log_probs, targets, input_lengths, target_lengths, blank, zero_infinity)
+
+
+def _ctc_loss_Tensor__check(out, log_probs, targets, input_lengths, target_lengths, blank, zero_infinity):
+    return L.checks.ctc_lengths(log_probs, targets, input_lengths, target_lengths)
+
+
 def _ctc_loss_backward_Tensor(out, grad, log_probs, targets, input_lengths, target_lengths, neg_log_likelihood, log_alpha, blank, zero_infinity):
     return L.ctc.ctc_loss_backward(out, grad, log_probs, targets, input_lengths, target_lengths, neg_log_likelihood, log_alpha, blank, zero_infinity)
 

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import xlatorch.core.xla_model as xm
 import xlatorch.debug.metrics as met
 from tests.cpu_twin import refused_as_on_cpu, runs_as_on_cpu
 
@@ -173,8 +174,8 @@ def test_ctc_loss_ops_match_cpu(layout):
 
 
 def test_ctc_loss_with_lengths_held_on_the_host_does_not_fall_back():
-    """Lengths as CPU tensors (a DataLoader's) reach ``_ctc_loss`` with int lists
-    (runtime/device.py): lowered, loss and gradient as on CPU."""
+    """Lengths as CPU tensors (a DataLoader's) go to the device and are read there
+    (runtime/device.py, ``_ctc_loss.Tensor``): lowered, loss and gradient as on CPU."""
     lp, targets, il, tl = _ctc_case("padded")
     res = {}
     met.clear_counters()
@@ -188,10 +189,11 @@ def test_ctc_loss_with_lengths_held_on_the_host_does_not_fall_back():
     torch.testing.assert_close(res["xla"][1], res["cpu"][1], **_GRAD_TOL)
 
 
-def test_ctc_loss_backward_of_lengths_held_on_the_device_does_not_fall_back():
-    """Lengths as device tensors (Wav2Vec2ForCTC's): the forward ``_ctc_loss.Tensor`` still
-    falls back (its result's shape depends on their values), its backward is lowered with the
-    lengths traced. Loss and gradient against CPU; concatenated targets, as Wav2Vec2's."""
+def test_ctc_loss_of_lengths_held_on_the_device_does_not_fall_back():
+    """Lengths as device tensors (Wav2Vec2ForCTC's): ``_ctc_loss.Tensor`` and its backward are
+    lowered with the lengths traced (log_alpha sized for the most labels the targets hold, as its
+    shape on CPU depends on their values). Loss and gradient against CPU; concatenated targets,
+    as Wav2Vec2's."""
     lp, targets, il, tl = _ctc_case("concatenated")
     res = {}
     for d in ("cpu", "xla"):
@@ -201,7 +203,7 @@ def test_ctc_loss_backward_of_lengths_held_on_the_device_does_not_fall_back():
         loss = F.ctc_loss(x, targets.to(d), *lens, zero_infinity=True)
         (g,) = torch.autograd.grad(loss, x)
         res[d] = loss.detach().cpu(), g.cpu()
-    _no_fallback("_ctc_loss_backward")
+    _no_fallback("_ctc_loss", "_ctc_loss_backward")
     torch.testing.assert_close(res["xla"][0], res["cpu"][0], **_LOSS_TOL)
     torch.testing.assert_close(res["xla"][1], res["cpu"][1], **_GRAD_TOL)
 
@@ -303,3 +305,32 @@ def test_ctc_lowering_takes_traced_lengths_as_int_lists():
     got = jax.jit(run)(jnp.asarray(il), jnp.asarray(tl))
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("lengths", ["device tensors", "cpu tensors", "int lists"])
+def test_ctc_loss_compiles_one_step_for_every_set_of_lengths(lengths, no_cached_executables):
+    """An ASR batch's lengths change every step: they are read in the graph, never constants of
+    it, so the steps after the first compile nothing; each step's loss and gradient are CPU's."""
+    lp, targets, il, tl = _ctc_case("padded")
+    compiles = []
+    for step in range(3):
+        ils = [max(1, n - step) for n in il]
+        tls = [max(0, n - (step % 2)) for n in tl]
+        res = {}
+        for d in ("cpu", "xla"):
+            x = lp.to(d).requires_grad_()
+            if lengths == "int lists":
+                lens = (ils, tls)
+            else:
+                lens = (torch.tensor(ils), torch.tensor(tls))
+                lens = tuple(t.to(d) for t in lens) if lengths == "device tensors" else lens
+            loss = F.ctc_loss(x, targets.to(d), *lens, reduction="mean", zero_infinity=True)
+            (g,) = torch.autograd.grad(loss, x)
+            if d == "xla":
+                before = met.counter_value("UncachedCompile") or 0
+                xm.mark_step()
+                compiles.append((met.counter_value("UncachedCompile") or 0) - before)
+            res[d] = loss.detach().cpu(), g.cpu()
+        torch.testing.assert_close(res["xla"][0], res["cpu"][0], **_LOSS_TOL)
+        torch.testing.assert_close(res["xla"][1], res["cpu"][1], **_GRAD_TOL)
+    assert compiles[0] >= 1 and compiles[1:] == [0, 0], compiles

@@ -310,3 +310,28 @@ def linalg_info(info, api_name: str, is_matrix: bool, linalg_error):
     pos = jnp.argmax(bad)
     where = "" if is_matrix else ": (Batch element {1})"
     return jnp.any(bad), flat[pos], pos, linalg_error if linalg else RuntimeError, f"{api_name}{where}: {text}"
+
+
+def ctc_lengths(log_probs, targets, input_lengths, target_lengths):
+    """``_ctc_loss``'s lengths held on the device, checked as CPU's ``ctc_loss_allocate_outputs``:
+    each input length in ``[0, T]``, each target length at least 0, and the targets holding
+    them (a padded batch at least the longest; concatenated ones exactly their sum)."""
+    why = " (while checking arguments for ctc_loss_allocate_outputs)"
+    wide = 1 << 62
+    t = log_probs.shape[0]
+    got = "to have value {0}, but got value {{0}}" + why
+    rows = [
+        in_range(input_lengths, 0, wide, RuntimeError, "Expected input_lengths " + got.format("at least 0")),
+        in_range(input_lengths, -wide, t + 1, RuntimeError, "Expected input_lengths " + got.format(f"at most {t}")),
+        in_range(target_lengths, 0, wide, RuntimeError, "Expected target_lengths " + got.format("at least 0")),
+    ]
+    if targets.ndim == 2:
+        n = targets.shape[1]
+        msg = f"Expected tensor to have size at least {{0}} at dimension 1, but got size {n} for argument #2 'targets'"
+        rows.append(in_range(target_lengths, -wide, n + 1, RuntimeError, msg + why))
+    else:
+        n = targets.shape[0]
+        total = _xp(target_lengths).sum(target_lengths).reshape(1)
+        msg = f"Expected tensor to have size {{0}} at dimension 0, but got size {n} for argument #2 'targets'"
+        rows.append(in_range(total, n, n + 1, RuntimeError, msg + why))
+    return rows

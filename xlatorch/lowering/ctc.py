@@ -176,7 +176,18 @@ def _ctc_loss_backward_meta(grad, log_probs, *args, **kwargs):
     return log_probs.new_empty(log_probs.shape)
 
 
+def _ctc_loss_tensor_meta(log_probs, targets, input_lengths, target_lengths, blank=0, zero_infinity=False):
+    """``_ctc_loss.Tensor``: log_alpha for the most labels the targets can hold (ops.yaml says why)."""
+    most = targets.shape[1] if targets.dim() == 2 else targets.numel()
+    n_t, n_b = log_probs.shape[0], log_probs.shape[1]
+    return log_probs.new_empty((n_b,)), log_probs.new_empty((n_b, n_t, 2 * most + 1))
+
+
 _LIB = torch.library.Library("aten", "IMPL")
+try:
+    _LIB.impl("_ctc_loss.Tensor", _ctc_loss_tensor_meta, "Meta")
+except RuntimeError:  # a torch that registers its own
+    pass
 for _name in ("_ctc_loss_backward", "_ctc_loss_backward.Tensor"):
     try:
         _LIB.impl(_name, _ctc_loss_backward_meta, "Meta")

@@ -164,6 +164,7 @@ def register(factories: dict) -> None:
     _lib.impl("_pin_memory", _pin_memory, "CPU")
     _lib.impl("is_pinned", _is_pinned, "CPU")
     _lib.impl("ctc_loss.Tensor", _ctc_loss, "AutogradPrivateUse1")
+    _lib.impl("ctc_loss.IntList", _ctc_loss, "AutogradPrivateUse1")
     _lib.impl("one_hot", _one_hot, "AutogradPrivateUse1")
     for name in _FUSED_BACKWARD:
         _lib.impl(name, _fused_backward(getattr(aten, name).default), "AutogradPrivateUse1")
@@ -220,19 +221,20 @@ def _is_pinned(self, device=None):
 
 
 _IMPLICIT = torch._C.DispatchKey.CompositeImplicitAutograd
-_INTEGERS = frozenset((torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64))
 
 
 def _ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, reduction=1, zero_infinity=False):
-    """``ctc_loss`` with its lengths as tensors. For a tensor subclass PyTorch's composite keeps
-    them as tensors and, for ``reduction='mean'``, divides the device's loss by the target
-    lengths: given as CPU tensors (as CUDA takes them) that raised the mixed-device error
-    where CPU and CUDA run. Lengths on the host are read as lists, as the composite does
-    for a plain tensor; any others go through the composite unchanged."""
-    lens = (input_lengths, target_lengths)
-    if all(type(t) is torch.Tensor and t.device.type == "cpu" and t.dtype in _INTEGERS for t in lens):
-        il, tl = (t.tolist() for t in lens)
-        return aten.ctc_loss.IntList(log_probs, targets, il, tl, blank, reduction, zero_infinity)
+    """``ctc_loss`` (either overload) on the device: its lengths become device tensors, read in
+    the graph (``_ctc_loss.Tensor``), so one compiled step serves every set of lengths (as int
+    lists they would be constants of the graph: a compile per set). Lengths held on the CPU are
+    taken, as CUDA takes them; ones of a float dtype raise CPU's error."""
+    lens = []
+    for name, t in (("input_lengths", input_lengths), ("target_lengths", target_lengths)):
+        if not isinstance(t, torch.Tensor):
+            t = torch.tensor(t, dtype=torch.long)
+        elif t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise RuntimeError(f"{name} must be integral")  # CPU's and CUDA's kernels' first check
+        lens.append(t.to(log_probs.device) if type(t) is torch.Tensor else t)
     return aten.ctc_loss.Tensor._op_dk(_IMPLICIT, log_probs, targets, *lens, blank, reduction, zero_infinity)
 
 
