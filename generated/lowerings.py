@@ -267,6 +267,34 @@ def multinomial__check(out, self, num_samples, replacement, generator, seed):
     return L.checks.multinomial(self, num_samples, replacement)
 
 
+def _standard_gamma(out, self, generator, seed):
+    return L.distributions.standard_gamma(out, self, generator, seed)
+
+
+def _sample_dirichlet(out, self, generator, seed):
+    return L.distributions.sample_dirichlet(out, self, generator, seed)
+
+
+def poisson(out, self, generator, seed):
+    return L.distributions.poisson(out, self, generator, seed)
+
+
+def poisson__check(out, self, generator, seed):
+    return L.distributions.poisson_rate(self)
+
+
+def binomial(out, count, prob, generator, seed):
+    return L.distributions.binomial(out, count, prob, generator, seed)
+
+
+def _standard_gamma_grad(out, self, output):
+    return L.distributions.standard_gamma_grad(out, self, output)
+
+
+def _dirichlet_grad(out, x, alpha, total):
+    return L.distributions.dirichlet_grad(out, x, alpha, total)
+
+
 def view(out, self, size):
     return self.reshape(out.shape)
 

@@ -7,6 +7,7 @@ ATen schema's arguments in order, and returns JAX values.
 from xlatorch.lowering import (  # noqa: F401
     amp,
     checks,
+    distributions,
     factory,
     fft,
     index,
