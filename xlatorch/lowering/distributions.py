@@ -20,9 +20,9 @@ from __future__ import annotations
 import math
 
 import jax
-import torch
 import jax.numpy as jnp
 import numpy as np
+import torch
 from jax import lax
 
 _F64 = jnp.float64
@@ -254,11 +254,10 @@ def _beta_grad_alpha_mid(x, alpha, beta):
     mean = alpha / total
     std = jnp.sqrt(alpha * beta / (total + 1)) / total
     b2 = beta * beta
+    inner = (453 + 1620 * beta * (1 - x) - 455 * x) * beta + alpha * (8 * (1 - x) * (135 * beta - 11))
     poly = 47 * x * b2 * b2 + alpha * (
-        (43 + 20 * (16 + 27 * beta) * x) * b2 * beta
-        + alpha * (3 * (59 + 180 * beta - 90 * x) * b2
-                   + alpha * ((453 + 1620 * beta * (1 - x) - 455 * x) * beta + alpha * (8 * (1 - x) * (135 * beta - 11))))
-    )  # fmt: skip
+        (43 + 20 * (16 + 27 * beta) * x) * b2 * beta + alpha * (3 * (59 + 180 * beta - 90 * x) * b2 + alpha * inner)
+    )
     pre_num = (1 + 12 * alpha) * (1 + 12 * beta) / (total * total)
     pre_den = 12960 * alpha * alpha * alpha * beta * beta * (1 + 12 * total)
     near = pre_num / (1 - x) * poly / pre_den
