@@ -295,6 +295,22 @@ def _dirichlet_grad(out, x, alpha, total):
     return L.distributions.dirichlet_grad(out, x, alpha, total)
 
 
+def fractional_max_pool2d(out, self, kernel_size, output_size, random_samples):
+    return L.pool_fractional.fractional_max_pool2d(out, self, kernel_size, output_size, random_samples)
+
+
+def fractional_max_pool2d_backward(out, grad_output, self, kernel_size, output_size, indices):
+    return L.pool_fractional.fractional_max_pool2d_backward(out, grad_output, self, kernel_size, output_size, indices)
+
+
+def fractional_max_pool3d(out, self, kernel_size, output_size, random_samples):
+    return L.pool_fractional.fractional_max_pool3d(out, self, kernel_size, output_size, random_samples)
+
+
+def fractional_max_pool3d_backward(out, grad_output, self, kernel_size, output_size, indices):
+    return L.pool_fractional.fractional_max_pool3d_backward(out, grad_output, self, kernel_size, output_size, indices)
+
+
 def view(out, self, size):
     return self.reshape(out.shape)
 

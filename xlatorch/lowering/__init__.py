@@ -18,6 +18,7 @@ from xlatorch.lowering import (  # noqa: F401
     optim,
     pointwise,
     pool,
+    pool_fractional,
     reduce,
     rnn,
     sample,
