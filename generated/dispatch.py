@@ -573,6 +573,7 @@ S_fractional_max_pool2d = OpSpec(
 S_fractional_max_pool2d_backward = OpSpec(
     "fractional_max_pool2d_backward.default", aten.fractional_max_pool2d_backward.default, E.fractional_max_pool2d_backward, ('grad_output', 'self', 'kernel_size', 'output_size', 'indices'), (TENSOR, TENSOR, STATIC, STATIC, TENSOR,), (False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    check=E.fractional_max_pool2d_backward__check, check_integral=False, check_reads=('L.pool_fractional.backward_indices(self, indices, 2)', (1, 4), False),
     index_dtype=(((4,), (torch.int64,), RuntimeError, 'expected scalar type Long but found {scalar_type}', False),),
     refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"fractional_max_pool2d_backward_out_frame" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.fractional_max_pool2d_backward.grad_input,
@@ -587,6 +588,7 @@ S_fractional_max_pool3d = OpSpec(
 S_fractional_max_pool3d_backward = OpSpec(
     "fractional_max_pool3d_backward.default", aten.fractional_max_pool3d_backward.default, E.fractional_max_pool3d_backward, ('grad_output', 'self', 'kernel_size', 'output_size', 'indices'), (TENSOR, TENSOR, STATIC, STATIC, TENSOR,), (False, False, False, False, False), ONE,
     promote=None, promote_args=None, view=False, scatter=None, meta_overload=None,
+    check=E.fractional_max_pool3d_backward__check, check_integral=False, check_reads=('L.pool_fractional.backward_indices(self, indices, 3)', (1, 4), False),
     index_dtype=(((4,), (torch.int64,), RuntimeError, 'expected scalar type Long but found {scalar_type}', False),),
     refuse_dtypes=(((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128), NotImplementedError, '"fractional_max_pool3d_backward_out_frame" not implemented for \'{scalar_type}\'', False, False),),
     out_overload=aten.fractional_max_pool3d_backward.grad_input,

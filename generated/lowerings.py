@@ -303,12 +303,20 @@ def fractional_max_pool2d_backward(out, grad_output, self, kernel_size, output_s
     return L.pool_fractional.fractional_max_pool2d_backward(out, grad_output, self, kernel_size, output_size, indices)
 
 
+def fractional_max_pool2d_backward__check(out, grad_output, self, kernel_size, output_size, indices):
+    return L.pool_fractional.backward_indices(self, indices, 2)
+
+
 def fractional_max_pool3d(out, self, kernel_size, output_size, random_samples):
     return L.pool_fractional.fractional_max_pool3d(out, self, kernel_size, output_size, random_samples)
 
 
 def fractional_max_pool3d_backward(out, grad_output, self, kernel_size, output_size, indices):
     return L.pool_fractional.fractional_max_pool3d_backward(out, grad_output, self, kernel_size, output_size, indices)
+
+
+def fractional_max_pool3d_backward__check(out, grad_output, self, kernel_size, output_size, indices):
+    return L.pool_fractional.backward_indices(self, indices, 3)
 
 
 def view(out, self, size):

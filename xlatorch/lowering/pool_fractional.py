@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from xlatorch.lowering.checks import in_range
 from xlatorch.lowering.pool import _scatter_back
 
 
@@ -91,6 +92,20 @@ def fractional_max_pool2d_backward(out, grad_output, self, kernel_size, output_s
 def fractional_max_pool3d_backward(out, grad_output, self, kernel_size, output_size, indices):
     """``aten::fractional_max_pool3d_backward``: a scatter-add through the indices."""
     return _scatter_back(grad_output, self, indices, 3)
+
+
+# CPU's backward kernels assert each index lies in its plane (their message, build path included).
+_INDEX_ASSERTS = {
+    2: "index >= 0 && index < static_cast<int64_t>(inputW) * inputH INTERNAL ASSERT FAILED at "
+    '"/__w/pytorch/pytorch/aten/src/ATen/native/FractionalMaxPool2d.cpp":240, please report a bug to PyTorch. ',
+    3: "index >= 0 && index < inputT * inputH * inputW INTERNAL ASSERT FAILED at "
+    '"/__w/pytorch/pytorch/aten/src/ATen/native/FractionalMaxPool3d.cpp":280, please report a bug to PyTorch. ',
+}
+
+
+def backward_indices(self, indices, nd: int):
+    """The check of CPU's fractional max pool backward: every index inside the input's plane."""
+    return in_range(indices, 0, int(np.prod(self.shape[-nd:])), RuntimeError, _INDEX_ASSERTS[nd])
 
 
 # PyTorch has no meta kernel for the 3-d backward: its result is shaped like the input. CPU
