@@ -124,21 +124,6 @@ def binomial(out, count, prob, generator, seed):
     return s.astype(out.dtype)
 
 
-def rrelu_with_noise_(out, self, noise, lower, upper, training, generator, seed):
-    """``aten::rrelu_with_noise_``: in training, each non-positive element times a slope drawn
-    from U(lower, upper), which ``noise`` records (1 elsewhere); else leaky ReLU with the mean
-    slope, ``noise`` unchanged. Reduced floats multiply in float32, as CPU's opmath does."""
-    work = jnp.float32 if self.dtype in (jnp.bfloat16, jnp.float16) else self.dtype
-    x = self.astype(work)
-    if not training:
-        slope = (jnp.asarray(lower, _F64) + jnp.asarray(upper, _F64)) / 2
-        return jnp.where(x >= 0, x, x * slope.astype(work)).astype(self.dtype), noise
-    lo, hi = jnp.asarray(lower, _F64), jnp.asarray(upper, _F64)
-    r = jax.random.uniform(jax.random.key(seed), self.shape, _F64, lo, hi).astype(work)
-    neg = x <= 0
-    return jnp.where(neg, x * r, x).astype(self.dtype), jnp.where(neg, r, 1).astype(noise.dtype)
-
-
 # --- reparameterized gradients ------------------------------------------------------------
 
 _DIGAMMA_A = (8.33333333333333333333e-2, -2.10927960927960927961e-2, 7.57575757575757575758e-3,
