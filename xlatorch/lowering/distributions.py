@@ -1,5 +1,5 @@
-"""Samplers behind ``torch.distributions`` (gamma, Dirichlet, Poisson, binomial, randomized
-leaky ReLU) and the reparameterized gradients of gamma and Dirichlet samples.
+"""Samplers behind ``torch.distributions`` (gamma, Dirichlet, Poisson, binomial) and the
+reparameterized gradients of gamma and Dirichlet samples.
 
 The samplers draw from JAX's stream, not CPU's, so values differ from CPU's while the
 distribution, dtypes and edge cases match: like CPU's kernels (which sample with ``double``
@@ -10,9 +10,11 @@ the log-acceptance), and a Dirichlet of small concentrations needs gammas below 
 range to normalise as CPU does.
 
 The gradients are CPU's approximations (``ATen/native/Distributions.h``: a Taylor series, a
-Rice saddle-point expansion, rational fits), term by term in the dtypes CPU evaluates them
-in (``scalar_t``: the tensor's dtype, ``accscalar_t``: float64), so they agree with CPU to
-rounding, including where the approximations themselves are off the exact gradient.
+Rice saddle-point expansion, rational fits) term by term, with CPU's branch conditions in
+the tensors' dtype. Each is evaluated in float64 and rounded once, as CPU evaluates most of
+them (``accscalar_t``); where CPU uses the tensors' dtype (the Dirichlet gradient's Taylor
+series, and ``digamma_one``'s stepping) float32 results differ from CPU's by CPU's own
+float32 rounding error, which no emulation reproduces (CPU's log / pow are glibc's).
 """
 
 from __future__ import annotations
@@ -206,8 +208,7 @@ def standard_gamma_grad(out, self, output):
 
 
 def _beta_grad_alpha_small(x, alpha, beta):
-    """CPU's Taylor expansion of the Beta(alpha, beta) sample gradient for x near 0, in
-    ``x``'s dtype."""
+    """CPU's Taylor expansion of the Beta(alpha, beta) sample gradient for x near 0."""
     factor = _digamma_one(alpha) - _digamma_one(alpha + beta) - jnp.log(x)
     numer = jnp.ones_like(x)
     series = numer / alpha * (factor + 1 / alpha)
@@ -283,16 +284,19 @@ _DIRICHLET_C = np.array([
 
 def dirichlet_grad(out, x, alpha, total):
     """``aten::_dirichlet_grad``: CPU's scaled reparameterized gradient of Beta(alpha,
-    total - alpha) samples ``x``: Taylor expansions near 0 and 1 (in the tensors' dtype), a
-    saddle point expansion when both parameters exceed 6, else a rational correction of an
-    analytic approximation (float64)."""
+    total - alpha) samples ``x``: Taylor expansions near 0 and 1, a saddle point expansion
+    when both parameters exceed 6, else a rational correction of an analytic approximation;
+    branches chosen in the tensors' dtype, values in float64."""
     x, alpha, total = (jnp.broadcast_to(t, out.shape) for t in (x, alpha, total))
     beta = total - alpha
     boundary = total * x * (1 - x)
     x_, a_, t_ = x.astype(_F64), alpha.astype(_F64), total.astype(_F64)
     b_ = t_ - a_
-    small_alpha = _beta_grad_alpha_small(x, alpha, beta)
-    small_beta = -_beta_grad_beta_small(1 - x, beta, alpha)
+    # CPU evaluates these two series in the tensors' dtype; float64 here, rounded once: no
+    # emulation reproduces its float32 rounding (its log / pow are glibc's), so the float64
+    # value, which differs from CPU's by CPU's own rounding error, is the one to give.
+    small_alpha = _beta_grad_alpha_small(x_, a_, b_).astype(x.dtype)
+    small_beta = (-_beta_grad_beta_small(1 - x_, b_, a_)).astype(x.dtype)
     mid = _beta_grad_alpha_mid(x_, a_, b_).astype(x.dtype)
     u = jnp.log(x_)
     a = jnp.log(a_) - u
@@ -304,7 +308,7 @@ def dirichlet_grad(out, x, alpha, total):
             cp, cq = _DIRICHLET_C[0, i, j], _DIRICHLET_C[1, i, j]
             p = p + ua * (cp[0] + b * (cp[1] + b * (cp[2] + b * cp[3])))
             q = q + ua * (cq[0] + b * (cq[1] + b * (cq[2] + b * cq[3])))
-    approx = x_ * (_digamma_one(t_.astype(x.dtype)).astype(_F64) - _digamma_one(a_.astype(x.dtype)).astype(_F64)) / b_
+    approx = x_ * (_digamma_one(t_) - _digamma_one(a_)) / b_
     rational = (p / q * approx).astype(x.dtype)
     res = jnp.where((x <= 0.5) & (boundary < 2.5), small_alpha,
                     jnp.where((x >= 0.5) & (boundary < 0.75), small_beta,
