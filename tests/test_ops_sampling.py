@@ -195,6 +195,15 @@ def test_binomial_special_cases_as_cpu():
         torch.binomial(torch.ones(2, device="xla"), torch.ones(2, dtype=torch.float64, device="xla"))
 
 
+def test_binomial_fractional_count_as_cpu():
+    # CPU draws with 1 - prob and returns count minus that draw: 5.5 - Binomial(5, 0.01),
+    # while JAX's sampler would floor the count (5 - ...: 300 standard errors off).
+    torch.manual_seed(11)
+    k = _device("binomial", torch.binomial, torch.full((N,), 5.5), torch.full((N,), 0.99))
+    assert set(k.unique().tolist()) <= {5.5, 4.5, 3.5, 2.5}
+    _mean_var_ok(5.5 - k, 0.05, 5 * 0.01 * 0.99, kurt_excess=(1 - 6 * 0.01 * 0.99) / (5 * 0.01 * 0.99))
+
+
 def test_samplers_are_reproducible_from_the_seed():
     def draw(seed):
         torch.manual_seed(seed)

@@ -114,16 +114,76 @@ def poisson_rate(self):
 
 
 def binomial(out, count, prob, generator, seed):
-    """``aten::binomial``: Binomial(count, prob) draws, with CPU's special cases first: 0 where
-    count <= 0 or prob <= 0, count where prob >= 1, NaN where prob is NaN."""
+    """``aten::binomial``: Binomial(count, prob) draws by CPU's ``sample_binomial`` in float64:
+    0 where count <= 0 or prob <= 0, count where prob >= 1, NaN where prob is NaN; else with
+    q = min(prob, 1 - prob), inversion (count * q < 10) or BTRS, and count minus the draw
+    when prob > 1/2. (JAX's sampler floors a fractional count, which CPU's does not.)"""
     n = jnp.broadcast_to(count, out.shape).astype(_F64)
     p = jnp.broadcast_to(prob, out.shape).astype(_F64)
-    drawn = (n > 0) & (p > 0) & (p < 1)
-    s = jax.random.binomial(jax.random.key(seed), jnp.where(drawn, n, 1), jnp.where(drawn, p, 0.5), dtype=_F64)
+    # An infinite or NaN count would never be accepted (CPU returns inf or NaN, or never
+    # returns): NaN here.
+    drawn = (n > 0) & (p > 0) & (p < 1) & (n < jnp.inf)
+    flip = p > 0.5
+    q = jnp.where(drawn, jnp.where(flip, 1 - p, p), 0.5)
+    s = _binomial_f64(jax.random.key(seed), jnp.where(drawn, n, 1), q)
+    s = jnp.where(flip, n - s, s)
+    s = jnp.where((n == jnp.inf) | jnp.isnan(n), jnp.nan, s)
     s = jnp.where(jnp.isnan(p), jnp.nan, s)
     s = jnp.where(p >= 1, n, s)
     s = jnp.where((n <= 0) | (p <= 0), 0, s)
     return s.astype(out.dtype)
+
+
+_STIRLING_TAIL = np.array([0.0810614667953272, 0.0413406959554092, 0.0276779256849983, 0.02079067210376509,
+                           0.0166446911898211, 0.0138761288230707, 0.0118967099458917, 0.0104112652619720,
+                           0.00925546218271273, 0.00833056343336287])  # fmt: skip
+
+
+def _stirling_tail(k):
+    kp1sq = (k + 1) * (k + 1)
+    far = (1.0 / 12 - (1.0 / 360 - 1.0 / 1260 / kp1sq) / kp1sq) / (k + 1)
+    return jnp.where(k <= 9, jnp.asarray(_STIRLING_TAIL)[jnp.clip(k, 0, 9).astype(jnp.int32)], far)
+
+
+def _binomial_f64(key, n, p):
+    """CPU's ``binomial_inversion`` (count * p < 10) and ``btrs`` for p <= 1/2, every element
+    at once: each round draws a pair of uniforms per element; finished ones keep their draw."""
+    inv = n * p < 10
+    logq = jnp.log1p(-p)
+    sd = jnp.sqrt(n * p * (1 - p))
+    b = 1.15 + 2.53 * sd
+    a = -0.0873 + 0.0248 * b + 0.01 * p
+    c = n * p + 0.5
+    v_r = 0.92 - 4.2 / b
+    r = p / (1 - p)
+    alpha = (2.83 + 5.1 / b) * sd
+    m = jnp.floor((n + 1) * p)
+    tail_m = _stirling_tail(m) + _stirling_tail(n - m)
+
+    def body(state):
+        key, k, done, geom_sum = state
+        key, k1, k2 = jax.random.split(key, 3)
+        u = jax.random.uniform(k1, n.shape, _F64)
+        v = jax.random.uniform(k2, n.shape, _F64)
+        # inversion: count the geometric gaps that fit in n
+        gs = geom_sum + jnp.ceil(jnp.log(u) / logq)
+        over = gs > n
+        # BTRS
+        uu = u - 0.5
+        us = 0.5 - jnp.abs(uu)
+        cand = jnp.floor((2 * a / us + b) * uu + c)
+        ok = (cand >= 0) & (cand <= n)
+        fast = (us >= 0.07) & (v <= v_r)
+        bound = ((m + 0.5) * jnp.log((m + 1) / (r * (n - m + 1))) + (n + 1) * jnp.log((n - m + 1) / (n - cand + 1))
+                 + (cand + 0.5) * jnp.log(r * (n - cand + 1) / (cand + 1)) + tail_m
+                 - _stirling_tail(cand) - _stirling_tail(n - cand))  # fmt: skip
+        accept = ok & (fast | (jnp.log(v * alpha / (a / (us * us) + b)) <= bound))
+        k_next = jnp.where(inv, jnp.where(over, k, k + 1), jnp.where(accept, cand, k))
+        fin = jnp.where(inv, over, accept)
+        return key, jnp.where(done, k, k_next), done | fin, jnp.where(done | ~inv, geom_sum, gs)
+
+    init = (key, jnp.zeros(n.shape, _F64), jnp.zeros(n.shape, jnp.bool_), jnp.zeros(n.shape, _F64))
+    return lax.while_loop(lambda st: ~jnp.all(st[2]), body, init)[1]
 
 
 # --- reparameterized gradients ------------------------------------------------------------
