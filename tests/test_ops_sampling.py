@@ -293,7 +293,7 @@ POOLS = [  # (input shape, kernel, output size)
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # float64: float32's code path
 @pytest.mark.parametrize("shape, kernel, size", POOLS, ids=[str(p[0]) for p in POOLS])
 def test_fractional_max_pool_equals_cpu(shape, kernel, size, dtype):
     nd = len(kernel)
