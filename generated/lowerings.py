@@ -267,6 +267,58 @@ def multinomial__check(out, self, num_samples, replacement, generator, seed):
     return L.checks.multinomial(self, num_samples, replacement)
 
 
+def _standard_gamma(out, self, generator, seed):
+    return L.distributions.standard_gamma(out, self, generator, seed)
+
+
+def _sample_dirichlet(out, self, generator, seed):
+    return L.distributions.sample_dirichlet(out, self, generator, seed)
+
+
+def poisson(out, self, generator, seed):
+    return L.distributions.poisson(out, self, generator, seed)
+
+
+def poisson__check(out, self, generator, seed):
+    return L.distributions.poisson_rate(self)
+
+
+def binomial(out, count, prob, generator, seed):
+    return L.distributions.binomial(out, count, prob, generator, seed)
+
+
+def _standard_gamma_grad(out, self, output):
+    return L.distributions.standard_gamma_grad(out, self, output)
+
+
+def _dirichlet_grad(out, x, alpha, total):
+    return L.distributions.dirichlet_grad(out, x, alpha, total)
+
+
+def fractional_max_pool2d(out, self, kernel_size, output_size, random_samples):
+    return L.pool_fractional.fractional_max_pool2d(out, self, kernel_size, output_size, random_samples)
+
+
+def fractional_max_pool2d_backward(out, grad_output, self, kernel_size, output_size, indices):
+    return L.pool_fractional.fractional_max_pool2d_backward(out, grad_output, self, kernel_size, output_size, indices)
+
+
+def fractional_max_pool2d_backward__check(out, grad_output, self, kernel_size, output_size, indices):
+    return L.pool_fractional.backward_indices(self, indices, 2)
+
+
+def fractional_max_pool3d(out, self, kernel_size, output_size, random_samples):
+    return L.pool_fractional.fractional_max_pool3d(out, self, kernel_size, output_size, random_samples)
+
+
+def fractional_max_pool3d_backward(out, grad_output, self, kernel_size, output_size, indices):
+    return L.pool_fractional.fractional_max_pool3d_backward(out, grad_output, self, kernel_size, output_size, indices)
+
+
+def fractional_max_pool3d_backward__check(out, grad_output, self, kernel_size, output_size, indices):
+    return L.pool_fractional.backward_indices(self, indices, 3)
+
+
 def view(out, self, size):
     return self.reshape(out.shape)
 
