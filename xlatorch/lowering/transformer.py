@@ -125,8 +125,8 @@ def native_multi_head_attention(out, query, key, value, embed_dim, num_head, qkv
                                 mask_type=None):  # fmt: skip
     """aten._native_multi_head_attention, as CPU's kernel: the weights averaged over heads by a
     sum then a division (each rounded, as CPU's ``sum(1)`` then ``/=``). Without
-    ``need_weights`` CPU returns no weights (None); the device returns the empty tensor
-    PyTorch's meta kernel describes, which gives every result's shape here."""
+    ``need_weights`` the weights are the empty tensor PyTorch's meta kernel describes, made None
+    as CPU's by ``runtime/device.py``."""
     if query.size == 0 or qkv_weight.shape[0] == 0:
         return jnp.zeros(out[0].shape, out[0].dtype), jnp.zeros(out[1].shape, out[1].dtype)
     proj, weights = _attention(query, key, value, embed_dim, num_head, qkv_weight, qkv_bias, proj_weight,

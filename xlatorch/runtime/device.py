@@ -166,6 +166,7 @@ def register(factories: dict) -> None:
     _lib.impl("ctc_loss.Tensor", _ctc_loss, "AutogradPrivateUse1")
     _lib.impl("ctc_loss.IntList", _ctc_loss, "AutogradPrivateUse1")
     _lib.impl("one_hot", _one_hot, "AutogradPrivateUse1")
+    _lib.impl("_native_multi_head_attention", _native_multi_head_attention, "AutogradPrivateUse1")
     for name in _FUSED_BACKWARD:
         _lib.impl(name, _fused_backward(getattr(aten, name).default), "AutogradPrivateUse1")
     _lib.impl("set_.source_Tensor_storage_offset", views.set_to_view, "AutogradPrivateUse1")
@@ -236,6 +237,16 @@ def _ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, reduct
             raise RuntimeError(f"{name} must be integral")  # CPU's and CUDA's kernels' first check
         lens.append(t.to(log_probs.device) if type(t) is torch.Tensor else t)
     return aten.ctc_loss.Tensor._op_dk(_IMPLICIT, log_probs, targets, *lens, blank, reduction, zero_infinity)
+
+
+def _native_multi_head_attention(*args, **kwargs):
+    """``nn.MultiheadAttention``'s inference fast path: without ``need_weights`` CPU returns no
+    weights (None), where PyTorch's meta kernel, from which the device's results are shaped,
+    says an empty tensor."""
+    with torch._C._AutoDispatchBelowAutograd():
+        out, weights = aten._native_multi_head_attention.default(*args, **kwargs)
+    need = kwargs.get("need_weights", args[10] if len(args) > 10 else True)
+    return out, weights if need else None
 
 
 # Gradient ops that CPU computes in one kernel and PyTorch decomposes for any other backend (a
