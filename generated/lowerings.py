@@ -1563,6 +1563,18 @@ def constant_pad_nd(out, self, pad, value):
     return L.pointwise.constant_pad_nd(self, pad, value)
 
 
+def angle(out, self):
+    return L.special.angle(out, self)
+
+
+def gcd(out, self, other):
+    return L.special.gcd(out, self, other)
+
+
+def lcm(out, self, other):
+    return L.special.lcm(out, self, other)
+
+
 def sum(out, self, dtype):
     return jnp.sum(self.astype(out.dtype))
 

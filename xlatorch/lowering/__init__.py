@@ -23,4 +23,5 @@ from xlatorch.lowering import (  # noqa: F401
     segment,
     shape,
     sort,
+    special,
 )
