@@ -1575,6 +1575,78 @@ def lcm(out, self, other):
     return L.special.lcm(out, self, other)
 
 
+def special_chebyshev_polynomial_t(out, x, n):
+    return L.special.chebyshev_t(out, x, n)
+
+
+def special_chebyshev_polynomial_t_x_scalar(out, x, n):
+    return L.special.chebyshev_t(out, x, n)
+
+
+def special_chebyshev_polynomial_t_n_scalar(out, x, n):
+    return L.special.chebyshev_t(out, x, n)
+
+
+def special_chebyshev_polynomial_u(out, x, n):
+    return L.special.chebyshev_u(out, x, n)
+
+
+def special_chebyshev_polynomial_u_x_scalar(out, x, n):
+    return L.special.chebyshev_u(out, x, n)
+
+
+def special_chebyshev_polynomial_u_n_scalar(out, x, n):
+    return L.special.chebyshev_u(out, x, n)
+
+
+def special_hermite_polynomial_h(out, x, n):
+    return L.special.hermite_h(out, x, n)
+
+
+def special_hermite_polynomial_h_x_scalar(out, x, n):
+    return L.special.hermite_h(out, x, n)
+
+
+def special_hermite_polynomial_h_n_scalar(out, x, n):
+    return L.special.hermite_h(out, x, n)
+
+
+def special_hermite_polynomial_he(out, x, n):
+    return L.special.hermite_he(out, x, n)
+
+
+def special_hermite_polynomial_he_x_scalar(out, x, n):
+    return L.special.hermite_he(out, x, n)
+
+
+def special_hermite_polynomial_he_n_scalar(out, x, n):
+    return L.special.hermite_he(out, x, n)
+
+
+def special_laguerre_polynomial_l(out, x, n):
+    return L.special.laguerre_l(out, x, n)
+
+
+def special_laguerre_polynomial_l_x_scalar(out, x, n):
+    return L.special.laguerre_l(out, x, n)
+
+
+def special_laguerre_polynomial_l_n_scalar(out, x, n):
+    return L.special.laguerre_l(out, x, n)
+
+
+def special_legendre_polynomial_p(out, x, n):
+    return L.special.legendre_p(out, x, n)
+
+
+def special_legendre_polynomial_p_x_scalar(out, x, n):
+    return L.special.legendre_p(out, x, n)
+
+
+def special_legendre_polynomial_p_n_scalar(out, x, n):
+    return L.special.legendre_p(out, x, n)
+
+
 def sum(out, self, dtype):
     return jnp.sum(self.astype(out.dtype))
 

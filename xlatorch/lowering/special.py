@@ -52,3 +52,120 @@ def lcm(out, self, other):
     g = g.astype(wide)
     safe = jnp.where(g == 0, jnp.ones((), wide), g)
     return jnp.where(g == 0, jnp.zeros((), wide), jnp.abs(lax.div(a, safe) * b)).astype(out.dtype)
+
+
+# --- orthogonal polynomials (Math.h's *_polynomial_*_forward) ----------------------------
+
+
+def _degree(n):
+    """CPU's ``static_cast<int64_t>(n)`` of a floating degree; NaN and infinities (undefined
+    in C++, INT64_MIN on CPU's x86 build) as -1: a negative degree, whose polynomial is 0."""
+    if jnp.issubdtype(n.dtype, jnp.floating):
+        return jnp.where(jnp.isfinite(n), n, -1).astype(jnp.int64)
+    return n.astype(jnp.int64)
+
+
+def _recurrence(x, n, p, q, step, k, last, stop_nan=True):
+    """CPU's three-term loop ``for (k = k0; k <= last(n) && !isnan(q); k++)``, run for every
+    element at once until none continues: ``r = step(k, p, q)``, ``p, q = q, r``. Returns
+    ``r`` (``q`` where the loop ran no step)."""
+    x, n, p, q = jnp.broadcast_arrays(x, n, p, q)
+    end = last(n)
+
+    def active(k, q):
+        go = k <= end
+        return go & ~jnp.isnan(q) if stop_nan else go
+
+    def body(state):
+        k, p, q = state
+        go = active(k, q)
+        r = step(k.astype(x.dtype), p, q)
+        return k + 1, jnp.where(go, q, p), jnp.where(go, r, q)
+
+    _, _, q = lax.while_loop(lambda s: jnp.any(active(s[0], s[2])), body, (jnp.int64(k), p, q))
+    return q
+
+
+def _one(x):
+    return jnp.ones((), x.dtype)
+
+
+def _parity(x, n, even_value, odd_value):
+    """The value at ``|x| == 1``: ``even_value`` where ``x > 0`` or ``n`` is even."""
+    return jnp.where((x > 0) | (n % 2 == 0), even_value, odd_value)
+
+
+def chebyshev_t(out, x, n):
+    """``special_chebyshev_polynomial_t``: ``cos(n acos x)`` for ``n > 6`` inside (-1, 1), else
+    the recurrence ``T(k) = 2x T(k-1) - T(k-2)``."""
+    x, n = jnp.broadcast_arrays(jnp.asarray(x).astype(out.dtype), _degree(jnp.asarray(n)))
+    one = _one(x)
+    rec = _recurrence(x, n, one, x, lambda k, p, q: (x + x) * q - p, 2, lambda n: n)
+    v = jnp.where(n == 0, one, jnp.where(n == 1, x, rec))
+    v = jnp.where((n > 6) & (jnp.abs(x) < 1), jnp.cos(n.astype(x.dtype) * jnp.arccos(x)), v)
+    v = jnp.where(jnp.abs(x) == 1, _parity(x, n, one, -one), v)
+    return jnp.where(n < 0, jnp.zeros((), x.dtype), v)
+
+
+def chebyshev_u(out, x, n):
+    """``special_chebyshev_polynomial_u``: ``sin((n+1) t) / sin t`` (``t = acos x``) for
+    ``n > 8`` inside (-1, 1), else ``U(k) = 2x U(k-1) - U(k-2)``."""
+    x, n = jnp.broadcast_arrays(jnp.asarray(x).astype(out.dtype), _degree(jnp.asarray(n)))
+    one = _one(x)
+    rec = _recurrence(x, n, one, x + x, lambda k, p, q: (x + x) * q - p, 2, lambda n: n)
+    v = jnp.where(n == 0, one, jnp.where(n == 1, x + x, rec))
+    t = jnp.arccos(x)
+    m = (n + 1).astype(x.dtype)
+    trig = jnp.where(jnp.sin(t) != 0, jnp.sin(m * t) / jnp.sin(t), m * jnp.cos(m * t) / x)
+    v = jnp.where((n > 8) & (jnp.abs(x) < 1), trig, v)
+    v = jnp.where(jnp.abs(x) == 1, _parity(x, n, m, -m), v)
+    return jnp.where(n < 0, jnp.zeros((), x.dtype), v)
+
+
+def _hermite_limit(dtype):
+    return {jnp.dtype(jnp.float32): 128, jnp.dtype(jnp.float64): 512}.get(jnp.dtype(dtype), 1024)
+
+
+def hermite_h(out, x, n):
+    """``special_hermite_polynomial_h``: ``H(k+1) = 2x H(k) - 2k H(k-1)``; NaN past CPU's
+    degree limit (128 for float32, 512 for float64)."""
+    x, n = jnp.broadcast_arrays(jnp.asarray(x).astype(out.dtype), _degree(jnp.asarray(n)))
+    one = _one(x)
+    # CPU's loop: k = 2, 4, ..., k < 2n; with j = k / 2 it runs j = 1 .. n - 1
+    rec = _recurrence(x, n, one, x + x, lambda j, p, q: (x + x) * q - (j + j) * p, 1, lambda n: n - 1, False)
+    v = jnp.where(n > _hermite_limit(x.dtype), jnp.nan, rec)
+    v = jnp.where(n == 0, one, jnp.where(n == 1, x + x, v))
+    return jnp.where(n < 0, jnp.zeros((), x.dtype), v)
+
+
+def hermite_he(out, x, n):
+    """``special_hermite_polynomial_he``: ``He(k+1) = x He(k) - k He(k-1)``; NaN past CPU's
+    degree limit."""
+    x, n = jnp.broadcast_arrays(jnp.asarray(x).astype(out.dtype), _degree(jnp.asarray(n)))
+    one = _one(x)
+    rec = _recurrence(x, n, one, x, lambda k, p, q: x * q - k * p, 1, lambda n: n - 1, False)
+    v = jnp.where(n > _hermite_limit(x.dtype), jnp.nan, rec)
+    v = jnp.where(n == 0, one, jnp.where(n == 1, x, v))
+    return jnp.where(n < 0, jnp.zeros((), x.dtype), v)
+
+
+def laguerre_l(out, x, n):
+    """``special_laguerre_polynomial_l``: ``L(k+1) = ((2k + 1 - x) L(k) - k L(k-1)) / (k+1)``;
+    1 at ``x == 0``."""
+    x, n = jnp.broadcast_arrays(jnp.asarray(x).astype(out.dtype), _degree(jnp.asarray(n)))
+    one = _one(x)
+    rec = _recurrence(x, n, one, one - x, lambda k, p, q: (((k + k) + (one - x)) * q - k * p) / (k + 1), 1,
+                      lambda n: n - 1)  # fmt: skip
+    v = jnp.where(n == 0, one, jnp.where(n == 1, one - x, rec))
+    v = jnp.where(jnp.abs(x) == 0, one, v)
+    return jnp.where(n < 0, jnp.zeros((), x.dtype), v)
+
+
+def legendre_p(out, x, n):
+    """``special_legendre_polynomial_p``: ``P(k+1) = ((2k + 1) x P(k) - k P(k-1)) / (k+1)``."""
+    x, n = jnp.broadcast_arrays(jnp.asarray(x).astype(out.dtype), _degree(jnp.asarray(n)))
+    one = _one(x)
+    rec = _recurrence(x, n, one, x, lambda k, p, q: ((k + k + 1) * x * q - k * p) / (k + 1), 1, lambda n: n - 1)
+    v = jnp.where(n == 0, one, jnp.where(n == 1, x, rec))
+    v = jnp.where(jnp.abs(x) == 1, _parity(x, n, one, -one), v)
+    return jnp.where(n < 0, jnp.zeros((), x.dtype), v)
