@@ -1599,6 +1599,78 @@ def special_chebyshev_polynomial_u_n_scalar(out, x, n):
     return L.special.chebyshev_u(out, x, n)
 
 
+def special_chebyshev_polynomial_v(out, x, n):
+    return L.special.chebyshev_v(out, x, n)
+
+
+def special_chebyshev_polynomial_v_x_scalar(out, x, n):
+    return L.special.chebyshev_v(out, x, n)
+
+
+def special_chebyshev_polynomial_v_n_scalar(out, x, n):
+    return L.special.chebyshev_v(out, x, n)
+
+
+def special_chebyshev_polynomial_w(out, x, n):
+    return L.special.chebyshev_w(out, x, n)
+
+
+def special_chebyshev_polynomial_w_x_scalar(out, x, n):
+    return L.special.chebyshev_w(out, x, n)
+
+
+def special_chebyshev_polynomial_w_n_scalar(out, x, n):
+    return L.special.chebyshev_w(out, x, n)
+
+
+def special_shifted_chebyshev_polynomial_t(out, x, n):
+    return L.special.shifted_chebyshev_t(out, x, n)
+
+
+def special_shifted_chebyshev_polynomial_t_x_scalar(out, x, n):
+    return L.special.shifted_chebyshev_t(out, x, n)
+
+
+def special_shifted_chebyshev_polynomial_t_n_scalar(out, x, n):
+    return L.special.shifted_chebyshev_t(out, x, n)
+
+
+def special_shifted_chebyshev_polynomial_u(out, x, n):
+    return L.special.shifted_chebyshev_u(out, x, n)
+
+
+def special_shifted_chebyshev_polynomial_u_x_scalar(out, x, n):
+    return L.special.shifted_chebyshev_u(out, x, n)
+
+
+def special_shifted_chebyshev_polynomial_u_n_scalar(out, x, n):
+    return L.special.shifted_chebyshev_u(out, x, n)
+
+
+def special_shifted_chebyshev_polynomial_v(out, x, n):
+    return L.special.shifted_chebyshev_v(out, x, n)
+
+
+def special_shifted_chebyshev_polynomial_v_x_scalar(out, x, n):
+    return L.special.shifted_chebyshev_v(out, x, n)
+
+
+def special_shifted_chebyshev_polynomial_v_n_scalar(out, x, n):
+    return L.special.shifted_chebyshev_v(out, x, n)
+
+
+def special_shifted_chebyshev_polynomial_w(out, x, n):
+    return L.special.shifted_chebyshev_w(out, x, n)
+
+
+def special_shifted_chebyshev_polynomial_w_x_scalar(out, x, n):
+    return L.special.shifted_chebyshev_w(out, x, n)
+
+
+def special_shifted_chebyshev_polynomial_w_n_scalar(out, x, n):
+    return L.special.shifted_chebyshev_w(out, x, n)
+
+
 def special_hermite_polynomial_h(out, x, n):
     return L.special.hermite_h(out, x, n)
 

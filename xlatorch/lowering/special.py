@@ -95,31 +95,73 @@ def _parity(x, n, even_value, odd_value):
     return jnp.where((x > 0) | (n % 2 == 0), even_value, odd_value)
 
 
-def chebyshev_t(out, x, n):
-    """``special_chebyshev_polynomial_t``: ``cos(n acos x)`` for ``n > 6`` inside (-1, 1), else
-    the recurrence ``T(k) = 2x T(k-1) - T(k-2)``."""
-    x, n = jnp.broadcast_arrays(jnp.asarray(x).astype(out.dtype), _degree(jnp.asarray(n)))
-    one = _one(x)
-    rec = _recurrence(x, n, one, x, lambda k, p, q: (x + x) * q - p, 2, lambda n: n)
-    v = jnp.where(n == 0, one, jnp.where(n == 1, x, rec))
-    v = jnp.where((n > 6) & (jnp.abs(x) < 1), jnp.cos(n.astype(x.dtype) * jnp.arccos(x)), v)
-    v = jnp.where(jnp.abs(x) == 1, _parity(x, n, one, -one), v)
-    return jnp.where(n < 0, jnp.zeros((), x.dtype), v)
+# Per kind: the degree above which CPU's kernel takes the trigonometric form inside the
+# interval (plain, shifted), and ``q0`` (the degree-1 polynomial) from ``y`` (``x``, or the
+# shifted ``2x - 1``).
+_CHEBYSHEV = {
+    "t": ((6, 6), lambda y, one: y),
+    "u": ((8, 6), lambda y, one: y + y),
+    "v": ((8, 6), lambda y, one: y + y - one),
+    "w": ((8, 4), lambda y, one: y + y + one),
+}
 
 
-def chebyshev_u(out, x, n):
-    """``special_chebyshev_polynomial_u``: ``sin((n+1) t) / sin t`` (``t = acos x``) for
-    ``n > 8`` inside (-1, 1), else ``U(k) = 2x U(k-1) - U(k-2)``."""
-    x, n = jnp.broadcast_arrays(jnp.asarray(x).astype(out.dtype), _degree(jnp.asarray(n)))
-    one = _one(x)
-    rec = _recurrence(x, n, one, x + x, lambda k, p, q: (x + x) * q - p, 2, lambda n: n)
-    v = jnp.where(n == 0, one, jnp.where(n == 1, x + x, rec))
-    t = jnp.arccos(x)
-    m = (n + 1).astype(x.dtype)
-    trig = jnp.where(jnp.sin(t) != 0, jnp.sin(m * t) / jnp.sin(t), m * jnp.cos(m * t) / x)
-    v = jnp.where((n > 8) & (jnp.abs(x) < 1), trig, v)
-    v = jnp.where(jnp.abs(x) == 1, _parity(x, n, m, -m), v)
-    return jnp.where(n < 0, jnp.zeros((), x.dtype), v)
+def _chebyshev_trig(kind, y, n, shifted, x):
+    """The trigonometric form (``t = acos y``) CPU's kernel uses for large degrees."""
+    t = jnp.arccos(y)
+    half = (n.astype(y.dtype) + 0.5) * t
+    odd = (n + n + 1).astype(y.dtype)
+    sign_odd = jnp.where(n % 2 == 0, odd, -odd)
+    one = _one(y)
+    if kind == "t":
+        return jnp.cos(n.astype(y.dtype) * t)
+    if kind == "u":
+        m = (n + 1).astype(y.dtype)
+        return jnp.where(jnp.sin(t) != 0, jnp.sin(m * t) / jnp.sin(t), m * jnp.cos(m * t) / y)
+    if kind == "v":
+        return jnp.where(jnp.sin(t / 2) != 1, jnp.cos(half) / jnp.cos(t / 2), sign_odd)
+    sign_one = jnp.where(n % 2 == 0, one, -one)
+    edge = sign_one if shifted else jnp.where(x > 0, odd, sign_one)
+    return jnp.where(jnp.cos(t / 2) != 1, jnp.sin(half) / jnp.sin(t / 2), edge)
+
+
+def _chebyshev_ends(kind, n, one):
+    """The values at the interval's ends (``x = 1`` and ``x = -1``, shifted ``1`` and ``0``):
+    (at the upper end, at the lower end for even ``n``); odd ``n`` negates the latter."""
+    m = (n + 1).astype(one.dtype)
+    odd = (n + n + 1).astype(one.dtype)
+    return {"t": (one, one), "u": (m, m), "v": (one, odd), "w": (odd, one)}[kind]
+
+
+def chebyshev(kind, shifted=False):
+    """``special_[shifted_]chebyshev_polynomial_{t,u,v,w}``: CPU's branches in its order:
+    0 for ``n < 0``, the values at the interval's ends, the trigonometric form for large
+    degrees inside it, else the recurrence ``P(k) = 2y P(k-1) - P(k-2)`` (stopping at NaN)."""
+    (limits, first) = _CHEBYSHEV[kind]
+    limit = limits[1 if shifted else 0]
+
+    def lower(out, x, n):
+        x, n = jnp.broadcast_arrays(jnp.asarray(x).astype(out.dtype), _degree(jnp.asarray(n)))
+        one = _one(x)
+        y = x + x - one if shifted else x
+        q0 = first(y, one)
+        rec = _recurrence(x, n, one, q0, lambda k, p, q: (y + y) * q - p, 2, lambda n: n)
+        v = jnp.where(n == 0, one, jnp.where(n == 1, q0, rec))
+        v = jnp.where((n > limit) & (jnp.abs(y) < 1), _chebyshev_trig(kind, y, n, shifted, x), v)
+        upper, lower_even = _chebyshev_ends(kind, n, one)
+        lower_end = jnp.where(n % 2 == 0, lower_even, -lower_even)
+        top, bottom = (x == 1, x == 0) if shifted else ((jnp.abs(x) == 1) & (x > 0), (jnp.abs(x) == 1) & (x <= 0))
+        v = jnp.where(bottom, lower_end, jnp.where(top, upper, v))
+        return jnp.where(n < 0, jnp.zeros((), x.dtype), v)
+
+    lower.__name__ = f"{'shifted_' if shifted else ''}chebyshev_{kind}"
+    return lower
+
+
+chebyshev_t, chebyshev_u, chebyshev_v, chebyshev_w = (chebyshev(k) for k in "tuvw")
+shifted_chebyshev_t, shifted_chebyshev_u, shifted_chebyshev_v, shifted_chebyshev_w = (
+    chebyshev(k, True) for k in "tuvw"
+)
 
 
 def _hermite_limit(dtype):
