@@ -65,12 +65,13 @@ def _degree(n):
     return n.astype(jnp.int64)
 
 
-def _recurrence(x, n, p, q, step, k, last, stop_nan=True):
+def _recurrence(x, n, p, q, step, k, last, skip, stop_nan=True):
     """CPU's three-term loop ``for (k = k0; k <= last(n) && !isnan(q); k++)``, run for every
     element at once until none continues: ``r = step(k, p, q)``, ``p, q = q, r``. Returns
-    ``r`` (``q`` where the loop ran no step)."""
+    ``r`` (``q`` where the loop ran no step). ``skip``: the elements another branch decides,
+    which run no step (CPU's kernel returns before its loop: a huge degree costs nothing there)."""
     x, n, p, q = jnp.broadcast_arrays(x, n, p, q)
-    end = last(n)
+    end = jnp.where(skip, k - 1, last(jnp.maximum(n, 1)))
 
     def active(k, q):
         go = k <= end
@@ -145,12 +146,14 @@ def chebyshev(kind, shifted=False):
         one = _one(x)
         y = x + x - one if shifted else x
         q0 = first(y, one)
-        rec = _recurrence(x, n, one, q0, lambda k, p, q: (y + y) * q - p, 2, lambda n: n)
+        top, bottom = (x == 1, x == 0) if shifted else ((jnp.abs(x) == 1) & (x > 0), (jnp.abs(x) == 1) & (x <= 0))
+        trig = (n > limit) & (jnp.abs(y) < 1)
+        skip = (n < 2) | top | bottom | trig
+        rec = _recurrence(x, n, one, q0, lambda k, p, q: (y + y) * q - p, 2, lambda n: n, skip)
         v = jnp.where(n == 0, one, jnp.where(n == 1, q0, rec))
-        v = jnp.where((n > limit) & (jnp.abs(y) < 1), _chebyshev_trig(kind, y, n, shifted, x), v)
+        v = jnp.where(trig, _chebyshev_trig(kind, y, n, shifted, x), v)
         upper, lower_even = _chebyshev_ends(kind, n, one)
         lower_end = jnp.where(n % 2 == 0, lower_even, -lower_even)
-        top, bottom = (x == 1, x == 0) if shifted else ((jnp.abs(x) == 1) & (x > 0), (jnp.abs(x) == 1) & (x <= 0))
         v = jnp.where(bottom, lower_end, jnp.where(top, upper, v))
         return jnp.where(n < 0, jnp.zeros((), x.dtype), v)
 
@@ -174,7 +177,17 @@ def hermite_h(out, x, n):
     x, n = jnp.broadcast_arrays(jnp.asarray(x).astype(out.dtype), _degree(jnp.asarray(n)))
     one = _one(x)
     # CPU's loop: k = 2, 4, ..., k < 2n; with j = k / 2 it runs j = 1 .. n - 1
-    rec = _recurrence(x, n, one, x + x, lambda j, p, q: (x + x) * q - (j + j) * p, 1, lambda n: n - 1, False)
+    rec = _recurrence(
+        x,
+        n,
+        one,
+        x + x,
+        lambda j, p, q: (x + x) * q - (j + j) * p,
+        1,
+        lambda n: n - 1,
+        (n < 2) | (n > _hermite_limit(x.dtype)),
+        False,
+    )
     v = jnp.where(n > _hermite_limit(x.dtype), jnp.nan, rec)
     v = jnp.where(n == 0, one, jnp.where(n == 1, x + x, v))
     return jnp.where(n < 0, jnp.zeros((), x.dtype), v)
@@ -185,7 +198,9 @@ def hermite_he(out, x, n):
     degree limit."""
     x, n = jnp.broadcast_arrays(jnp.asarray(x).astype(out.dtype), _degree(jnp.asarray(n)))
     one = _one(x)
-    rec = _recurrence(x, n, one, x, lambda k, p, q: x * q - k * p, 1, lambda n: n - 1, False)
+    rec = _recurrence(
+        x, n, one, x, lambda k, p, q: x * q - k * p, 1, lambda n: n - 1, (n < 2) | (n > _hermite_limit(x.dtype)), False
+    )
     v = jnp.where(n > _hermite_limit(x.dtype), jnp.nan, rec)
     v = jnp.where(n == 0, one, jnp.where(n == 1, x, v))
     return jnp.where(n < 0, jnp.zeros((), x.dtype), v)
@@ -196,8 +211,8 @@ def laguerre_l(out, x, n):
     1 at ``x == 0``."""
     x, n = jnp.broadcast_arrays(jnp.asarray(x).astype(out.dtype), _degree(jnp.asarray(n)))
     one = _one(x)
-    rec = _recurrence(x, n, one, one - x, lambda k, p, q: (((k + k) + (one - x)) * q - k * p) / (k + 1), 1,
-                      lambda n: n - 1)  # fmt: skip
+    step = lambda k, p, q: (((k + k) + (one - x)) * q - k * p) / (k + 1)  # noqa: E731
+    rec = _recurrence(x, n, one, one - x, step, 1, lambda n: n - 1, (n < 2) | (jnp.abs(x) == 0))
     v = jnp.where(n == 0, one, jnp.where(n == 1, one - x, rec))
     v = jnp.where(jnp.abs(x) == 0, one, v)
     return jnp.where(n < 0, jnp.zeros((), x.dtype), v)
@@ -207,7 +222,16 @@ def legendre_p(out, x, n):
     """``special_legendre_polynomial_p``: ``P(k+1) = ((2k + 1) x P(k) - k P(k-1)) / (k+1)``."""
     x, n = jnp.broadcast_arrays(jnp.asarray(x).astype(out.dtype), _degree(jnp.asarray(n)))
     one = _one(x)
-    rec = _recurrence(x, n, one, x, lambda k, p, q: ((k + k + 1) * x * q - k * p) / (k + 1), 1, lambda n: n - 1)
+    rec = _recurrence(
+        x,
+        n,
+        one,
+        x,
+        lambda k, p, q: ((k + k + 1) * x * q - k * p) / (k + 1),
+        1,
+        lambda n: n - 1,
+        (n < 2) | (jnp.abs(x) == 1),
+    )
     v = jnp.where(n == 0, one, jnp.where(n == 1, x, rec))
     v = jnp.where(jnp.abs(x) == 1, _parity(x, n, one, -one), v)
     return jnp.where(n < 0, jnp.zeros((), x.dtype), v)
