@@ -1,10 +1,10 @@
-"""Special functions and small integer math: angle, gcd / lcm, the incomplete gamma
-functions, histc, and the ``special_*`` families (Bessel functions, orthogonal polynomials).
+"""Special functions and small integer math: angle, gcd / lcm and the ``special_*``
+orthogonal polynomials.
 
 Each function follows the scalar formula of PyTorch's CPU kernel (``ATen/native/Math.h``,
-``cpu/BinaryOpsKernel.cpp``, ``cpu/HistogramKernel.cpp``): the same piecewise branches and
-the same rational approximations, so results agree with CPU within float rounding over
-the whole domain, special cases included.
+``cpu/BinaryOpsKernel.cpp``, ``cpu/zmath.h``): the same piecewise branches in the same order
+and the same recurrences, so results agree with CPU within float rounding over the whole
+domain, special cases included.
 """
 
 from __future__ import annotations
