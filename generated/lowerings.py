@@ -1615,6 +1615,162 @@ def constant_pad_nd(out, self, pad, value):
     return L.pointwise.constant_pad_nd(self, pad, value)
 
 
+def angle(out, self):
+    return L.special.angle(out, self)
+
+
+def gcd(out, self, other):
+    return L.special.gcd(out, self, other)
+
+
+def lcm(out, self, other):
+    return L.special.lcm(out, self, other)
+
+
+def special_chebyshev_polynomial_t(out, x, n):
+    return L.special.chebyshev_t(out, x, n)
+
+
+def special_chebyshev_polynomial_t_x_scalar(out, x, n):
+    return L.special.chebyshev_t(out, x, n)
+
+
+def special_chebyshev_polynomial_t_n_scalar(out, x, n):
+    return L.special.chebyshev_t(out, x, n)
+
+
+def special_chebyshev_polynomial_u(out, x, n):
+    return L.special.chebyshev_u(out, x, n)
+
+
+def special_chebyshev_polynomial_u_x_scalar(out, x, n):
+    return L.special.chebyshev_u(out, x, n)
+
+
+def special_chebyshev_polynomial_u_n_scalar(out, x, n):
+    return L.special.chebyshev_u(out, x, n)
+
+
+def special_chebyshev_polynomial_v(out, x, n):
+    return L.special.chebyshev_v(out, x, n)
+
+
+def special_chebyshev_polynomial_v_x_scalar(out, x, n):
+    return L.special.chebyshev_v(out, x, n)
+
+
+def special_chebyshev_polynomial_v_n_scalar(out, x, n):
+    return L.special.chebyshev_v(out, x, n)
+
+
+def special_chebyshev_polynomial_w(out, x, n):
+    return L.special.chebyshev_w(out, x, n)
+
+
+def special_chebyshev_polynomial_w_x_scalar(out, x, n):
+    return L.special.chebyshev_w(out, x, n)
+
+
+def special_chebyshev_polynomial_w_n_scalar(out, x, n):
+    return L.special.chebyshev_w(out, x, n)
+
+
+def special_shifted_chebyshev_polynomial_t(out, x, n):
+    return L.special.shifted_chebyshev_t(out, x, n)
+
+
+def special_shifted_chebyshev_polynomial_t_x_scalar(out, x, n):
+    return L.special.shifted_chebyshev_t(out, x, n)
+
+
+def special_shifted_chebyshev_polynomial_t_n_scalar(out, x, n):
+    return L.special.shifted_chebyshev_t(out, x, n)
+
+
+def special_shifted_chebyshev_polynomial_u(out, x, n):
+    return L.special.shifted_chebyshev_u(out, x, n)
+
+
+def special_shifted_chebyshev_polynomial_u_x_scalar(out, x, n):
+    return L.special.shifted_chebyshev_u(out, x, n)
+
+
+def special_shifted_chebyshev_polynomial_u_n_scalar(out, x, n):
+    return L.special.shifted_chebyshev_u(out, x, n)
+
+
+def special_shifted_chebyshev_polynomial_v(out, x, n):
+    return L.special.shifted_chebyshev_v(out, x, n)
+
+
+def special_shifted_chebyshev_polynomial_v_x_scalar(out, x, n):
+    return L.special.shifted_chebyshev_v(out, x, n)
+
+
+def special_shifted_chebyshev_polynomial_v_n_scalar(out, x, n):
+    return L.special.shifted_chebyshev_v(out, x, n)
+
+
+def special_shifted_chebyshev_polynomial_w(out, x, n):
+    return L.special.shifted_chebyshev_w(out, x, n)
+
+
+def special_shifted_chebyshev_polynomial_w_x_scalar(out, x, n):
+    return L.special.shifted_chebyshev_w(out, x, n)
+
+
+def special_shifted_chebyshev_polynomial_w_n_scalar(out, x, n):
+    return L.special.shifted_chebyshev_w(out, x, n)
+
+
+def special_hermite_polynomial_h(out, x, n):
+    return L.special.hermite_h(out, x, n)
+
+
+def special_hermite_polynomial_h_x_scalar(out, x, n):
+    return L.special.hermite_h(out, x, n)
+
+
+def special_hermite_polynomial_h_n_scalar(out, x, n):
+    return L.special.hermite_h(out, x, n)
+
+
+def special_hermite_polynomial_he(out, x, n):
+    return L.special.hermite_he(out, x, n)
+
+
+def special_hermite_polynomial_he_x_scalar(out, x, n):
+    return L.special.hermite_he(out, x, n)
+
+
+def special_hermite_polynomial_he_n_scalar(out, x, n):
+    return L.special.hermite_he(out, x, n)
+
+
+def special_laguerre_polynomial_l(out, x, n):
+    return L.special.laguerre_l(out, x, n)
+
+
+def special_laguerre_polynomial_l_x_scalar(out, x, n):
+    return L.special.laguerre_l(out, x, n)
+
+
+def special_laguerre_polynomial_l_n_scalar(out, x, n):
+    return L.special.laguerre_l(out, x, n)
+
+
+def special_legendre_polynomial_p(out, x, n):
+    return L.special.legendre_p(out, x, n)
+
+
+def special_legendre_polynomial_p_x_scalar(out, x, n):
+    return L.special.legendre_p(out, x, n)
+
+
+def special_legendre_polynomial_p_n_scalar(out, x, n):
+    return L.special.legendre_p(out, x, n)
+
+
 def sum(out, self, dtype):
     return jnp.sum(self.astype(out.dtype))
 

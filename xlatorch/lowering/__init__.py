@@ -27,5 +27,6 @@ from xlatorch.lowering import (  # noqa: F401
     segment,
     shape,
     sort,
+    special,
     transformer,
 )
