@@ -1991,6 +1991,14 @@ def linalg_cholesky_ex(out, self, upper, check_errors):
     return L.linalg.cholesky_ex(out, self, upper, check_errors)
 
 
+def cholesky(out, self, upper):
+    return L.linalg.cholesky_ex(out, self, upper)[0]
+
+
+def cholesky__check(out, self, upper):
+    return L.checks.linalg_info(L.linalg.cholesky_ex(out, self)[1], "cholesky", self.ndim == 2, L.checks.LinAlgError)
+
+
 def cholesky_solve(out, self, input2, upper):
     return L.linalg.cholesky_solve(out, self, input2, upper)
 

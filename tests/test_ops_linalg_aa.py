@@ -225,3 +225,24 @@ def test_linalg_eig_errors_as_on_cpu():
     nan[1, 2] = float("nan")
     refused_as_on_cpu(lambda d: torch.linalg.eig(nan.to(d))[0])  # CPU's check on the data
     refused_as_on_cpu(lambda d: torch.linalg.eig(torch.eye(3, dtype=torch.bfloat16, device=d)), at_call=True)
+
+
+@pytest.mark.filterwarnings("ignore:torch.cholesky is deprecated")
+def test_cholesky_factors_and_raises_cpus_linalg_error():
+    """``torch.cholesky`` (deprecated, still used): the factor as CPU's, and a matrix that is not
+    positive-definite raises CPU's ``LinAlgError`` naming the minor and the batch element (it
+    used to fall back to the CPU, a graph cut per call)."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(3, 4, 4, generator=g, dtype=torch.float64)
+    a = a @ a.mT + 0.1 * torch.eye(4, dtype=torch.float64)
+    met.clear_counters()
+    for upper in (False, True):
+        torch.testing.assert_close(torch.cholesky(a.to("xla"), upper=upper).cpu(), torch.cholesky(a, upper=upper))
+    bad = torch.tensor([[1.0, 2.0], [2.0, 1.0]])
+    for x in (bad, torch.stack([torch.eye(2), bad])):
+        with pytest.raises(torch.linalg.LinAlgError) as want:
+            torch.cholesky(x)
+        with pytest.raises(torch.linalg.LinAlgError) as got:
+            torch.cholesky(x.to("xla")).cpu()
+        assert str(got.value).startswith(str(want.value)), (got.value, want.value)
+    _no_fallback("cholesky")

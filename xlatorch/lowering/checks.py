@@ -20,6 +20,7 @@ import math
 
 import jax.numpy as jnp
 import numpy as np
+from torch.linalg import LinAlgError  # noqa: F401  (ops.yaml checks raise it: L.checks.LinAlgError)
 
 from xlatorch.lowering.index import mask_values
 
