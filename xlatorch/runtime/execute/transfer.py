@@ -16,7 +16,8 @@ from xlatorch.runtime.execute import dry, settle
 from xlatorch.runtime.ir.values import UPLOAD, Data
 from xlatorch.runtime.multi import sharding
 from xlatorch.runtime.plan.stages import small_integral
-from xlatorch.runtime.trace.tensor import UNINITIALIZED, nested_error
+from xlatorch.runtime.trace.modules import UNINITIALIZED
+from xlatorch.runtime.trace.tensor import nested_error
 
 __all__ = ["to_device", "upload", "from_array"]
 

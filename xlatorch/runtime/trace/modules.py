@@ -28,7 +28,7 @@ from xlatorch.runtime.base import interrupts
 from xlatorch.runtime.base.threads import CALLERS, DEFERRED, _get_ident, _in_backward, defer_to_owners, owner
 from xlatorch.runtime.base.topology import thread_replicas
 from xlatorch.runtime.ir import values as ir
-from xlatorch.runtime.trace.tensor import DEVICE, UNINITIALIZED, XlaTensor
+from xlatorch.runtime.trace.tensor import DEVICE, XlaTensor
 
 __all__ = ["install"]
 
@@ -48,6 +48,17 @@ _CUDA_STREAMS = (
     "limitation, pytorch/pytorch#161129). Run the CUDA work in a process that does not import "
     "xlatorch, or run it on the xla device (PJRT_DEVICE=GPU puts the xla device on the GPU)."
 )
+
+# A lazy module's parameter (nn.LazyLinear ...) before its first forward: its shape is unknown, and
+# its later materialization in place (as on CPU, where an optimizer made before holds the same
+# object) cannot give it a device array.
+UNINITIALIZED = (
+    "xlatorch: an uninitialized parameter or buffer (a lazy module's, such as nn.LazyLinear's, before its "
+    "first forward) cannot be on the xla device: create the module on the CPU, run one forward pass there with "
+    "a sample input (it infers the shapes and initializes the weights), then move the module with "
+    ".to(device) and create its optimizer"
+)
+
 
 _tls = threading.local()
 _BACKWARD = threading.Lock()

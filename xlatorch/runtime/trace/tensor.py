@@ -200,17 +200,6 @@ def _free_dead(work: list) -> None:
         pass
 
 
-# A lazy module's parameter (nn.LazyLinear ...) before its first forward: its shape is unknown, and
-# its later materialization in place (as on CPU, where an optimizer made before holds the same
-# object) cannot give it a device array.
-UNINITIALIZED = (
-    "xlatorch: an uninitialized parameter or buffer (a lazy module's, such as nn.LazyLinear's, before its "
-    "first forward) cannot be on the xla device: create the module on the CPU, run one forward pass there with "
-    "a sample input (it infers the shapes and initializes the weights), then move the module with "
-    ".to(device) and create its optimizer"
-)
-
-
 def nested_error(what: str) -> RuntimeError:
     """A nested tensor (torch.nested) on the device: what to do instead (runtime/device.py's
     fallback for a strided one's ops; ``untyped_storage`` for a jagged one's move)."""
