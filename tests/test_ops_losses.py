@@ -173,33 +173,19 @@ def test_ctc_loss_ops_match_cpu(layout):
         torch.testing.assert_close(g1, want1, **_GRAD_TOL)
 
 
-def test_ctc_loss_with_lengths_held_on_the_host_does_not_fall_back():
-    """Lengths as CPU tensors (a DataLoader's) go to the device and are read there
-    (runtime/device.py, ``_ctc_loss.Tensor``): lowered, loss and gradient as on CPU."""
-    lp, targets, il, tl = _ctc_case("padded")
-    res = {}
-    met.clear_counters()
-    for d in ("cpu", "xla"):
-        x = lp.to(d).requires_grad_()
-        loss = F.ctc_loss(x, targets.to(d), torch.tensor(il), torch.tensor(tl), zero_infinity=True)
-        (g,) = torch.autograd.grad(loss, x)
-        res[d] = loss.detach().cpu(), g.cpu()
-    _no_fallback("_ctc_loss", "_ctc_loss_backward")
-    torch.testing.assert_close(res["xla"][0], res["cpu"][0], **_LOSS_TOL)
-    torch.testing.assert_close(res["xla"][1], res["cpu"][1], **_GRAD_TOL)
-
-
-def test_ctc_loss_of_lengths_held_on_the_device_does_not_fall_back():
-    """Lengths as device tensors (Wav2Vec2ForCTC's): ``_ctc_loss.Tensor`` and its backward are
-    lowered with the lengths traced (log_alpha sized for the most labels the targets hold, as its
-    shape on CPU depends on their values). Loss and gradient against CPU; concatenated targets,
-    as Wav2Vec2's."""
-    lp, targets, il, tl = _ctc_case("concatenated")
+@pytest.mark.parametrize(("held", "layout"), [("cpu", "padded"), ("xla", "concatenated")])
+def test_ctc_loss_of_lengths_held_as_tensors_does_not_fall_back(held, layout):
+    """Lengths as CPU tensors (a DataLoader's) go to the device; as device tensors
+    (Wav2Vec2ForCTC's, with concatenated targets) they stay: either way ``_ctc_loss.Tensor`` and
+    its backward are lowered with the lengths traced (log_alpha sized for the most labels the
+    targets hold, as its shape on CPU depends on their values). Loss and gradient as on CPU."""
+    lp, targets, il, tl = _ctc_case(layout)
     res = {}
     for d in ("cpu", "xla"):
         met.clear_counters()
         x = lp.to(d).requires_grad_()
-        lens = (torch.tensor(il).to(d), torch.tensor(tl).to(d))
+        lens = (torch.tensor(il), torch.tensor(tl))
+        lens = tuple(t.to(d) for t in lens) if held == "xla" else lens
         loss = F.ctc_loss(x, targets.to(d), *lens, zero_infinity=True)
         (g,) = torch.autograd.grad(loss, x)
         res[d] = loss.detach().cpu(), g.cpu()
