@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from xlatorch.lowering import nn
-from xlatorch.lowering.pointwise import HALF, rounded
+from xlatorch.lowering.pointwise import HALF, accumulated, rounded
 from xlatorch.lowering.pointwise import wide as _wide
 
 
@@ -33,8 +33,10 @@ def _matmul(a, b):
 
 
 def _linear(x, weight, bias):
-    """``addmm(bias, x, weight.t())`` over the last dim of ``x``."""
-    return _matmul(x, weight.T) + bias
+    """``addmm(bias, x, weight.t())`` over the last dim of ``x``: half floats add the bias to the
+    float32 sums and round once, as CPU's ``addmm``."""
+    acc = accumulated(x.dtype)
+    return (jnp.matmul(x, weight.T, preferred_element_type=acc) + bias.astype(acc)).astype(x.dtype)
 
 
 def _inv_sqrt(dim_per_head: int, dtype):
