@@ -10,8 +10,10 @@ import torch
 
 import xlatorch.core.xla_model as xm
 import xlatorch.debug.metrics as met
+from xlatorch.runtime.ir.values import Out
 from xlatorch.runtime.lower import cache
 from xlatorch.runtime.plan import births, stages
+from xlatorch.runtime.trace.tensor import value_of
 
 DEV = "xla"
 
@@ -30,6 +32,11 @@ def _counter(name: str) -> int:
 
 def _compiles() -> int:
     return _counter("UncachedCompile")
+
+
+def _executions() -> int:
+    """Device executions: ``ExecuteTime``'s sample count (a graph run on the host is none)."""
+    return (met.metric_data("ExecuteTime") or (0,))[0]
 
 
 # Host reads of tiny graphs: (program over a device, the host read). Each is new to the cache.
@@ -57,11 +64,12 @@ def test_tiny_graph_read_by_the_host_compiles_nothing(name):
     want = HOST_READS[name]("cpu", ids)
     d_ids = ids.to(DEV)
     xm.mark_step()
-    c0, h0 = _compiles(), _counter("GraphOnHost")
+    c0, h0, e0 = _compiles(), _counter("GraphOnHost"), _executions()
     got = HOST_READS[name](DEV, d_ids)
     assert got == want
     assert _compiles() == c0, name
     assert _counter("GraphOnHost") > h0
+    assert _executions() == e0, "a graph run on the host is counted as a device execution"
 
 
 def test_what_the_host_computed_is_device_data_for_later_graphs():
@@ -85,9 +93,10 @@ def test_float_arithmetic_still_compiles():
     """Float arithmetic rounds: the host may not give the device's bits, so it compiles."""
     x = torch.linspace(0, 1, 8).to(DEV)
     xm.mark_step()
-    c0, h0 = _compiles(), _counter("GraphOnHost")
+    c0, h0, e0 = _compiles(), _counter("GraphOnHost"), _executions()
     (x * 3 + 1).sum().item()
     assert _compiles() == c0 + 1 and _counter("GraphOnHost") == h0
+    assert _executions() == e0 + 1
 
 
 def test_mark_step_keeps_compiling_tiny_graphs():
@@ -110,6 +119,74 @@ def test_an_error_on_the_host_is_raised_from_the_device():
     xm.mark_step()
     with pytest.raises(Exception, match="(?i)index"):
         x.index_select(0, idx).sum().item()
+
+
+def _encoder_step(d, ids, read):
+    """An encoder's step as Hugging Face writes it: the embeddings are computed (pending), then a
+    check on the inputs is read on the host (``read``), then the rest of the step. Its loss and
+    the read."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(10, 8).to(d)
+    lin = torch.nn.Linear(8, 8).to(d)
+    h = emb(ids)  # pending when the check is read
+    mask = torch.ones(ids.shape, device=d)
+    flag = read(ids, mask)
+    loss = (lin(h) * mask[..., None]).sum()
+    loss.backward()
+    if d != "cpu":
+        xm.mark_step()
+    return flag, loss.detach().cpu(), lin.weight.grad.cpu()
+
+
+STEP_READS = {
+    "mask_all": lambda ids, mask: bool(torch.all(mask == 1)),
+    "pad_in_ids": lambda ids, mask: 0 in ids[:, [-1, 0]],
+    "additive_mask": lambda ids, mask: bool(((1.0 - mask) * torch.finfo(mask.dtype).min < 0).any()),
+}
+
+
+@pytest.mark.parametrize("name", list(STEP_READS))
+def test_a_check_read_during_a_step_runs_alone_on_the_host(name):
+    """The read's own graph (tiny, exact on the host) runs there alone: the embeddings pending
+    before it stay pending, so the step is one execution, not the check's graph cutting the step
+    in two (Hugging Face's encoders read ``torch.all(mask == 1)`` and ``pad_token_id in
+    input_ids[:, [-1, 0]]`` each step). Values equal CPU's."""
+    ids = torch.randint(1, 10, (2, 6), generator=torch.Generator().manual_seed(0))
+    want = _encoder_step("cpu", ids, STEP_READS[name])
+    d_ids = ids.to(DEV)
+    xm.mark_step()
+    _encoder_step(DEV, d_ids, STEP_READS[name])  # compiles the step
+    e0, h0 = _executions(), _counter("GraphOnHost")
+    got = _encoder_step(DEV, d_ids, STEP_READS[name])
+    assert got[0] == want[0]
+    torch.testing.assert_close(got[1:], want[1:], rtol=1e-5, atol=1e-5)
+    assert _executions() - e0 == 1, "the check's read cut the step's graph"
+    assert _counter("GraphOnHost") - h0 == 1
+
+
+def test_a_host_read_leaves_a_pending_in_place_update_pending():
+    """A tiny read of a value that an in-place update made: the update's storage keeps its pending
+    value and gets it at the next sync, as CPU computes it."""
+    x = torch.arange(6.0).to(DEV)
+    y = torch.linspace(-1, 1, 6).to(DEV)
+    xm.mark_step()
+    x.add_(1)
+    z = torch.tanh(y)  # pending, not exact on the host
+    assert bool((x > 5).any()) is True
+    assert type(value_of(z)) is Out
+    xm.mark_step()
+    assert torch.equal(x.cpu(), torch.arange(6.0) + 1)
+    torch.testing.assert_close(z.cpu(), torch.tanh(torch.linspace(-1, 1, 6)))
+
+
+def test_a_sum_of_products_read_compiles():
+    """XLA fuses ``a * b + c`` into one multiply-add, which rounds once where the host's two ops
+    round twice: such a read runs on the device, so it agrees with the device's own values."""
+    x = torch.linspace(0, 1, 8).to(DEV)
+    xm.mark_step()
+    e0, h0 = _executions(), _counter("GraphOnHost")
+    (x * 3 + 1 > 2).any().item()
+    assert _executions() == e0 + 1 and _counter("GraphOnHost") == h0
 
 
 def _fill(cache, pos, vals):

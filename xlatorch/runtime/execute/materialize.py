@@ -43,7 +43,7 @@ def to_cpu(t: XlaTensor, reason: str = "to_cpu") -> torch.Tensor:
 def _base_to_cpu(st, reason: str = "to_cpu") -> torch.Tensor:
     settle.settle()  # first: an undone step gives the storage its data from before it
     if type(st.value) is Out:
-        sync(reason, st.dev)
+        sync(reason, st.dev, st)
         if type(st.value) is Out:  # a value whose earlier sync failed: raise its error
             sync_value(st.value)
     v = st.value

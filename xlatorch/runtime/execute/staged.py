@@ -59,7 +59,7 @@ def run_stages(step, stage, commit) -> bool:
     # stages take them, and the stages' checks see them. Not the values not found then: a host
     # stage may make their operands.
     views = {k: v for k, v in step.views.items() if v is not None} if step.views else {}
-    outs = ()
+    outs = None  # the last compiled stage's arrays: what ran on the device
     whole = type(stage) is stages.Whole  # a tiny graph: on the host, or whole as usual
     borrowed = type(stage) is stages.Borrowed  # runs only if it compiles nothing, else whole as before
     parts = stages.stages(enc, g.root_refs, stage)
@@ -125,7 +125,7 @@ def run_stages(step, stage, commit) -> bool:
     if donated:
         COUNTERS["StagedDonation"] += 1
     with uninterrupted():
-        commit(step, [cut[id(st.value)] for st in step.storages], t_run)
+        commit(step, [cut[id(st.value)] for st in step.storages], t_run, outs)
     return True
 
 

@@ -126,9 +126,10 @@ def _cached(key):
     return exe
 
 
-def sync(reason: str = "mark_step", dev: int | None = None) -> None:
+def sync(reason: str = "mark_step", dev: int | None = None, read=None) -> None:
     """Materialise every live pending tensor (of local device ``dev``, default: all devices),
-    with one (cached) XLA execution per device."""
+    with one (cached) XLA execution per device. ``read``: the storage a host read wants; when
+    its own graph is tiny and exact on the host (``_read_alone``), only that runs, there."""
     lock = None if ir._multi else LOCK  # see base/threads.LOCK
     if lock is not None:
         lock.acquire()
@@ -138,15 +139,15 @@ def sync(reason: str = "mark_step", dev: int | None = None) -> None:
             _sync(reason, dev, _eager_timed)
         elif phase is not None:  # profiling: spans for the sync, its compile and execution
             with phase("xlatorch.sync", reason=reason):
-                _sync(reason, dev, record.TIMED)
+                _sync(reason, dev, record.TIMED, read)
         else:  # otherwise that test is all the profiler costs a sync
-            _sync(reason, dev, record.timed)
+            _sync(reason, dev, record.timed, read)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _sync(reason, dev, timed) -> None:
+def _sync(reason, dev, timed, read=None) -> None:
     check_fork(f"a sync ({reason})")
     if BODIES:
         raise BodyError(f"xlatorch: {BODIES[-1]} needs a value on the host ({reason}, at "
@@ -186,6 +187,9 @@ def _sync(reason, dev, timed) -> None:
     t0 = time.perf_counter_ns()
     reroot_lone_views(storages)
     graph = collect([st.value for st in storages])
+    if read is not None and region is None and not graph.failed and not stages.on_host(graph.nodes, reason):
+        if _read_alone(read, reason, dev, t0, timed):
+            return
     if graph.failed:
         healthy, error = faults.split_failed(storages, graph.nodes)
         if error is not None:  # run what does not depend on the failure, then report it
@@ -231,6 +235,31 @@ def _sync(reason, dev, timed) -> None:
         drop_view_caches()  # first: a view's cached value would keep the graph linked
         if everything:
             release(graph)
+
+
+def _read_alone(st, reason, dev, t0, timed) -> bool:
+    """A host read (``.item()``, ``.cpu()``) whose value's own graph is tiny and exact on the host
+    (``stages.on_host``), where the whole pending graph is not: that graph alone runs there, and
+    the other pending values stay pending, so the step's graph is not cut. A model's checks on
+    its inputs (``pad_token_id in input_ids[:, [-1, 0]]``, ``torch.all(mask == 1)``) cost
+    neither an execution nor a step in two graphs. False (nothing done) otherwise: the sync runs
+    every pending value, as before."""
+    if ir._multi or topology.SPMD[0] or dry.ACTIVE[0]:
+        return False
+    graph = collect([st.value])
+    if graph.failed or not stages.on_host(graph.nodes, reason):
+        return False
+    step = Step(reason, dev, [st], graph, False, t0, timed)
+    if step.prepare() is not None:  # compiled before (a graph the host could not run): as before
+        return False
+    stage = stages.split(graph.nodes, graph.enc, graph.root_refs, st.dev, reason)
+    if type(stage) is not stages.Whole:
+        return False
+    with uninterrupted():
+        if not run_stages(step, stage, _commit):
+            return False
+    _traced(t0)
+    return True
 
 
 def _run_in_two_parts(step: Step) -> None:
@@ -440,11 +469,15 @@ def _give(step: Step, arrays) -> None:
             PENDING.pop(st.sid, None)
 
 
-def _commit(step: Step, outs, t_run) -> None:
-    """Give each storage its result (an array, or ``Data``): they are no longer pending."""
+def _commit(step: Step, outs, t_run, ran=None) -> None:
+    """Give each storage its result (an array, or ``Data``): they are no longer pending. A
+    staged step (``Data``) says what ran on the device: ``ran``, its last compiled stage's
+    arrays, or None when every stage ran on the host (no execution to count or wait for)."""
     _give(step, outs)
-    if outs and type(outs[0]) is Data:  # a staged step: what runs on the device is its arrays
-        outs = [d._array for d in outs if d._array is not None]
+    if outs and type(outs[0]) is Data:
+        if ran is None:
+            return
+        outs = ran
     _last[:] = outs
     EXECUTIONS.started(outs, t_run, "EagerOpExecuteTime" if step.reason == EAGER else "ExecuteTime")
 

@@ -60,6 +60,7 @@ __all__ = [
     "TINY",
     "HOST_READS",
     "small_integral",
+    "on_host",
 ]
 
 # At most this many stages per sync: each costs an execution's launch (a host stage: a wait
@@ -84,7 +85,7 @@ def split(nodes, enc, root_refs, gdev, reason=None) -> list[int] | None:
     A tiny graph read by the host (``reason``) gets one stage, 0: it runs on the host."""
     if ir._multi or gdev or any(r < 0 for r in root_refs):
         return None
-    if reason in HOST_READS and len(nodes) <= TINY and all(exact(n) for n in nodes):
+    if on_host(nodes, reason):
         return Whole([0] * len(nodes))
     if any(n.spec in COLLECTIVES for n in nodes):  # every replica must run the same programs
         return None
@@ -103,6 +104,11 @@ def split(nodes, enc, root_refs, gdev, reason=None) -> list[int] | None:
     if len(SEEN) > _SEEN_SIZE:
         del SEEN[next(iter(SEEN))]
     return plan or None
+
+
+def on_host(nodes, reason) -> bool:
+    """Whether a graph synced for ``reason`` runs on the host whole: tiny, read by the host, exact there."""
+    return reason in HOST_READS and len(nodes) <= TINY and all(exact(n) for n in nodes)
 
 
 class Whole(list):
@@ -312,12 +318,25 @@ _MOVES = frozenset((
     "cat", "stack", "index_select", "where", "masked_fill", "masked_fill_",
     "eq", "ne", "lt", "le", "gt", "ge", "any", "all", "isnan", "isinf", "isfinite",
 ))  # fmt: skip
+# Float ops that round once, as IEEE prescribes, on the host as on the device: a sum, difference
+# or product of float32 or float64 values. Not with ``alpha`` (PyTorch's CPU kernel fuses it into
+# a multiply-add), not a division (CPU's kernel may multiply by a reciprocal), not half floats
+# (CPU computes them in float32 and rounds twice), and not a sum of a product: XLA contracts
+# ``a * b + c`` into one fused multiply-add, which the host's two ops round differently. By
+# overload name.
+_PRODUCTS = frozenset(f"{op}{inplace}.{o}" for op, o in (("mul", "Tensor"), ("mul", "Scalar"), ("neg", "default"))
+                      for inplace in ("", "_"))  # fmt: skip
+_SUMS = frozenset(f"{op}{inplace}.{o}" for op in ("add", "sub", "rsub") for o in ("Tensor", "Scalar")
+                  for inplace in ("", "_"))  # fmt: skip
+_ROUNDS_ONCE = _PRODUCTS | _SUMS
+_WIDE = (torch.float32, torch.float64)
 _EXACT: dict = {}  # node key -> whether it runs on the host exactly
 
 
 def exact(n) -> bool:
     """Whether node ``n`` gives the same bits on the host: bookkeeping, or a small float tensor
-    made or moved by an op of ``_MOVES`` without a change of dtype."""
+    made or moved by an op of ``_MOVES``, or computed by one of ``_ROUNDS_ONCE``, without a
+    change of dtype."""
     ok = _EXACT.get(n.key)
     if ok is None:
         ok = bookkeeping(n)
@@ -325,8 +344,9 @@ def exact(n) -> bool:
             spec = n.spec
             avals = [a for a in n.info.avals if a is not None]
             ins = [v.aval for v in ir.operands(n.args) if type(v) is not Scalar]
+            rounds = spec.name in _ROUNDS_ONCE and all(a[1] in _WIDE for a in avals) and _no_alpha(n.args)
             ok = (
-                spec.name.split(".")[0] in _MOVES
+                (rounds or spec.name.split(".")[0] in _MOVES)
                 and isinstance(spec.overload, torch._ops.OpOverload)
                 and all(math.prod(a[0]) <= HOST_MAX_ELEMENTS for a in avals + ins)
                 and len(floats := {a[1] for a in avals + ins if a[1].is_floating_point or a[1].is_complex}) <= 1
@@ -335,4 +355,11 @@ def exact(n) -> bool:
         if len(_EXACT) > 4096:
             _EXACT.clear()
         _EXACT[n.key] = ok
+    if ok and n.spec.name in _SUMS and not bookkeeping(n):  # not in the key: what made its operands
+        return not any(type(v) is ir.Out and v.node.spec.name in _PRODUCTS for v in n.args)
     return ok
+
+
+def _no_alpha(args) -> bool:
+    """Whether an add or sub has no ``alpha`` (PyTorch passes its default, the int 1)."""
+    return len(args) < 3 or (type(args[2]) is int and args[2] == 1)
