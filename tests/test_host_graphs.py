@@ -179,6 +179,29 @@ def test_a_host_read_leaves_a_pending_in_place_update_pending():
     torch.testing.assert_close(z.cpu(), torch.tanh(torch.linspace(-1, 1, 6)))
 
 
+def test_a_loop_without_mark_step_that_reads_only_tiny_values_still_syncs_its_graph():
+    """Reads that run alone leave the rest pending; after ``MAX_ALONE`` of them the next read syncs
+    every pending value, so a loop that never calls ``mark_step`` does not grow one graph for as
+    long as it runs. Values equal CPU's."""
+    from xlatorch.runtime.execute import sync
+
+    n = 2 * (sync.MAX_ALONE + 1)
+    x = torch.linspace(-1, 1, 8)
+    ids = torch.arange(6)
+    accs = []
+    for d in ("cpu", DEV):
+        acc, xd, idd = torch.zeros(8, device=d), x.to(d), ids.to(d)
+        if d != "cpu":
+            xm.mark_step()
+            e0 = _executions()
+        for t in range(n):
+            acc = acc + torch.tanh(xd * t)  # pending, not exact on the host
+            assert bool((idd >= 0).all())  # tiny: runs on the host alone
+        accs.append(acc.cpu())
+    assert _executions() - e0 == 2, "a full sync at every MAX_ALONE + 1-th read"
+    torch.testing.assert_close(accs[1], accs[0])
+
+
 def test_a_sum_of_products_read_compiles():
     """XLA fuses ``a * b + c`` into one multiply-add, which rounds once where the host's two ops
     round twice: such a read runs on the device, so it agrees with the device's own values."""

@@ -175,6 +175,7 @@ def _sync(reason, dev, timed, read=None) -> None:
         # may make a pending value after the snapshot, which clearing PENDING would lose.
         everything = False
     if not storages:
+        _ALONE[0] = 0
         if everything:
             PENDING.clear()
             CHECKED_SINCE_SYNC.clear()
@@ -190,6 +191,7 @@ def _sync(reason, dev, timed, read=None) -> None:
     if read is not None and region is None and not graph.failed and not stages.on_host(graph.nodes, reason):
         if _read_alone(read, reason, dev, t0, timed):
             return
+    _ALONE[0] = 0
     if graph.failed:
         healthy, error = faults.split_failed(storages, graph.nodes)
         if error is not None:  # run what does not depend on the failure, then report it
@@ -244,13 +246,20 @@ def _read_alone(st, reason, dev, t0, timed) -> bool:
     its inputs (``pad_token_id in input_ids[:, [-1, 0]]``, ``torch.all(mask == 1)``) cost
     neither an execution nor a step in two graphs. False (nothing done) otherwise: the sync runs
     every pending value, as before."""
-    if ir._multi or topology.SPMD[0] or dry.ACTIVE[0]:
+    if _ALONE[0] >= MAX_ALONE or ir._multi or topology.SPMD[0]:
+        return False
+    if type(st.value) is not ir.Out or not stages.tiny_and_exact(st.value):
         return False
     graph = collect([st.value])
     if graph.failed or not stages.on_host(graph.nodes, reason):
         return False
     step = Step(reason, dev, [st], graph, False, t0, timed)
-    if step.prepare() is not None:  # compiled before (a graph the host could not run): as before
+    compiled = step.prepare() is not None
+    if dry.ACTIVE[0]:  # a dry run: the value as its CPU replay will read it, no cut reported
+        _give(step, [dry.DryArray(st.value.aval[0], to_jax(st.value.aval[1]), source=st.value)])
+        _ALONE[0] += 1
+        return True
+    if compiled:  # compiled before (a graph the host could not run): as before
         return False
     stage = stages.split(graph.nodes, graph.enc, graph.root_refs, st.dev, reason)
     if type(stage) is not stages.Whole:
@@ -258,8 +267,18 @@ def _read_alone(st, reason, dev, t0, timed) -> bool:
     with uninterrupted():
         if not run_stages(step, stage, _commit):
             return False
+    drop_view_caches()
+    release(graph)  # nodes the pending values still read stay linked
+    _ALONE[0] += 1
     _traced(t0)
     return True
+
+
+# Reads run alone since the last sync of every pending value: after ``MAX_ALONE`` of them the
+# next read syncs everything, as before. A loop that never calls ``mark_step`` and reads only
+# such values (a check on its inputs) would otherwise grow one graph for as long as it runs.
+MAX_ALONE = 32
+_ALONE = [0]
 
 
 def _run_in_two_parts(step: Step) -> None:

@@ -61,6 +61,7 @@ __all__ = [
     "HOST_READS",
     "small_integral",
     "on_host",
+    "tiny_and_exact",
 ]
 
 # At most this many stages per sync: each costs an execution's launch (a host stage: a wait
@@ -109,6 +110,23 @@ def split(nodes, enc, root_refs, gdev, reason=None) -> list[int] | None:
 def on_host(nodes, reason) -> bool:
     """Whether a graph synced for ``reason`` runs on the host whole: tiny, read by the host, exact there."""
     return reason in HOST_READS and len(nodes) <= TINY and all(exact(n) for n in nodes)
+
+
+def tiny_and_exact(value) -> bool:
+    """Whether the graph of the pending ``value`` alone is tiny and exact on the host: a walk that
+    stops at its ``TINY + 1``-th node or at the first node that is not exact, so a read of a large
+    graph (a step's loss) pays a few nodes' look, not a second walk of its graph."""
+    seen: set = set()
+    todo = [value.node]
+    while todo:
+        n = todo.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        if len(seen) > TINY or not exact(n):
+            return False
+        todo.extend(v.node for v in ir.operands(n.args) if type(v) is ir.Out)
+    return True
 
 
 class Whole(list):
