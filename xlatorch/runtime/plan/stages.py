@@ -24,7 +24,10 @@ A whole graph that is tiny (at most ``TINY`` nodes) and read by the host at once
 node is exact there: bookkeeping as above, or a float op that only makes constants or moves
 bits (``zero_``, ``zeros``, views, ``cat``) or compares. A generation loop's setup checks and
 cache resets compile nothing then, each one new to the cache (counter ``GraphOnHost``). A graph
-cut by ``mark_step`` never does: its values stay on the device for the next step.
+cut by ``mark_step`` never does: its values stay on the device for the next step. When the whole
+graph is not tiny but the read value's own graph is (``tiny_and_exact``), that one runs on the
+host alone and the rest stays pending (``execute/sync._read_alone``): a model's checks on its
+inputs do not cut its step.
 
 ``split`` decides; ``execute/staged.run_stages`` runs the stages (``on_host`` for those that may)
 and commits the step whole. A changing part that must compile splits off only when it is
