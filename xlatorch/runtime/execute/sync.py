@@ -26,6 +26,7 @@ from xlatorch.runtime.execute import dry, faults, settle
 from xlatorch.runtime.execute.compile import executable
 from xlatorch.runtime.execute.execution import EXECUTIONS, uninterrupted
 from xlatorch.runtime.execute.staged import may_donate, run_stages
+from xlatorch.runtime.execute.transfer import from_array
 from xlatorch.runtime.ir import failed
 from xlatorch.runtime.ir import values as ir
 from xlatorch.runtime.ir.failed import FailedValueError
@@ -204,8 +205,7 @@ def _sync(reason, dev, timed, read=None) -> None:
         storages = healthy
     if region is not None:
         _count_graph(region, graph, storages[0].dev)
-    for hook in record.SYNC_HOOKS:  # xlatorch.debug: the graph-cut report
-        hook(reason, len(graph.nodes))
+    _cut(reason, graph)
     step = Step(reason, dev, storages, graph, everything, t0, timed)
     if dry.ACTIVE[0]:
         _run_dry(step)
@@ -239,13 +239,19 @@ def _sync(reason, dev, timed, read=None) -> None:
             release(graph)
 
 
+def _cut(reason, graph) -> None:
+    for hook in record.SYNC_HOOKS:  # xlatorch.debug: the graph-cut report
+        hook(reason, len(graph.nodes))
+
+
 def _read_alone(st, reason, dev, t0, timed) -> bool:
     """A host read (``.item()``, ``.cpu()``) whose value's own graph is tiny and exact on the host
     (``stages.on_host``), where the whole pending graph is not: that graph alone runs there, and
     the other pending values stay pending, so the step's graph is not cut. A model's checks on
     its inputs (``pad_token_id in input_ids[:, [-1, 0]]``, ``torch.all(mask == 1)``) cost
-    neither an execution nor a step in two graphs. False (nothing done) otherwise: the sync runs
-    every pending value, as before."""
+    neither an execution nor a step in two graphs. Reported as a cut (``xlatorch.check``, the
+    debug report) only when it downloads device data, as then the host waits for the device.
+    False (nothing done) otherwise: the sync runs every pending value, as before."""
     if _ALONE[0] >= MAX_ALONE or ir._multi or topology.SPMD[0]:
         return False
     if type(st.value) is not ir.Out or not stages.tiny_and_exact(st.value):
@@ -255,7 +261,14 @@ def _read_alone(st, reason, dev, t0, timed) -> bool:
         return False
     step = Step(reason, dev, [st], graph, False, t0, timed)
     compiled = step.prepare() is not None
-    if dry.ACTIVE[0]:  # a dry run: the value as its CPU replay will read it, no cut reported
+    # Reading device data (a download), the host waits for the device: a cut, reported as one
+    waits = any(type(v) is Data and v.host is None for v in graph.leaves)
+    if dry.ACTIVE[0]:  # a dry run: the value as its CPU replay will read it
+        if waits:
+            _cut(reason, graph)
+        for v in graph.leaves:  # downloaded and kept, as the host stage keeps them
+            if type(v) is Data and v.host is None:
+                v.host = from_array(v.array, v.aval[1])
         _give(step, [dry.DryArray(st.value.aval[0], to_jax(st.value.aval[1]), source=st.value)])
         _ALONE[0] += 1
         return True
@@ -264,6 +277,8 @@ def _read_alone(st, reason, dev, t0, timed) -> bool:
     stage = stages.split(graph.nodes, graph.enc, graph.root_refs, st.dev, reason)
     if type(stage) is not stages.Whole:
         return False
+    if waits:
+        _cut(reason, graph)
     with uninterrupted():
         if not run_stages(step, stage, _commit):
             return False

@@ -62,7 +62,8 @@ def to_device(t: torch.Tensor, dev: int | None = None) -> Data:
     arr = upload(t, dev)
     # Small integer data (targets, token ids) is held on the host too: a step's checks on it
     # are decided there (plan/prechecks.py), and a stage on the host reads it without a download.
-    keep = config.CHECKS and small_integral(aval) and not topology.SPMD[0] and not dry.ACTIVE[0]
+    # (A dry run keeps it too: which reads wait for the device is what it predicts.)
+    keep = config.CHECKS and small_integral(aval) and not topology.SPMD[0]
     return Data(arr, aval, dev, t.detach().cpu().clone() if keep else None)
 
 
