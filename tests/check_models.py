@@ -132,6 +132,12 @@ def unsupported_dtype():
     return Half(), (torch.randn(8, 16),), _loss
 
 
+def mlp_adafactor():
+    """Adafactor reads each parameter's norm on the host (``.item()``) in its step."""
+    torch.manual_seed(0)
+    return Mlp(), (torch.randn(8, 16),), _loss, lambda p: torch.optim.Adafactor(p, lr=0.01)
+
+
 def bert():
     tf = __import__("transformers")
     torch.manual_seed(0)

@@ -205,7 +205,8 @@ def _sync(reason, dev, timed, read=None) -> None:
         storages = healthy
     if region is not None:
         _count_graph(region, graph, storages[0].dev)
-    _cut(reason, graph)
+    if not stages.on_host(graph.nodes, reason) or _downloads(graph):  # else it runs on the host: no wait
+        _cut(reason, graph)
     step = Step(reason, dev, storages, graph, everything, t0, timed)
     if dry.ACTIVE[0]:
         _run_dry(step)
@@ -244,6 +245,12 @@ def _cut(reason, graph) -> None:
         hook(reason, len(graph.nodes))
 
 
+def _downloads(graph) -> bool:
+    """Whether running ``graph`` on the host downloads device data: then the host waits for the
+    device, a graph cut (reported as one); reading only what the host holds, it does not."""
+    return any(type(v) is Data and v.host is None for v in graph.leaves)
+
+
 def _read_alone(st, reason, dev, t0, timed) -> bool:
     """A host read (``.item()``, ``.cpu()``) whose value's own graph is tiny and exact on the host
     (``stages.on_host``), where the whole pending graph is not: that graph alone runs there, and
@@ -261,8 +268,7 @@ def _read_alone(st, reason, dev, t0, timed) -> bool:
         return False
     step = Step(reason, dev, [st], graph, False, t0, timed)
     compiled = step.prepare() is not None
-    # Reading device data (a download), the host waits for the device: a cut, reported as one
-    waits = any(type(v) is Data and v.host is None for v in graph.leaves)
+    waits = _downloads(graph)
     if dry.ACTIVE[0]:  # a dry run: the value as its CPU replay will read it
         if waits:
             _cut(reason, graph)
