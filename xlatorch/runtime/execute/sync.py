@@ -251,6 +251,14 @@ def _downloads(graph) -> bool:
     return any(type(v) is Data and v.host is None for v in graph.leaves)
 
 
+def _keep_on_host(graph) -> None:
+    """A dry run of a graph a real run computes on the host: the device data it reads is
+    downloaded and kept, as the host stage keeps it (a later read of it waits for nothing)."""
+    for v in graph.leaves:
+        if type(v) is Data and v.host is None:
+            v.host = from_array(v.array, v.aval[1])
+
+
 def _read_alone(st, reason, dev, t0, timed) -> bool:
     """A host read (``.item()``, ``.cpu()``) whose value's own graph is tiny and exact on the host
     (``stages.on_host``), where the whole pending graph is not: that graph alone runs there, and
@@ -272,9 +280,7 @@ def _read_alone(st, reason, dev, t0, timed) -> bool:
     if dry.ACTIVE[0]:  # a dry run: the value as its CPU replay will read it
         if waits:
             _cut(reason, graph)
-        for v in graph.leaves:  # downloaded and kept, as the host stage keeps them
-            if type(v) is Data and v.host is None:
-                v.host = from_array(v.array, v.aval[1])
+        _keep_on_host(graph)
         _give(step, [dry.DryArray(st.value.aval[0], to_jax(st.value.aval[1]), source=st.value)])
         _ALONE[0] += 1
         return True
@@ -461,7 +467,9 @@ def _run_dry(step: Step) -> None:
     g = step.graph
     gdev = step.storages[0].dev
     req = None
-    if dry.first_time(step.key):
+    if stages.on_host(g.nodes, step.reason):  # a real run computes it on the host: no compile
+        _keep_on_host(g)
+    elif dry.first_time(step.key):
         packed, leaf_kinds = pack(g.leaves)
         req = CompileRequest(step.key, g.nodes, g.leaves, leaf_kinds, g.root_refs, step.data, packed, step.donate,
                              gdev, step.keep, None, step.spmd, step.once)  # fmt: skip
