@@ -189,7 +189,8 @@ def _sync(reason, dev, timed, read=None) -> None:
     t0 = time.perf_counter_ns()
     reroot_lone_views(storages)
     graph = collect([st.value for st in storages])
-    if read is not None and region is None and not graph.failed and not stages.on_host(graph.nodes, reason):
+    on_host = stages.on_host(graph.nodes, reason)  # the whole graph runs on the host (``Whole``)
+    if read is not None and region is None and not graph.failed and not on_host:
         if _read_alone(read, reason, dev, t0, timed):
             return
     _ALONE[0] = 0
@@ -205,7 +206,7 @@ def _sync(reason, dev, timed, read=None) -> None:
         storages = healthy
     if region is not None:
         _count_graph(region, graph, storages[0].dev)
-    if not stages.on_host(graph.nodes, reason) or _downloads(graph):  # else it runs on the host: no wait
+    if not on_host or _downloads(graph):  # else it runs on the host without waiting: no cut
         _cut(reason, graph)
     step = Step(reason, dev, storages, graph, everything, t0, timed)
     if dry.ACTIVE[0]:
@@ -267,24 +268,22 @@ def _read_alone(st, reason, dev, t0, timed) -> bool:
     neither an execution nor a step in two graphs. Reported as a cut (``xlatorch.check``, the
     debug report) only when it downloads device data, as then the host waits for the device.
     False (nothing done) otherwise: the sync runs every pending value, as before."""
-    if _ALONE[0] >= MAX_ALONE or ir._multi or topology.SPMD[0]:
+    if reason not in stages.HOST_READS or _ALONE[0] >= MAX_ALONE or ir._multi or topology.SPMD[0]:
         return False
     if type(st.value) is not ir.Out or not stages.tiny_and_exact(st.value):
         return False
-    graph = collect([st.value])
-    if graph.failed or not stages.on_host(graph.nodes, reason):
+    graph = collect([st.value])  # the nodes the walk just found exact
+    if graph.failed:
         return False
     step = Step(reason, dev, [st], graph, False, t0, timed)
-    compiled = step.prepare() is not None
     waits = _downloads(graph)
-    if dry.ACTIVE[0]:  # a dry run: the value as its CPU replay will read it
+    if dry.ACTIVE[0]:  # a dry run: the value as its CPU replay will read it (_run_dry's host graph)
         if waits:
             _cut(reason, graph)
-        _keep_on_host(graph)
-        _give(step, [dry.DryArray(st.value.aval[0], to_jax(st.value.aval[1]), source=st.value)])
+        _run_dry(step)
         _ALONE[0] += 1
         return True
-    if compiled:  # compiled before (a graph the host could not run): as before
+    if step.prepare() is not None:  # compiled before (a graph the host could not run): as before
         return False
     stage = stages.split(graph.nodes, graph.enc, graph.root_refs, st.dev, reason)
     if type(stage) is not stages.Whole:

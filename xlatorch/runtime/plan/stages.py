@@ -345,10 +345,11 @@ _MOVES = frozenset((
 # (CPU computes them in float32 and rounds twice), and not a sum of a product: XLA contracts
 # ``a * b + c`` into one fused multiply-add, which the host's two ops round differently. By
 # overload name.
-_PRODUCTS = frozenset(f"{op}{inplace}.{o}" for op, o in (("mul", "Tensor"), ("mul", "Scalar"), ("neg", "default"))
-                      for inplace in ("", "_"))  # fmt: skip
-_SUMS = frozenset(f"{op}{inplace}.{o}" for op in ("add", "sub", "rsub") for o in ("Tensor", "Scalar")
-                  for inplace in ("", "_"))  # fmt: skip
+_PRODUCTS = frozenset(("mul.Tensor", "mul.Scalar", "neg.default", "mul_.Tensor", "mul_.Scalar", "neg_.default"))
+_SUMS = frozenset((
+    "add.Tensor", "add.Scalar", "sub.Tensor", "sub.Scalar", "rsub.Tensor", "rsub.Scalar",
+    "add_.Tensor", "add_.Scalar", "sub_.Tensor", "sub_.Scalar",
+))  # fmt: skip
 _ROUNDS_ONCE = _PRODUCTS | _SUMS
 _WIDE = (torch.float32, torch.float64)
 _EXACT: dict = {}  # node key -> whether it runs on the host exactly

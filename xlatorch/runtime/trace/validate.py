@@ -399,22 +399,21 @@ def attention(query, key, value, embed_dim: int, num_heads: int, qkv_weight, qkv
     """CPU's checks of the Transformer fast path's attention (``_native_multi_head_attention``,
     ``_transformer_encoder_layer_fwd``), in its order, the masked softmax's last (PyTorch's meta
     kernels make none)."""
-    for ok, msg in (
-        (lambda: query.dim() == 3, lambda: f"expected 3-D `query`, got {query.dim()}-D tensor"),
-        (lambda: query.shape[2] == embed_dim,
-         lambda: f"passed-in embed_dim {embed_dim} didn't match last dim of query {query.shape[2]}"),
-        (lambda: key.dim() == 3, lambda: f"expected 3-D `key`, got {key.dim()}-D tensor"),
-        (lambda: value.dim() == 3, lambda: f"expected 3-D `value`, got {value.dim()}-D tensor"),
-        (lambda: query.shape == key.shape == value.shape, lambda: "expected `query`/`key`/`value` shapes to match"),
-        (lambda: qkv_weight.dim() == 2, lambda: f"expected 2-D `qkv_weight`, got {qkv_weight.dim()}-D tensor"),
-        (lambda: embed_dim * 3 == qkv_weight.shape[0], lambda: "expected `qkv_weight` first dim to be 3x embed_dim"),
-        (lambda: embed_dim == qkv_weight.shape[1], lambda: "expected `qkv_weight` second dim to be embed_Dim"),
-        (lambda: qkv_bias.dim() == 1, lambda: f"expected 1-D `qkv_bias`, got {qkv_bias.dim()}-D tensor"),
-        (lambda: qkv_bias.shape[0] == 3 * embed_dim,
-         lambda: "expected `qkv_bias` first dim and first dim of query to be equal"),
-        (lambda: embed_dim % num_heads == 0, lambda: "`embed_dim` must divide evenly by `num_heads`"),
-    ):  # fmt: skip
-        torch._check(ok(), msg)
+    c = torch._check
+    c(query.dim() == 3, lambda: f"expected 3-D `query`, got {query.dim()}-D tensor")
+    c(
+        query.shape[2] == embed_dim,
+        lambda: f"passed-in embed_dim {embed_dim} didn't match last dim of query {query.shape[2]}",
+    )
+    c(key.dim() == 3, lambda: f"expected 3-D `key`, got {key.dim()}-D tensor")
+    c(value.dim() == 3, lambda: f"expected 3-D `value`, got {value.dim()}-D tensor")
+    c(query.shape == key.shape == value.shape, lambda: "expected `query`/`key`/`value` shapes to match")
+    c(qkv_weight.dim() == 2, lambda: f"expected 2-D `qkv_weight`, got {qkv_weight.dim()}-D tensor")
+    c(embed_dim * 3 == qkv_weight.shape[0], lambda: "expected `qkv_weight` first dim to be 3x embed_dim")
+    c(embed_dim == qkv_weight.shape[1], lambda: "expected `qkv_weight` second dim to be embed_Dim")
+    c(qkv_bias.dim() == 1, lambda: f"expected 1-D `qkv_bias`, got {qkv_bias.dim()}-D tensor")
+    c(qkv_bias.shape[0] == 3 * embed_dim, lambda: "expected `qkv_bias` first dim and first dim of query to be equal")
+    c(embed_dim % num_heads == 0, lambda: "`embed_dim` must divide evenly by `num_heads`")
     if mask is not None:  # the masked softmax's own checks, on the scores' shape
         scores = query.new_empty((query.shape[0], num_heads, query.shape[1], query.shape[1]))
         aten._masked_softmax.default(scores, mask.bool(), 3, mask_type)
