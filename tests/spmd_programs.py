@@ -203,14 +203,15 @@ def shards_and_dumps(out):
 def run_in_child(module: str, out, result: str, devices: int = 8):
     """Run ``module.main(out)`` in a child process with ``devices`` CPU devices (JAX fixes the
     count when its backend starts); what it saved to ``out/result``."""
-    import subprocess
     import sys
+
+    from tests import warm
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     tests = os.path.join(root, "tests")
     env = dict(os.environ, CPU_NUM_DEVICES=str(devices), PYTHONPATH=os.pathsep.join([root, tests]))
     script = f"import {module}; {module}.main({str(out)!r})"
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=root, env=env,
+    r = warm.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=root, env=env,
                        timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr[-4000:]
     return torch.load(os.path.join(out, result), weights_only=False)

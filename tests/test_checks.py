@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import xlatorch.core.xla_model as xm
 import xlatorch.debug.metrics as met
+from tests import warm
 from tests.cpu_twin import refused_as_on_cpu
 from xlatorch.runtime.ir.failed import FailedValueError
 
@@ -301,9 +302,9 @@ def test_once_a_second_thread_uses_the_device_each_step_reads_its_own_checks():
         xm.mark_step()  # the step's own sync raises
 
 
-def _script(code: str, checks: str):
+def _script(code: str, checks: str, run=warm.run):
     env = dict(os.environ, XLATORCH_CHECKS=checks)
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    return run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_a_failed_check_names_the_line_of_code_with_no_file():
@@ -316,7 +317,7 @@ def test_a_failed_check_names_the_line_of_code_with_no_file():
         "except IndexError as e:\n"
         "    print(e)\n"
     )
-    out = _script(code, "1")
+    out = _script(code, "1", run=subprocess.run)  # a fresh interpreter: no file on the stack below the code
     assert out.returncode == 0, out.stderr
     assert "index 5 is out of bounds for dimension 0 with size 3 (aten::index.Tensor at <string>:4," in out.stdout
 

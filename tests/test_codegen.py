@@ -1,12 +1,12 @@
 """ops.yaml validation and the generated/ staleness check."""
 
-import subprocess
 import sys
 
 import pytest
 
 from codegen import registry, schema
 from codegen.gen import ROOT
+from tests import warm
 
 
 def _load(tmp_path, text):
@@ -46,14 +46,14 @@ def test_good_entry(tmp_path):
 
 
 def test_generated_is_fresh():
-    r = subprocess.run([sys.executable, "tools/gen_ops.py", "--check"], cwd=ROOT, capture_output=True, text=True)
+    r = warm.run([sys.executable, "tools/gen_ops.py", "--check"], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
 
 
 def test_check_fails_when_stale(tmp_path):
     out = tmp_path / "gen"
     out.mkdir()
-    r = subprocess.run([sys.executable, "tools/gen_ops.py", "--check", "--out", str(out)], cwd=ROOT,
+    r = warm.run([sys.executable, "tools/gen_ops.py", "--check", "--out", str(out)], cwd=ROOT,
                        capture_output=True, text=True)  # fmt: skip
     assert r.returncode == 1 and "stale" in r.stderr
 
@@ -61,7 +61,7 @@ def test_check_fails_when_stale(tmp_path):
 def test_cli_reports_bad_entry(tmp_path):
     bad = tmp_path / "ops.yaml"
     bad.write_text("add.Tensor: self + bogus\n")
-    r = subprocess.run([sys.executable, "tools/gen_ops.py", "--ops", str(bad), "--out", str(tmp_path)], cwd=ROOT,
+    r = warm.run([sys.executable, "tools/gen_ops.py", "--ops", str(bad), "--out", str(tmp_path)], cwd=ROOT,
                        capture_output=True, text=True)  # fmt: skip
     assert r.returncode == 2 and "add.Tensor" in r.stderr and "bogus" in r.stderr
 

@@ -6,7 +6,6 @@ the executable cache is emptied around it so no other test meets the wrong progr
 """
 
 import os
-import subprocess
 import sys
 
 import jax.numpy as jnp
@@ -16,6 +15,7 @@ import torch.nn as nn
 
 import xlatorch.core.xla_model as xm
 import xlatorch.debug as xd
+from tests import warm
 from xlatorch.backends import get_mat_mul_precision, set_mat_mul_precision
 from xlatorch.runtime.ir.ops import SPECS
 from xlatorch.runtime.lower import cache
@@ -225,7 +225,7 @@ def test_the_environment_switch_logs_the_culprit_at_each_step(tmp_path, on):
     script.write_text(_SCRIPT)
     base = {k: v for k, v in os.environ.items() if k not in ("XLATORCH_DEBUG", "PT_XLA_DEBUG", "XLATORCH_COMPARE")}
     env = dict(base, PYTHONPATH=ROOT, XLATORCH_COMPARE="1" if on else "0")
-    res = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True, text=True,
+    res = warm.run([sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True, text=True,
                          timeout=300)  # fmt: skip
     assert res.returncode == 0, res.stderr
     assert "changed True" in res.stdout

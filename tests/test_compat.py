@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests import warm
 from xlatorch.compat import __main__ as runner
 from xlatorch.compat import aliases
 
@@ -33,7 +34,7 @@ def _run(tmp_path, name, text, *args, env=None, status=0):
     (tmp_path / f"{name}.py").write_text(text)
     e = {k: v for k, v in os.environ.items() if k not in PRECISION_VARS}
     e.update(env or {})
-    with subprocess.Popen([sys.executable, "-m", "xlatorch.compat", f"{name}.py", f"{name}.out", *args], cwd=tmp_path,
+    with warm.Popen([sys.executable, "-m", "xlatorch.compat", f"{name}.py", f"{name}.out", *args], cwd=tmp_path,
                           env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:  # fmt: skip
         stdout, stderr = proc.communicate(timeout=300)
     p = SimpleNamespace(pid=proc.pid, returncode=proc.returncode, stdout=stdout, stderr=stderr)
@@ -309,7 +310,7 @@ print("torch_xla:", torch_xla.MARK)
 def test_plain_python_gets_no_aliases(tmp_path):
     site = _fake_torch_xla(tmp_path)
     e = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    p = subprocess.run([sys.executable, "-c", PLAIN_CHECK, site], env=e, capture_output=True, text=True, timeout=120)
+    p = warm.run([sys.executable, "-c", PLAIN_CHECK, site], env=e, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert p.stdout.splitlines() == [
         "torch_xla missing: No module named 'torch_xla'",

@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+from tests import warm
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Every graph of these scripts is served by the lowered-program cache, however small (its
@@ -92,7 +94,7 @@ print(json.dumps(dict(counts, Corrupt=met.counter_value("ProgramCacheCorrupt") o
 
 def _run(cache_dir, n=1, script=_SCRIPT, args=(), **env):
     env = dict(os.environ, XLATORCH_CACHE_DIR=str(cache_dir), PYTHONPATH=ROOT, **env)
-    procs = [subprocess.Popen([sys.executable, "-c", script, *map(str, args)], stdout=subprocess.PIPE,
+    procs = [warm.Popen([sys.executable, "-c", script, *map(str, args)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env) for _ in range(n)]  # fmt: skip
     out = []
     for p in procs:

@@ -7,7 +7,6 @@ the metrics API.
 import logging
 import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -17,6 +16,7 @@ import torch.nn.functional as F
 import xlatorch
 import xlatorch.core.xla_model as xm
 import xlatorch.debug.metrics as met
+from tests import warm
 from xlatorch.debug import explain, knob
 from xlatorch.runtime.base import regions
 from xlatorch.runtime.ir.values import Data
@@ -392,7 +392,7 @@ torch.save({"res": res.cpu(), "losses": losses, "state": state, "executions": ex
 
 def test_the_guide_runs_under_torch_xla_names(tmp_path):
     (tmp_path / "guide.py").write_text(GUIDE)
-    p = subprocess.run([sys.executable, "-m", "xlatorch.compat", "guide.py", "guide.out"], cwd=tmp_path,
+    p = warm.run([sys.executable, "-m", "xlatorch.compat", "guide.py", "guide.out"], cwd=tmp_path,
                        capture_output=True, text=True, timeout=300)  # fmt: skip
     assert p.returncode == 0, p.stdout + p.stderr
     out = torch.load(tmp_path / "guide.out", weights_only=False)

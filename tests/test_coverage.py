@@ -1,10 +1,10 @@
 """tools/coverage_report: a program's CPU fallbacks with counts and source lines; static coverage."""
 
-import subprocess
 import sys
 import textwrap
 
 from codegen.gen import ROOT
+from tests import warm
 from tools import coverage_report
 
 
@@ -20,7 +20,7 @@ def test_report_names_op_count_and_line(tmp_path):
         print(float(y.sum()))
         """)
     )
-    r = subprocess.run([sys.executable, "tools/coverage_report", str(script)], cwd=ROOT, capture_output=True,
+    r = warm.run([sys.executable, "tools/coverage_report", str(script)], cwd=ROOT, capture_output=True,
                        text=True, timeout=300)  # fmt: skip
     assert r.returncode == 0, r.stderr
     rows = [line.split() for line in r.stdout.splitlines() if line.startswith("aten::")]

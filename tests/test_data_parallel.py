@@ -14,6 +14,8 @@ import torch
 import torch.nn as nn
 import torch.optim as optim
 
+from tests import warm
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _SCRIPT = r"""
@@ -90,7 +92,7 @@ def _run_on_two_devices(script: str, timeout: float = 300) -> dict:
     that hangs (replicas waiting for each other) fails the test after ``timeout`` seconds."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", PYTHONPATH=ROOT)
     try:
-        r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, env=env,
+        r = warm.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, env=env,
                            timeout=timeout)  # fmt: skip
     except subprocess.TimeoutExpired as e:
         raise AssertionError(f"no result after {timeout:g}s (a hang): {(e.stderr or b'')[-3000:]!r}") from None

@@ -6,7 +6,6 @@ Shapes are unique to each test, so every test's first graph compiles in this pro
 import inspect
 import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -16,6 +15,7 @@ import torch.nn as nn
 import xlatorch.core.xla_model as xm
 import xlatorch.debug as xd
 import xlatorch.debug.metrics as met
+from tests import warm
 from xlatorch.runtime.base import record
 from xlatorch.runtime.ir import values as ir
 from xlatorch.runtime.ir.values import Out
@@ -202,7 +202,7 @@ def test_environment_knob_logs(tmp_path, env, logs):
     script = tmp_path / "prog.py"
     script.write_text(_SCRIPT)
     base = {k: v for k, v in os.environ.items() if k not in ("XLATORCH_DEBUG", "PT_XLA_DEBUG", "PT_XLA_DEBUG_LEVEL")}
-    res = subprocess.run([sys.executable, str(script)], env=dict(base, PYTHONPATH=ROOT, **env), cwd=tmp_path,
+    res = warm.run([sys.executable, str(script)], env=dict(base, PYTHONPATH=ROOT, **env), cwd=tmp_path,
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert res.returncode == 0, res.stderr
     assert ("xlatorch: Compilation Analysis: first compile" in res.stderr) == logs, res.stderr

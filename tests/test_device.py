@@ -271,11 +271,12 @@ def test_a_process_forked_after_the_device_started_refuses_device_work_instead_o
     parent goes on. A child forked before the runtime started uses the device. In a subprocess,
     so that a hang fails this test by its timeout instead of hanging the suite."""
     import os
-    import subprocess
     import sys
 
+    from tests import warm
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-W", "ignore", "-c", _FORKS], env=dict(os.environ, PYTHONPATH=root),
+    r = warm.run([sys.executable, "-W", "ignore", "-c", _FORKS], env=dict(os.environ, PYTHONPATH=root),
                        capture_output=True, text=True, timeout=240)  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     assert r.stdout.splitlines() == [

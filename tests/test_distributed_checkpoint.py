@@ -22,6 +22,7 @@ import torch
 import torch.distributed.checkpoint as dist_cp
 
 import xlatorch.core.xla_model as xm
+from tests import warm
 from xlatorch.experimental import distributed_checkpoint as xc
 from xlatorch.experimental.distributed_checkpoint import (
     CheckedFileSystemReader,
@@ -193,7 +194,7 @@ def spmd4(tmp_path_factory):
                PYTHONPATH=os.pathsep.join([ROOT, TESTS]))  # fmt: skip
     env.pop("XLA_USE_SPMD", None)
     script = f"import test_distributed_checkpoint as t; t._spmd_child({str(out)!r})"
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, env=env,
+    r = warm.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, env=env,
                        timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr[-4000:]
     return torch.load(out / "dcp.pt", weights_only=False)
@@ -448,7 +449,7 @@ def _killed_child(path: str) -> None:
 def test_a_process_killed_while_saving_leaves_the_previous_checkpoint(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, TESTS]))
     script = f"import test_distributed_checkpoint as t; t._killed_child({str(tmp_path)!r})"
-    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    p = warm.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env)
     try:
         assert p.stdout.readline().strip() == "writing"
         assert any(f.endswith(".distcp") for f in os.listdir(tmp_path / ".2.tmp"))

@@ -10,12 +10,12 @@ when xlatorch is imported.
 import glob
 import os
 import re
-import subprocess
 import sys
 import textwrap
 
 import pytest
 
+from tests import warm
 from xlatorch.runtime.base import config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,7 +38,7 @@ _OURS = re.compile(r"(XLATORCH|XLA|PJRT|LTC|PT_XLA)_|CPU_NUM_DEVICES$")
 def _run(code: str, **env):
     e = {k: v for k, v in os.environ.items() if not _OURS.match(k) or k in ("XLA_FLAGS", "XLATORCH_CACHE_DIR")}
     e.update(env, PYTHONPATH=ROOT)
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=e, capture_output=True, text=True,
+    return warm.run([sys.executable, "-c", textwrap.dedent(code)], env=e, capture_output=True, text=True,
                           timeout=300)  # fmt: skip
 
 

@@ -1,7 +1,6 @@
 """Errors keep their cause and never take unrelated work (or the process) down with them."""
 
 import os
-import subprocess
 import sys
 import textwrap
 import threading
@@ -11,6 +10,7 @@ import torch
 from xlatorch._generated import dispatch as table
 
 import xlatorch.core.xla_model as xm
+from tests import warm
 from xlatorch.runtime.ir.failed import FailedValueError
 from xlatorch.runtime.trace import dispatch as D
 from xlatorch.runtime.trace import tensor as T
@@ -161,7 +161,7 @@ def test_ctrl_c_in_a_hook_of_a_device_backward_pass_waits_for_the_pass(tmp_path)
     script = tmp_path / "hook.py"
     script.write_text(_CTRL_C_IN_A_HOOK)
     env = dict(os.environ, PYTHONPATH=ROOT)
-    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    r = warm.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert "INTERRUPTED True" in r.stdout, r.stdout
 
@@ -223,7 +223,7 @@ def test_an_exception_in_the_users_code_in_a_backward_pass_is_raised_by_backward
     script = tmp_path / "user_code.py"
     script.write_text(_USER_CODE_RAISES_IN_BACKWARD)
     env = dict(os.environ, PYTHONPATH=ROOT)
-    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    r = warm.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert "HOOK division by zero" in r.stdout and "FUNCTION bad backward" in r.stdout, r.stdout
     assert "MODULE 'module hook'" in r.stdout, r.stdout
@@ -313,7 +313,7 @@ def test_a_backward_pass_whose_user_code_raises_leaves_the_gradients_as_cpu_does
     script = tmp_path / "failed_pass.py"
     script.write_text(_GRADIENTS_AFTER_A_FAILED_PASS)
     env = dict(os.environ, PYTHONPATH=ROOT)
-    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    r = warm.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     lines = r.stdout.strip().splitlines()
     assert lines == [f"{w} SAME" for w in ("leaf hook", "good pass", "intermediate hook", "node prehook", "node hook",

@@ -10,7 +10,6 @@ import functools
 import gc
 import math
 import os
-import subprocess
 import sys
 import weakref
 
@@ -21,6 +20,7 @@ import torch.nn as nn
 
 import xlatorch.core.xla_model as xm
 import xlatorch.distributed.xla_multiprocessing as xmp
+from tests import warm
 from xlatorch.distributed.fsdp import (
     FullyShardedDataParallel,
     XlaFullyShardedDataParallel,
@@ -113,7 +113,7 @@ def test_checkpoint_consolidation_command_line(trained, tmp_path):
     cmd = [sys.executable, "-m", "xlatorch.compat", "-m", "torch_xla.distributed.fsdp.consolidate_sharded_ckpts",
            "--ckpt_prefix", str(out / "root_ckpt"), "--ckpt_suffix", "_rank-*-of-*.pth",
            "--save_path", str(path)]  # fmt: skip
-    p = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": root}, capture_output=True, text=True, timeout=300)
+    p = warm.run(cmd, env={**os.environ, "PYTHONPATH": root}, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     model = W.Net()
     model.load_state_dict(torch.load(path)["model"])

@@ -4,7 +4,6 @@ and the lazy path, whose staged steps donate the KV cache they update in place. 
 timings."""
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 
 import xlatorch.core.xla_model as xm
 import xlatorch.debug.metrics as met
+from tests import warm
 
 tf = pytest.importorskip("transformers")
 V = 128
@@ -86,7 +86,7 @@ def test_lazy_static_cache_generate_runs_in_stages_donates_its_cache_and_gives_c
     embedding's token ids, the cache's positions) are decided on the host from what the host
     stages made, so it donates the static KV cache it updates in place at every token."""
     env = dict(os.environ, XLATORCH_CHECKS=checks, XLATORCH_CACHE_DIR="", PYTHONPATH=ROOT)
-    out = subprocess.run([sys.executable, "-c", _LAZY], cwd=ROOT, env=env, capture_output=True, text=True)
+    out = warm.run([sys.executable, "-c", _LAZY], cwd=ROOT, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     staged, donated = map(int, out.stdout.split()[-2:])
     assert staged > 0 and donated == staged

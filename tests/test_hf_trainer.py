@@ -16,6 +16,8 @@ import sys
 import pytest
 import torch
 
+from tests import warm
+
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
@@ -66,7 +68,7 @@ def _start(tmp_path, name, runner):
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
     cmd = [sys.executable, *(["-m", "xlatorch.compat"] if runner else []), str(script), str(tmp_path / name)]
-    return subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    return warm.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})  # fmt: skip
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import os
-import subprocess
 import sys
 
 import pytest
@@ -22,6 +21,7 @@ from torch._higher_order_ops.while_loop import while_loop
 
 import xlatorch
 import xlatorch.debug.metrics as met
+from tests import warm
 from xlatorch.debug.dump import hlo_text
 from xlatorch.experimental.assume_pure import assume_pure
 from xlatorch.experimental.fori_loop import fori_loop
@@ -400,7 +400,7 @@ print(final.tolist(), ys.tolist())
 def test_torch_xla_guide_programs_run_through_the_compat_runner(tmp_path):
     (tmp_path / "guide.py").write_text(GUIDE)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    res = subprocess.run([sys.executable, "-m", "xlatorch.compat", "guide.py"], cwd=tmp_path, env=env,
+    res = warm.run([sys.executable, "-m", "xlatorch.compat", "guide.py"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.strip().splitlines()[-1] == "[9.0, 12.0] [[1.0, 2.0], [4.0, 6.0], [9.0, 12.0]]"

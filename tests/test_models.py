@@ -123,8 +123,9 @@ def test_a_backward_before_import_xlatorch_does_not_stop_device_backward_passes(
     # ops alike, so both work; a pass that would still need autograd's device queue gets an
     # error that says what to do (below).
     import os
-    import subprocess
     import sys
+
+    from tests import warm
 
     code = (
         "import torch\n"
@@ -137,7 +138,7 @@ def test_a_backward_before_import_xlatorch_does_not_stop_device_backward_passes(
         "print('GRAD', x.grad.cpu().tolist())\n"
     )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+    r = warm.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, PYTHONPATH=root))  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split() == ["GRAD", "[2.0,", "2.0]", "GRAD", "[5.0,", "5.0]"], r.stdout

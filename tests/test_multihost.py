@@ -16,6 +16,8 @@ import test_distributed_checkpoint
 import test_spmd
 import torch
 
+from tests import warm
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
 
@@ -39,7 +41,7 @@ def _run_hosts(target: str, args=(), per_host: int = 1, env=None, timeout: float
         e = dict(os.environ, XLATORCH_NUM_HOSTS="2", XLATORCH_HOST_INDEX=str(host),
                  XLATORCH_COORDINATOR=f"127.0.0.1:{port}", PYTHONPATH=os.pathsep.join([ROOT, TESTS]),
                  **(env or {}))  # fmt: skip
-        procs.append(subprocess.Popen([sys.executable, "-c", code], env=e, cwd=ROOT, text=True,
+        procs.append(warm.Popen([sys.executable, "-c", code], env=e, cwd=ROOT, text=True,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))  # fmt: skip
     out = []
     for p in procs:

@@ -10,7 +10,6 @@ import functools
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
@@ -124,7 +123,9 @@ def _run(mode: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in MODE_VARS}
     env.update(MODES[mode][0])
     args = [sys.executable, os.path.abspath(__file__)] + (["--train"] if mode in TRAIN_MODES else [])
-    res = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+    from tests import warm  # not at the top: this file runs as a script, where tests/ is not a package
+
+    res = warm.run(args, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
 

@@ -7,7 +7,6 @@ import gzip
 import json
 import os
 import socket
-import subprocess
 import sys
 import textwrap
 
@@ -17,6 +16,7 @@ import torch
 import xlatorch.core.xla_model as xm
 import xlatorch.debug.metrics as met
 import xlatorch.debug.profiler as xp
+from tests import warm
 
 
 def _model(width):
@@ -146,7 +146,7 @@ def test_environment_one_liner(tmp_path):
         print(x.sum().item())
     """)
     env = dict(os.environ, XLATORCH_PROFILE=str(tmp_path), XLATORCH_PROFILE_STEPS="0:2")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    out = warm.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "128.0"
     (run,) = glob.glob(str(tmp_path / "plugins" / "profile" / "*"))

@@ -1,7 +1,6 @@
 """Random numbers on the device: in the graph, reproducible from a seed, fresh each step."""
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -9,6 +8,7 @@ import torch
 
 import xlatorch.core.xla_model as xm
 import xlatorch.debug.metrics as met
+from tests import warm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -87,7 +87,7 @@ print(repr([a.tolist(), b.tolist(), c.tolist(), d.tolist(), e.tolist()]))
 
 
 def test_seed_reproduces_in_a_fresh_process():
-    runs = [subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    runs = [warm.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, cwd=ROOT, timeout=120)
             for _ in range(2)]  # fmt: skip
     for r in runs:
         assert r.returncode == 0, r.stderr

@@ -7,7 +7,6 @@ through ``xmp.spawn``. References are CPU eager PyTorch, computed here.
 """
 
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -18,6 +17,7 @@ import torch
 import xlatorch.core.xla_model as xm
 import xlatorch.distributed.spmd as xs
 import xlatorch.distributed.xla_multiprocessing as xmp
+from tests import warm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
@@ -158,7 +158,7 @@ def test_xla_use_spmd_in_the_environment_runs_spmd_from_the_first_use():
         "      (torch.ones(3).to('xla') * 2).sum().item())"
     )
     env = dict(os.environ, XLA_USE_SPMD="1", CPU_NUM_DEVICES="4", PYTHONPATH=ROOT)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    r = warm.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split() == ["True", "4", "xla:0", "6.0"]
 

@@ -17,6 +17,7 @@ from jax._src.lib.mlir import ir
 import xlatorch
 import xlatorch.core.xla_model as xm
 import xlatorch.debug.metrics as met
+from tests import warm
 from xlatorch.stablehlo import (
     InputLocation,
     StableHLOExportOptions,
@@ -146,7 +147,7 @@ def test_saved_programs_load_and_run_in_a_fresh_process(tmp_path):
         torch.save((torch.utils._pytree.treespec_dumps(spec), leaves), tmp_path / f"in{i}.pt")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
     for i in expected:
-        subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path / f"m{i}"), str(tmp_path / f"in{i}.pt"),
+        warm.run([sys.executable, "-c", _CHILD, str(tmp_path / f"m{i}"), str(tmp_path / f"in{i}.pt"),
                         str(tmp_path / f"out{i}.pt")], check=True, env=env, timeout=300)  # fmt: skip
         torch.testing.assert_close(torch.load(tmp_path / f"out{i}.pt"), expected[i])
 

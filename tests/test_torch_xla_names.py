@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 
@@ -12,6 +11,7 @@ import torch
 
 import xlatorch.core.xla_model as xm
 import xlatorch.debug.metrics as met
+from tests import warm
 from xlatorch import backends
 from xlatorch import runtime as xr
 from xlatorch.compat import xlac
@@ -102,7 +102,7 @@ def test_initialize_cache_writes_to_the_path_unless_readonly(tmp_path, readonly)
             "a = torch.ones(3, device=xm.xla_device()); print((a * 2 + 1).cpu().tolist())\n"
             "try:\n    xr.initialize_cache('/nonexistent/x')\nexcept RuntimeError:\n    print('late')\n")  # fmt: skip
     env = dict(os.environ, PYTHONPATH=ROOT)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    out = warm.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "[3.0, 3.0, 3.0]" in out.stdout and "late" in out.stdout
     assert bool(os.listdir(tmp_path)) is not readonly
@@ -544,7 +544,7 @@ def test_collective_permute_between_data_parallel_threads():
     import json
 
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", PYTHONPATH=ROOT)
-    r = subprocess.run([sys.executable, "-c", _DP_PERMUTE], capture_output=True, text=True, cwd=ROOT, env=env,
+    r = warm.run([sys.executable, "-c", _DP_PERMUTE], capture_output=True, text=True, cwd=ROOT, env=env,
                        timeout=300)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     (r0, swap0, one0, err0), (r1, swap1, one1, err1) = json.loads(r.stdout.strip().splitlines()[-1])
