@@ -118,14 +118,17 @@ class Popen(subprocess.Popen):
 
 
 def _command(args):
-    """``(warnings, mode, target, argv)`` of ``[sys.executable, *options, -c/-m/path, ...]``, or
-    None for a command the server cannot run."""
+    """``(warnings, mode, target, argv, orig_argv)`` of ``[sys.executable, *options, -c/-m/path,
+    ...]``, or None for a command the server cannot run."""
     if isinstance(args, (str, bytes)) or not args or os.fspath(args[0]) != sys.executable:
         return None
     rest = [os.fspath(a) for a in args[1:]]
     warnings = []
-    while rest and rest[0].startswith("-W"):
-        if rest[0] == "-W":
+    same = set(subprocess._args_from_interpreter_flags()) - {"-W"}  # options this Python already has (-B)
+    while rest and (rest[0].startswith("-W") or rest[0] in same):
+        if rest[0] in same:
+            rest = rest[1:]
+        elif rest[0] == "-W":
             if len(rest) < 2:
                 return None
             warnings.append(rest[1])
@@ -138,8 +141,8 @@ def _command(args):
     if rest[0] in ("-c", "-m"):
         if len(rest) < 2:
             return None
-        return warnings, rest[0], rest[1], [rest[0], *rest[2:]]
-    return warnings, "path", rest[0], rest
+        return warnings, rest[0], rest[1], [rest[0], *rest[2:]], [sys.executable, *map(os.fspath, args[1:])]
+    return warnings, "path", rest[0], rest, [sys.executable, *map(os.fspath, args[1:])]
 
 
 class _Server:
@@ -188,8 +191,11 @@ def _serve(path):
     import importlib
     import selectors
 
+    start_env = dict(os.environ)
     for name in _PRELOAD:
         importlib.import_module(name)
+    # What the imports put in the environment (TF_CPP_MIN_LOG_LEVEL ...), as they would in a child.
+    added = {k: v for k, v in os.environ.items() if k not in start_env}
     base = sys.path[1:]  # the interpreter's own path, without this file's folder
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
@@ -220,7 +226,7 @@ def _serve(path):
                     sel.close()
                     listener.close()
                     conn.close()
-                    _child(json.loads(msg), fds, base)  # never returns
+                    _child(json.loads(msg), fds, base, {**start_env, **added}, added)  # never returns
                 for fd in fds:
                     os.close(fd)
                 conn.sendall(b"%d\n" % pid)
@@ -237,56 +243,47 @@ def _serve(path):
                 conn.close()
 
 
-def _child(request, fds, base):
+class _Exec(BaseException):
+    """``os.execve`` of this Python in a child: unwinds the program, which ``_child`` replaces."""
+
+    def __init__(self, command, env):
+        self.command, self.env = command, env
+
+
+def _child(request, fds, base, server_env, added):
     """Become the fresh interpreter the request names, run it, and end as it would."""
     import atexit
-    import random
-    import runpy
     import signal
-    import types
     import warnings
 
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
-    code = 0
-    try:
-        os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(request["env"])
-        warnings_opts, mode, target, argv = request["command"]
-        sys.argv = argv
-        first = "" if mode == "-c" else (os.getcwd() if mode == "-m" else os.path.dirname(os.path.abspath(target)))
-        extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-        sys.path[:] = [first, *[os.path.abspath(p) for p in extra], *base]
-        sys.warnoptions[:] = warnings_opts
-        warnings._processoptions(warnings_opts)
-        random.seed()
-        if "numpy" in sys.modules:
-            sys.modules["numpy"].random.seed()
-        tempfile.tempdir = None
-        if "multiprocessing.process" in sys.modules:
-            mp = sys.modules["multiprocessing.process"]
-            mp.ORIGINAL_DIR = os.getcwd()
-            mp.current_process().authkey = os.urandom(32)
-        main = types.ModuleType("__main__")
-        main.__dict__.update(__builtins__=sys.modules["builtins"], __spec__=None, __package__=None)
-        sys.modules["__main__"] = main
-        if mode == "-c":
-            exec(compile(target, "<string>", "exec", dont_inherit=True), main.__dict__)
-        elif mode == "-m":
-            runpy._run_module_as_main(target)
-        else:
-            main.__file__ = target
-            with open(target, "rb") as f:
-                source = f.read()
-            exec(compile(source, target, "exec", dont_inherit=True), main.__dict__)
-    except SystemExit as e:
-        code = e.code
-    except BaseException as e:
-        e.__traceback__ = e.__traceback__.tb_next  # the traceback starts at the program's frames
-        sys.excepthook(type(e), e, e.__traceback__)
-        code = -signal.SIGINT if isinstance(e, KeyboardInterrupt) else 1
+    modules, execve = set(sys.modules), os.execve
+    filters = list(warnings.filters)  # as torch's and JAX's imports left them
+
+    def exec_here(path, args, env):
+        """``os.execve``: of this Python, for a command a fresh child could run, in place (as the
+        ``xlatorch.compat`` runner does): the modules imported since the fork are dropped."""
+        command = _command(args) if os.fspath(path) == sys.executable else None
+        keys = {k for k in set(env) | set(server_env) if _AT_START.match(k)}
+        if command is None or any(env.get(k) != server_env.get(k) for k in keys):
+            execve(path, args, env)
+        raise _Exec(command, dict(env))
+
+    os.execve = exec_here
+    os.chdir(request["cwd"])
+    command, env = request["command"], request["env"]
+    while True:
+        try:
+            code = _run_as_main(command, {**added, **env}, base, filters)
+            break
+        except _Exec as e:
+            for stream in (sys.stdout, sys.stderr):
+                stream.flush()
+            for name in set(sys.modules) - modules:
+                del sys.modules[name]
+            command, env = e.command, e.env
     try:
         threading._shutdown()
         atexit._run_exitfuncs()
@@ -306,6 +303,58 @@ def _child(request, fds, base):
             sys.stderr.flush()
             code = 1
         os._exit(code & 0xFF)
+
+
+def _run_as_main(command, env, base, filters):
+    """Run ``command`` as a fresh ``python`` in this process's directory; its exit code (or the
+    ``SystemExit`` argument, or ``-SIGINT``). Raises ``_Exec`` when the program execs Python."""
+    import random
+    import runpy
+    import signal
+    import types
+    import warnings
+
+    try:
+        os.environ.clear()
+        os.environ.update(env)
+        warnings_opts, mode, target, argv, sys.orig_argv = command
+        sys.argv = list(argv)
+        first = "" if mode == "-c" else (os.getcwd() if mode == "-m" else os.path.dirname(os.path.abspath(target)))
+        extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        sys.path[:] = [first, *[os.path.abspath(p) for p in extra], *base]
+        warnings.filters[:] = filters
+        warnings._filters_mutated()
+        sys.warnoptions[:] = warnings_opts
+        warnings._processoptions(warnings_opts)
+        random.seed()
+        if "numpy" in sys.modules:
+            sys.modules["numpy"].random.seed()
+        tempfile.tempdir = None
+        if "multiprocessing.process" in sys.modules:
+            mp = sys.modules["multiprocessing.process"]
+            mp.ORIGINAL_DIR = os.getcwd()
+            mp.current_process().authkey = os.urandom(32)
+        main = types.ModuleType("__main__")
+        main.__dict__.update(__builtins__=sys.modules["builtins"], __spec__=None, __package__=None)
+        sys.modules["__main__"] = main
+        if mode == "-c":
+            exec(compile(target, "<string>", "exec", dont_inherit=True), main.__dict__)
+        elif mode == "-m":
+            runpy._run_module_as_main(target)
+        else:
+            main.__file__ = path = os.path.abspath(target)  # absolute, as Python 3.9+ makes it
+            with open(path, "rb") as f:
+                source = f.read()
+            exec(compile(source, path, "exec", dont_inherit=True), main.__dict__)
+    except _Exec:
+        raise
+    except SystemExit as e:
+        return e.code
+    except BaseException as e:
+        e.__traceback__ = e.__traceback__.tb_next  # the traceback starts at the program's frames
+        sys.excepthook(type(e), e, e.__traceback__)
+        return -signal.SIGINT if isinstance(e, KeyboardInterrupt) else 1
+    return 0
 
 
 if __name__ == "__main__":
