@@ -2,21 +2,25 @@
 are ``subprocess.run`` and ``subprocess.Popen`` for ``[sys.executable, ...]`` commands.
 
 A test that starts ``python -c CODE`` (or ``-m MODULE``, or ``SCRIPT``) pays the interpreter's
-imports of torch, Dynamo and JAX before its first line: 5-8 s on a 2-core machine, a third of
-the suite's time. Here a server process (one per test process, started at the first call) has
-imported them once, without starting any backend, and forks a child per command; the child
-sets up what a fresh interpreter would have (standard streams, working directory,
-environment, ``sys.argv``, ``sys.path`` from ``PYTHONPATH``, a new ``__main__``, fresh random
-seeds), runs the command as Python runs it, and ends as Python ends (non-daemon threads
-joined, ``atexit`` handlers run, streams flushed, the exit status of ``SystemExit``, 1 after an
-uncaught exception, killed by SIGINT after an uncaught ``KeyboardInterrupt``).
+imports of torch, Dynamo and JAX before its first line: 5-8 s on a 2-core machine. Here a
+server process (one per test process, started at the first call) has imported them once,
+without starting any backend, and forks a child per command; the child sets up what a fresh
+interpreter would have (standard streams, working directory, environment and what the imports
+add to it, ``sys.argv`` and ``sys.orig_argv``, ``sys.path`` from ``PYTHONPATH``, a new
+``__main__``, warnings filters, fresh random seeds), runs the command as Python runs it, and
+ends as Python ends (non-daemon threads joined, ``atexit`` handlers run, streams flushed, the
+status of ``SystemExit``, 1 after an uncaught exception, killed by SIGINT after an uncaught
+``KeyboardInterrupt``). A child that execs this Python again (the ``xlatorch.compat`` runner)
+runs the new command in place, with the modules it imported since the fork dropped.
+``tests/test_warm.py`` compares such children with fresh interpreters.
 
 A command the warm parent cannot stand for starts a real interpreter (``subprocess``):
-another executable, a shell, options other than ``-W``, ``preexec_fn``, a new session or
-process group, or an environment whose import-time variables differ from the server's
-(``PYTHONHASHSEED`` and the rest of ``PYTHON*``, ``JAX_*``, ``TORCH*``, thread-count and
-allocator variables: torch, JAX and Python read them as they start). Tests of what happens
-as an interpreter ends or is interrupted use ``subprocess`` itself.
+another executable, a shell, interpreter options other than ``-W`` and those the server has
+already (``-B``), ``preexec_fn``, a new session or process group, or an environment whose
+import-time variables differ from the server's (``PYTHONHASHSEED`` and the rest of
+``PYTHON*``, ``JAX_*``, ``TORCH*``, thread-count and allocator variables: Python, torch and
+JAX read them as they start). Where a test is about the interpreter itself (how it ends, a
+signal, a program with no file frame below it) it uses ``subprocess``.
 """
 
 import json
