@@ -23,9 +23,11 @@ JAX read them as they start). Where a test is about the interpreter itself (how 
 signal, a program with no file frame below it) it uses ``subprocess``.
 """
 
+import atexit
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -68,18 +70,20 @@ class Popen(subprocess.Popen):
         plain = plain and umask < 0 and (process_group is None or process_group < 0)
         command = _command(args) if plain else None
         server = _Server.get() if command is not None else None
-        if server is None or not server.stands_for(env):
-            return super()._execute_child(args, executable, preexec_fn, close_fds, pass_fds, cwd, env,
-                                          startupinfo, creationflags, shell, p2cread, p2cwrite, c2pread,
-                                          c2pwrite, errread, errwrite, restore_signals, gid, gids, uid, umask,
-                                          start_new_session, process_group)  # fmt: skip
-        fds = [p2cread if p2cread != -1 else 0, c2pwrite if c2pwrite != -1 else 1, errwrite if errwrite != -1 else 2]
-        request = {"command": command, "cwd": os.fspath(cwd or os.getcwd()), "env": env}
-        self._conn = server.fork(request, fds)
-        self._reply = b""
-        self.pid = int(self._line())
-        self._child_created = True
-        self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
+        if server is not None and server.stands_for(env):
+            fds = [mine if mine != -1 else std for mine, std in ((p2cread, 0), (c2pwrite, 1), (errwrite, 2))]
+            request = {"command": command, "cwd": os.fspath(cwd or os.getcwd()), "env": env}
+            try:
+                self._conn, self._reply = server.fork(request, fds), b""
+                self.pid = int(self._line())
+                self._child_created = True
+                self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
+                return
+            except (OSError, ChildProcessError):  # the server is gone (killed?): real interpreters from now on
+                server.proc = self._conn = None
+        super()._execute_child(args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
+                               creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite,
+                               restore_signals, gid, gids, uid, umask, start_new_session, process_group)  # fmt: skip
 
     def _line(self, block=True):
         """The server's next line (the pid, then the wait status), or None if not yet there."""
@@ -165,7 +169,9 @@ class _Server:
     def __init__(self):
         self.pid = os.getpid()
         self.env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        self.path = os.path.join(tempfile.mkdtemp(prefix="xlatorch-warm-"), "server")
+        folder = tempfile.mkdtemp(prefix="xlatorch-warm-")
+        atexit.register(shutil.rmtree, folder, True)
+        self.path = os.path.join(folder, "server")
         try:
             self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), self.path], env=self.env,
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
