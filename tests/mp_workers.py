@@ -21,6 +21,18 @@ def _dump(out, obj):
     torch.save(obj, os.path.join(out, f"rank{xr.global_ordinal()}.pt"))
 
 
+def parts(index, out, jobs):
+    """Several of these workers in one job, one after another (``jobs``: ``(name, args)``), each
+    from cleared counters into its own folder ``<out>/<name>``: one job's two fresh interpreters
+    (5-6 s of imports each) for several tests."""
+    for name, args in jobs:
+        xm.mark_step()
+        met.clear_all()
+        sub = os.path.join(out, name)
+        os.makedirs(sub, exist_ok=True)
+        globals()[name](index, sub, *args)
+
+
 def compiled_collectives(index, out):
     """torch_xla's test_mp_replication: xm's collectives inside torch.compile'd functions."""
     d = xm.xla_device()

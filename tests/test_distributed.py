@@ -26,9 +26,24 @@ def _load(out, n=N):
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(n)]
 
 
-def test_collectives_match_numpy(tmp_path):
-    xmp.spawn(mp_workers.collectives, args=(str(tmp_path),), nprocs=N)
-    assert_collectives_match_numpy(_load(tmp_path))
+STEPS, PER = 4, 6  # data_parallel's
+BN_STEPS, BN_PER = 3, 4  # sync_batch_norm's
+DDP_STEPS, DDP_PER = 6, 6
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """One job of N workers running the workers of five tests below, one after another (each
+    from cleared counters, into its own folder): one start of N interpreters, not five."""
+    out = tmp_path_factory.mktemp("job")
+    parts = [("collectives", ()), ("data_parallel", (STEPS, PER)), ("sync_batch_norm", (BN_STEPS, BN_PER)),
+             ("dist_api", ()), ("ddp", (DDP_STEPS, DDP_PER))]  # fmt: skip
+    xmp.spawn(mp_workers.parts, args=(str(out), parts), nprocs=N)
+    return out
+
+
+def test_collectives_match_numpy(job):
+    assert_collectives_match_numpy(_load(job / "collectives"))
 
 
 def assert_collectives_match_numpy(res):
@@ -63,13 +78,11 @@ def assert_collectives_match_numpy(res):
         assert got["mesh_reduce"].item() == sum(range(1, N + 1))
 
 
-def test_data_parallel_equals_one_process_on_the_whole_batch(tmp_path):
-    steps, per = 4, 6
-    xmp.spawn(mp_workers.data_parallel, args=(str(tmp_path), steps, per), nprocs=N)
-    res = _load(tmp_path)
-    _assert_equals_one_process(res, steps, per)
+def test_data_parallel_equals_one_process_on_the_whole_batch(job):
+    res = _load(job / "data_parallel")
+    _assert_equals_one_process(res, STEPS, PER)
     for r in res:
-        assert r["all_reduce"] == steps and r["compiles"] <= 2
+        assert r["all_reduce"] == STEPS and r["compiles"] <= 2
 
 
 def _assert_equals_one_process(res, steps, per):
@@ -88,10 +101,9 @@ def _assert_equals_one_process(res, steps, per):
         torch.testing.assert_close(res[0]["params"][k], v, rtol=1e-5, atol=1e-6)
 
 
-def test_sync_batch_norm_and_autograd_collectives(tmp_path):
-    steps, per = 3, 4
-    xmp.spawn(mp_workers.sync_batch_norm, args=(str(tmp_path), steps, per), nprocs=N)
-    res = _load(tmp_path)
+def test_sync_batch_norm_and_autograd_collectives(job):
+    steps, per = BN_STEPS, BN_PER
+    res = _load(job / "sync_batch_norm")
     # One process, plain BatchNorm on the whole batch.
     torch.manual_seed(0)
     model = mp_workers.BNNet(torch.nn.BatchNorm2d)
@@ -125,9 +137,8 @@ def test_sync_batch_norm_and_autograd_collectives(tmp_path):
         torch.testing.assert_close(got["buckets"][1], full[1][r : r + 1])
 
 
-def test_torch_distributed_on_the_xla_backend(tmp_path):
-    xmp.spawn(mp_workers.dist_api, args=(str(tmp_path),), nprocs=N)
-    res = _load(tmp_path)
+def test_torch_distributed_on_the_xla_backend(job):
+    res = _load(job / "dist_api")
     ts = [torch.arange(3.0) + 10 * q for q in range(N)]
     for r, got in enumerate(res):
         out, err = got["res"], got["errors"]
@@ -149,12 +160,8 @@ def test_torch_distributed_on_the_xla_backend(tmp_path):
         assert set(err) == {"bad_ranks", "send", "gather"} | ({"subgroup"} if r == 0 else set()), err
 
 
-DDP_STEPS, DDP_PER = 6, 6
-
-
-def test_ddp_with_the_xla_backend(tmp_path):
-    xmp.spawn(mp_workers.ddp, args=(str(tmp_path), DDP_STEPS, DDP_PER), nprocs=N)
-    assert_ddp_equals_one_process(_load(tmp_path))
+def test_ddp_with_the_xla_backend(job):
+    assert_ddp_equals_one_process(_load(job / "ddp"))
 
 
 def assert_ddp_equals_one_process(res):
