@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import spmd_programs  # noqa: F401 (the workers' module must import in the hosts)
 import test_distributed
 import test_distributed_checkpoint
@@ -60,15 +61,21 @@ def _ok(hosts) -> None:
         assert rc == 0, f"host {h}: {err[-3000:]}"
 
 
-def test_collectives_over_two_hosts(tmp_path):
-    _ok(_run_hosts("mp_workers.collectives", (str(tmp_path),)))
-    test_distributed.assert_collectives_match_numpy(test_distributed._load(tmp_path))
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """Collectives, then DDP, as parts of one two-host job (``mp_workers.parts``)."""
+    out = tmp_path_factory.mktemp("hosts")
+    parts = [("collectives", ()), ("ddp", (test_distributed.DDP_STEPS, test_distributed.DDP_PER))]
+    _ok(_run_hosts("mp_workers.parts", (str(out), parts)))
+    return out
 
 
-def test_ddp_over_two_hosts(tmp_path):
-    args = (str(tmp_path), test_distributed.DDP_STEPS, test_distributed.DDP_PER)
-    _ok(_run_hosts("mp_workers.ddp", args))
-    test_distributed.assert_ddp_equals_one_process(test_distributed._load(tmp_path))
+def test_collectives_over_two_hosts(job):
+    test_distributed.assert_collectives_match_numpy(test_distributed._load(job / "collectives"))
+
+
+def test_ddp_over_two_hosts(job):
+    test_distributed.assert_ddp_equals_one_process(test_distributed._load(job / "ddp"))
 
 
 def test_spmd_training_and_checkpoint_over_two_hosts_of_four_devices(tmp_path):
