@@ -212,7 +212,7 @@ def run_in_child(module: str, out, result: str, devices: int = 8):
     env = dict(os.environ, CPU_NUM_DEVICES=str(devices), PYTHONPATH=os.pathsep.join([root, tests]))
     script = f"import {module}; {module}.main({str(out)!r})"
     r = warm.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=root, env=env,
-                       timeout=600)  # fmt: skip
+                 timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr[-4000:]
     return torch.load(os.path.join(out, result), weights_only=False)
 

@@ -136,15 +136,15 @@ def test_the_command_line_prints_the_findings_and_exits_1(tmp_path):
     env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
     target = os.path.join(HERE, "check_models.py")
     p = warm.run([sys.executable, "-m", "xlatorch.check", f"{target}:with_fallback"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)  # fmt: skip
+                 capture_output=True, text=True, timeout=300)  # fmt: skip
     assert p.returncode == 1, p.stderr
     assert "aten::_unique2" in p.stdout and "check_models.py:" in p.stdout
     p = warm.run([sys.executable, os.path.join(ROOT, "tools", "coverage_report"), "--static", "check_models:mlp"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+                 cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert p.returncode == 0, p.stdout + p.stderr
     assert "No CPU fallbacks" in p.stdout
     p = warm.run([sys.executable, "-m", "xlatorch.check", "no_such_module:f"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)  # fmt: skip
+                 capture_output=True, text=True, timeout=300)  # fmt: skip
     assert p.returncode == 2 and "no_such_module" in p.stderr
 
 

@@ -54,7 +54,7 @@ def test_check_fails_when_stale(tmp_path):
     out = tmp_path / "gen"
     out.mkdir()
     r = warm.run([sys.executable, "tools/gen_ops.py", "--check", "--out", str(out)], cwd=ROOT,
-                       capture_output=True, text=True)  # fmt: skip
+                 capture_output=True, text=True)  # fmt: skip
     assert r.returncode == 1 and "stale" in r.stderr
 
 
@@ -62,7 +62,7 @@ def test_cli_reports_bad_entry(tmp_path):
     bad = tmp_path / "ops.yaml"
     bad.write_text("add.Tensor: self + bogus\n")
     r = warm.run([sys.executable, "tools/gen_ops.py", "--ops", str(bad), "--out", str(tmp_path)], cwd=ROOT,
-                       capture_output=True, text=True)  # fmt: skip
+                 capture_output=True, text=True)  # fmt: skip
     assert r.returncode == 2 and "add.Tensor" in r.stderr and "bogus" in r.stderr
 
 

@@ -226,7 +226,7 @@ def test_the_environment_switch_logs_the_culprit_at_each_step(tmp_path, on):
     base = {k: v for k, v in os.environ.items() if k not in ("XLATORCH_DEBUG", "PT_XLA_DEBUG", "XLATORCH_COMPARE")}
     env = dict(base, PYTHONPATH=ROOT, XLATORCH_COMPARE="1" if on else "0")
     res = warm.run([sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True, text=True,
-                         timeout=300)  # fmt: skip
+                   timeout=300)  # fmt: skip
     assert res.returncode == 0, res.stderr
     assert "changed True" in res.stdout
     assert (res.stderr.count("first divergence: ") == 2) == on, res.stderr

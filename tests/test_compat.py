@@ -35,7 +35,7 @@ def _run(tmp_path, name, text, *args, env=None, status=0):
     e = {k: v for k, v in os.environ.items() if k not in PRECISION_VARS}
     e.update(env or {})
     with warm.Popen([sys.executable, "-m", "xlatorch.compat", f"{name}.py", f"{name}.out", *args], cwd=tmp_path,
-                          env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:  # fmt: skip
+                    env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:  # fmt: skip
         stdout, stderr = proc.communicate(timeout=300)
     p = SimpleNamespace(pid=proc.pid, returncode=proc.returncode, stdout=stdout, stderr=stderr)
     assert p.returncode == status, f"exit status {p.returncode}\n{p.stdout}\n{p.stderr}"

@@ -95,7 +95,7 @@ print(json.dumps(dict(counts, Corrupt=met.counter_value("ProgramCacheCorrupt") o
 def _run(cache_dir, n=1, script=_SCRIPT, args=(), **env):
     env = dict(os.environ, XLATORCH_CACHE_DIR=str(cache_dir), PYTHONPATH=ROOT, **env)
     procs = [warm.Popen([sys.executable, "-c", script, *map(str, args)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env) for _ in range(n)]  # fmt: skip
+                        stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env) for _ in range(n)]  # fmt: skip
     out = []
     for p in procs:
         stdout, stderr = p.communicate(timeout=300)

@@ -393,7 +393,7 @@ torch.save({"res": res.cpu(), "losses": losses, "state": state, "executions": ex
 def test_the_guide_runs_under_torch_xla_names(tmp_path):
     (tmp_path / "guide.py").write_text(GUIDE)
     p = warm.run([sys.executable, "-m", "xlatorch.compat", "guide.py", "guide.out"], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=300)  # fmt: skip
+                 capture_output=True, text=True, timeout=300)  # fmt: skip
     assert p.returncode == 0, p.stdout + p.stderr
     out = torch.load(tmp_path / "guide.out", weights_only=False)
     torch.manual_seed(0)

@@ -21,7 +21,7 @@ def test_report_names_op_count_and_line(tmp_path):
         """)
     )
     r = warm.run([sys.executable, "tools/coverage_report", str(script)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=300)  # fmt: skip
+                 text=True, timeout=300)  # fmt: skip
     assert r.returncode == 0, r.stderr
     rows = [line.split() for line in r.stdout.splitlines() if line.startswith("aten::")]
     assert rows == [["aten::special_bessel_j0", "3", f"{script}:5", "missing"]], r.stdout

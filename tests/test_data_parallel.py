@@ -93,7 +93,7 @@ def _run_on_two_devices(script: str, timeout: float = 300) -> dict:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", PYTHONPATH=ROOT)
     try:
         r = warm.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, env=env,
-                           timeout=timeout)  # fmt: skip
+                     timeout=timeout)  # fmt: skip
     except subprocess.TimeoutExpired as e:
         raise AssertionError(f"no result after {timeout:g}s (a hang): {(e.stderr or b'')[-3000:]!r}") from None
     assert r.returncode == 0, r.stderr[-3000:]

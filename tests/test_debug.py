@@ -203,7 +203,7 @@ def test_environment_knob_logs(tmp_path, env, logs):
     script.write_text(_SCRIPT)
     base = {k: v for k, v in os.environ.items() if k not in ("XLATORCH_DEBUG", "PT_XLA_DEBUG", "PT_XLA_DEBUG_LEVEL")}
     res = warm.run([sys.executable, str(script)], env=dict(base, PYTHONPATH=ROOT, **env), cwd=tmp_path,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+                   capture_output=True, text=True, timeout=300)  # fmt: skip
     assert res.returncode == 0, res.stderr
     assert ("xlatorch: Compilation Analysis: first compile" in res.stderr) == logs, res.stderr
     assert ("xlatorch: Execution Analysis: .item() at prog.py:5" in res.stderr) == logs, res.stderr

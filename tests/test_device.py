@@ -277,7 +277,7 @@ def test_a_process_forked_after_the_device_started_refuses_device_work_instead_o
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     r = warm.run([sys.executable, "-W", "ignore", "-c", _FORKS], env=dict(os.environ, PYTHONPATH=root),
-                       capture_output=True, text=True, timeout=240)  # fmt: skip
+                 capture_output=True, text=True, timeout=240)  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     assert r.stdout.splitlines() == [
         "before start 0",

@@ -195,7 +195,7 @@ def spmd4(tmp_path_factory):
     env.pop("XLA_USE_SPMD", None)
     script = f"import test_distributed_checkpoint as t; t._spmd_child({str(out)!r})"
     r = warm.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, env=env,
-                       timeout=600)  # fmt: skip
+                 timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr[-4000:]
     return torch.load(out / "dcp.pt", weights_only=False)
 

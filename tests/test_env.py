@@ -39,7 +39,7 @@ def _run(code: str, **env):
     e = {k: v for k, v in os.environ.items() if not _OURS.match(k) or k in ("XLA_FLAGS", "XLATORCH_CACHE_DIR")}
     e.update(env, PYTHONPATH=ROOT)
     return warm.run([sys.executable, "-c", textwrap.dedent(code)], env=e, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+                    timeout=300)  # fmt: skip
 
 
 @pytest.mark.parametrize(

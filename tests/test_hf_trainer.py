@@ -69,7 +69,7 @@ def _start(tmp_path, name, runner):
     script.write_text(TRAIN)
     cmd = [sys.executable, *(["-m", "xlatorch.compat"] if runner else []), str(script), str(tmp_path / name)]
     return warm.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})  # fmt: skip
+                      env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})  # fmt: skip
 
 
 def _result(proc, path):

@@ -401,7 +401,7 @@ def test_torch_xla_guide_programs_run_through_the_compat_runner(tmp_path):
     (tmp_path / "guide.py").write_text(GUIDE)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     res = warm.run([sys.executable, "-m", "xlatorch.compat", "guide.py"], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+                   capture_output=True, text=True, timeout=300)  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.strip().splitlines()[-1] == "[9.0, 12.0] [[1.0, 2.0], [4.0, 6.0], [9.0, 12.0]]"
 

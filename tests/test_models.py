@@ -139,7 +139,7 @@ def test_a_backward_before_import_xlatorch_does_not_stop_device_backward_passes(
     )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     r = warm.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, PYTHONPATH=root))  # fmt: skip
+                 env=dict(os.environ, PYTHONPATH=root))  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split() == ["GRAD", "[2.0,", "2.0]", "GRAD", "[5.0,", "5.0]"], r.stdout
 

@@ -43,7 +43,7 @@ def _run_hosts(target: str, args=(), per_host: int = 1, env=None, timeout: float
                  XLATORCH_COORDINATOR=f"127.0.0.1:{port}", PYTHONPATH=os.pathsep.join([ROOT, TESTS]),
                  **(env or {}))  # fmt: skip
         procs.append(warm.Popen([sys.executable, "-c", code], env=e, cwd=ROOT, text=True,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))  # fmt: skip
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))  # fmt: skip
     out = []
     for p in procs:
         try:

@@ -545,7 +545,7 @@ def test_collective_permute_between_data_parallel_threads():
 
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", PYTHONPATH=ROOT)
     r = warm.run([sys.executable, "-c", _DP_PERMUTE], capture_output=True, text=True, cwd=ROOT, env=env,
-                       timeout=300)  # fmt: skip
+                 timeout=300)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     (r0, swap0, one0, err0), (r1, swap1, one1, err1) = json.loads(r.stdout.strip().splitlines()[-1])
     assert (r0, r1) == (0, 1)
