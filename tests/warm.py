@@ -125,13 +125,19 @@ class Popen(subprocess.Popen):
         return self.returncode
 
 
+def _same_start(env, server_env) -> bool:
+    """Whether ``env`` and the server's agree on every variable read as an interpreter starts."""
+    keys = {k for k in set(env) | set(server_env) if _AT_START.match(k)}
+    return all(env.get(k) == server_env.get(k) for k in keys)
+
+
 def _command(args):
     """``(warnings, mode, target, argv, orig_argv)`` of ``[sys.executable, *options, -c/-m/path,
     ...]``, or None for a command the server cannot run."""
     if isinstance(args, (str, bytes)) or not args or os.fspath(args[0]) != sys.executable:
         return None
     rest = [os.fspath(a) for a in args[1:]]
-    warnings = []
+    orig, warnings = [sys.executable, *rest], []
     same = set(subprocess._args_from_interpreter_flags()) - {"-W"}  # options this Python already has (-B)
     while rest and (rest[0].startswith("-W") or rest[0] in same):
         if rest[0] in same:
@@ -149,8 +155,8 @@ def _command(args):
     if rest[0] in ("-c", "-m"):
         if len(rest) < 2:
             return None
-        return warnings, rest[0], rest[1], [rest[0], *rest[2:]], [sys.executable, *map(os.fspath, args[1:])]
-    return warnings, "path", rest[0], rest, [sys.executable, *map(os.fspath, args[1:])]
+        return warnings, rest[0], rest[1], [rest[0], *rest[2:]], orig
+    return warnings, "path", rest[0], rest, orig
 
 
 class _Server:
@@ -183,8 +189,7 @@ class _Server:
 
     def stands_for(self, env) -> bool:
         """Whether a child of this server, given ``env``, starts as a fresh interpreter would."""
-        keys = {k for k in set(env) | set(self.env) if _AT_START.match(k)}
-        return all(env.get(k) == self.env.get(k) for k in keys)
+        return _same_start(env, self.env)
 
     def fork(self, request, fds):
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -276,8 +281,7 @@ def _child(request, fds, base, server_env, added):
         """``os.execve``: of this Python, for a command a fresh child could run, in place (as the
         ``xlatorch.compat`` runner does): the modules imported since the fork are dropped."""
         command = _command(args) if os.fspath(path) == sys.executable else None
-        keys = {k for k in set(env) | set(server_env) if _AT_START.match(k)}
-        if command is None or any(env.get(k) != server_env.get(k) for k in keys):
+        if command is None or not _same_start(env, server_env):
             execve(path, args, env)
         raise _Exec(command, dict(env))
 
