@@ -1,5 +1,6 @@
 import atexit
 import compileall
+import multiprocessing
 import os
 import shutil
 import sys
@@ -25,6 +26,15 @@ if sys.dont_write_bytecode:  # otherwise imports write it themselves
 
 import xlatorch  # noqa: E402,F401
 import xlatorch.debug.metrics as met  # noqa: E402
+from tests import warm  # noqa: E402
+
+# Jobs that tests start in this process (``xmp.spawn(..., start_method="forkserver")``) fork
+# their workers from one server per test process that has imported torch, Dynamo and JAX
+# (not xlatorch: its import reads the job's variables): a ``spawn`` worker spends 5-6 s of
+# CPU importing them, a job's two at once. The guide's own program (test_distributed's
+# ``test_guide_mnist_with_two_processes[spawn]``), the launchers run as programs
+# (test_multihost, test_faults, test_compat) keep ``spawn``, the default.
+multiprocessing.set_forkserver_preload(list(warm.PRELOAD))
 
 # ``torch.manual_seed`` queues a seed for CUDA, XPU and MTIA until they start, formatting the
 # Python stack at each call (``torch/cuda/__init__.py: _lazy_call``): 1.9 ms a call under

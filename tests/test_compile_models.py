@@ -191,7 +191,7 @@ def test_collectives_inside_compiled_functions_on_two_replicas(tmp_path):
     import xlatorch.distributed.xla_multiprocessing as xmp
 
     n = 2
-    xmp.spawn(mp_workers.compiled_collectives, args=(str(tmp_path),), nprocs=n)
+    xmp.spawn(mp_workers.compiled_collectives, args=(str(tmp_path),), nprocs=n, start_method="forkserver")
     xs = [torch.arange(12.0).reshape(4, 3) + 100 * r for r in range(n)]
     total = sum(xs)
     for r in range(n):

@@ -38,7 +38,7 @@ def job(tmp_path_factory):
     out = tmp_path_factory.mktemp("job")
     parts = [("collectives", ()), ("data_parallel", (STEPS, PER)), ("sync_batch_norm", (BN_STEPS, BN_PER)),
              ("dist_api", ()), ("ddp", (DDP_STEPS, DDP_PER))]  # fmt: skip
-    xmp.spawn(mp_workers.parts, args=(str(out), parts), nprocs=N)
+    xmp.spawn(mp_workers.parts, args=(str(out), parts), nprocs=N, start_method="forkserver")
     return out
 
 
@@ -181,7 +181,7 @@ def test_guide_mnist_with_two_processes(tmp_path, entry):
 
         os.environ["CPU_NUM_DEVICES"] = str(N)
         try:
-            xlatorch.launch(mp_workers.mnist, args=(str(tmp_path), batches))
+            xlatorch.launch(mp_workers.mnist, args=(str(tmp_path), batches), start_method="forkserver")
         finally:
             del os.environ["CPU_NUM_DEVICES"]
     res = _load(tmp_path)
@@ -208,7 +208,7 @@ def _assert_no_children():
 def test_a_worker_that_raises_stops_the_job():
     t0 = time.monotonic()
     with pytest.raises(WorkerError, match="worker 1 raised ValueError") as e:
-        xmp.spawn(mp_workers.raises, nprocs=N)
+        xmp.spawn(mp_workers.raises, nprocs=N, start_method="forkserver")
     assert e.value.index == 1 and "worker one is broken" in str(e.value) and "mp_workers.py" in str(e.value)
     assert time.monotonic() - t0 < 60
     _assert_no_children()
@@ -217,20 +217,40 @@ def test_a_worker_that_raises_stops_the_job():
 def test_a_killed_worker_stops_the_job():
     t0 = time.monotonic()
     with pytest.raises(WorkerError, match="worker 1 died with signal SIGKILL"):
-        xmp.spawn(mp_workers.killed, nprocs=N)
+        xmp.spawn(mp_workers.killed, nprocs=N, start_method="forkserver")
     assert time.monotonic() - t0 < 60
     _assert_no_children()
 
 
 def test_a_worker_ending_with_sys_exit_0_succeeds(tmp_path):
-    xmp.spawn(mp_workers.exits, args=(str(tmp_path),), nprocs=N)
+    xmp.spawn(mp_workers.exits, args=(str(tmp_path),), nprocs=N, start_method="forkserver")
     assert [torch.load(tmp_path / f"rank{r}.pt") for r in range(N)] == [0, 1]
     _assert_no_children()
 
 
 def test_rendezvous_timeout_is_a_clear_error():
     with pytest.raises(WorkerError, match="rendezvous 'late' timed out after 2s: replica 1 of 2 did not arrive"):
-        xmp.spawn(mp_workers.late, nprocs=N)
+        xmp.spawn(mp_workers.late, nprocs=N, start_method="forkserver")
+    _assert_no_children()
+
+
+def test_forkserver_workers_have_the_launchers_environment_and_live_past_a_second(tmp_path, monkeypatch):
+    # A forkserver child starts with the fork server's environment, from when it started, and
+    # its parent is the server: the launcher watch once took that for the launcher's death and
+    # ended every worker half a second in.
+    from multiprocessing import forkserver
+
+    names = ("XLATORCH_TEST_SET_LATER", "XLATORCH_TEST_REMOVED", "CPU_NUM_DEVICES")
+    monkeypatch.setenv("XLATORCH_TEST_REMOVED", "at the server's start")
+    monkeypatch.setenv("CPU_NUM_DEVICES", "3")
+    forkserver._forkserver._stop()  # a server started now, with the two variables above
+    forkserver.ensure_running()
+    monkeypatch.setenv("XLATORCH_TEST_SET_LATER", "by the launcher")
+    monkeypatch.delenv("XLATORCH_TEST_REMOVED")
+    monkeypatch.delenv("CPU_NUM_DEVICES")
+    xmp.spawn(mp_workers.environment, args=(str(tmp_path), names), nprocs=N, start_method="forkserver")
+    want = {"XLATORCH_TEST_SET_LATER": "by the launcher", "XLATORCH_TEST_REMOVED": None, "CPU_NUM_DEVICES": None}
+    assert _load(tmp_path) == [want] * N
     _assert_no_children()
 
 

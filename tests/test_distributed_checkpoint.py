@@ -291,7 +291,7 @@ def test_two_processes_each_write_their_own_blocks(tmp_path):
 
     os.environ["CPU_NUM_DEVICES"] = "2"
     try:
-        xmp.spawn(_mp_worker, args=(str(tmp_path),), nprocs=2)
+        xmp.spawn(_mp_worker, args=(str(tmp_path),), nprocs=2, start_method="forkserver")
     finally:
         del os.environ["CPU_NUM_DEVICES"]
     assert_each_process_wrote_its_own_blocks(tmp_path)

@@ -451,7 +451,7 @@ _LAUNCHER = textwrap.dedent(
             time.sleep(0.05)
 
     if __name__ == "__main__":
-        xmp.spawn(fn, args=(sys.argv[1],), nprocs=2)
+        xmp.spawn(fn, args=(sys.argv[1],), nprocs=2, start_method=sys.argv[2])
     """
 )
 
@@ -480,14 +480,18 @@ def _listening(port: int) -> bool:
     return False
 
 
-def test_workers_die_with_a_killed_launcher(tmp_path):
+# A forkserver worker's parent is the fork server, not the launcher; a fork worker holds
+# copies of everything the launcher had open.
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver", "fork"])
+def test_workers_die_with_a_killed_launcher(tmp_path, start_method):
     import signal
     import time
 
     script = tmp_path / "launch.py"
     script.write_text(_LAUNCHER)
-    launcher = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=dict(os.environ, PYTHONPATH=ROOT),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    launcher = subprocess.Popen([sys.executable, str(script), str(tmp_path), start_method],
+                                env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)  # fmt: skip
     try:
         deadline = time.time() + 120
         while not all((tmp_path / f"worker{i}").exists() for i in range(2)):

@@ -64,7 +64,7 @@ def _tolerance(x32, x64):
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
     names = list(W.CONFIGS)
-    xmp.spawn(W.train, args=(str(out), names, STEPS, PER), nprocs=N)
+    xmp.spawn(W.train, args=(str(out), names, STEPS, PER), nprocs=N, start_method="forkserver")
     res = {name: [torch.load(out / f"{name}_rank{r}.pt", weights_only=False) for r in range(N)] for name in names}
     return out, res
 
@@ -120,7 +120,7 @@ def test_checkpoint_consolidation_command_line(trained, tmp_path):
 
 
 def _memory(out, n, kind, width, depth):
-    xmp.spawn(W.memory, args=(str(out), kind, width, depth), nprocs=n)
+    xmp.spawn(W.memory, args=(str(out), kind, width, depth), nprocs=n, start_method="forkserver")
     return [torch.load(out / f"memory_{kind}_rank{r}.pt") for r in range(n)]
 
 

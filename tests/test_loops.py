@@ -444,7 +444,7 @@ def test_collectives_inside_loops_run_on_every_replica(tmp_path):
     import xlatorch.distributed.xla_multiprocessing as xmp
 
     n = 2
-    xmp.spawn(mp_workers.loop_collectives, args=(str(tmp_path),), nprocs=n)
+    xmp.spawn(mp_workers.loop_collectives, args=(str(tmp_path),), nprocs=n, start_method="forkserver")
     xs = [torch.arange(12.0).reshape(4, 3) + 100 * r for r in range(n)]
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1)

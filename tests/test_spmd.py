@@ -202,7 +202,7 @@ def test_checkpoints_gather_the_shards(spmd):
 def test_two_processes_of_four_devices(tmp_path):
     os.environ["CPU_NUM_DEVICES"] = "4"  # devices per process under SPMD
     try:
-        xmp.spawn(prog.multiprocess_worker, args=(str(tmp_path),), nprocs=2)
+        xmp.spawn(prog.multiprocess_worker, args=(str(tmp_path),), nprocs=2, start_method="forkserver")
     finally:
         del os.environ["CPU_NUM_DEVICES"]
     assert_two_processes_of_four_devices(tmp_path)

@@ -195,7 +195,7 @@ def test_collective_broadcast_bucketized_all_reduce_and_xla_rendezvous_on_two_re
 
     import xlatorch.distributed.xla_multiprocessing as xmp
 
-    xmp.spawn(mp_workers.broadcast_from_root, args=(str(tmp_path),), nprocs=2)
+    xmp.spawn(mp_workers.broadcast_from_root, args=(str(tmp_path),), nprocs=2, start_method="forkserver")
     for r in range(2):
         got = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
         assert got["a"].tolist() == (torch.arange(6.0) + 10).tolist()
@@ -265,7 +265,7 @@ def test_point_to_point_collectives_between_two_processes(tmp_path):
 
     import xlatorch.distributed.xla_multiprocessing as xmp
 
-    xmp.spawn(w.permute_send_recv, args=(str(tmp_path),), nprocs=2)
+    xmp.spawn(w.permute_send_recv, args=(str(tmp_path),), nprocs=2, start_method="forkserver")
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
     x0, x1 = w.value(0), w.value(1)
     assert torch.equal(r0["ring"], x1 * 2) and torch.equal(r1["ring"], x0 * 2)

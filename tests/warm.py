@@ -36,7 +36,7 @@ import threading
 
 # Read while torch, JAX or the interpreter start: a child must not inherit the server's.
 _AT_START = re.compile(r"(PYTHON(?!PATH$)|JAX_|TORCH|PYTORCH|OMP_|MKL_|KMP_|GOMP|OPENBLAS|LD_|MALLOC|TF_|TPU_)")
-_PRELOAD = ("numpy", "torch", "torch._dynamo", "torch.distributed.tensor", "jax", "jax.numpy",
+PRELOAD = ("numpy", "torch", "torch._dynamo", "torch.distributed.tensor", "jax", "jax.numpy",
             "jaxlib.mlir.dialects.mhlo")  # fmt: skip
 
 
@@ -207,7 +207,7 @@ def _serve(path):
     import selectors
 
     start_env = dict(os.environ)
-    for name in _PRELOAD:
+    for name in PRELOAD:
         importlib.import_module(name)
     # What the imports put in the environment (TF_CPP_MIN_LOG_LEVEL ...), as they would in a child.
     added = {k: v for k, v in os.environ.items() if k not in start_env}

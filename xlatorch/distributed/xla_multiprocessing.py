@@ -53,24 +53,37 @@ def default_nprocs() -> int:
     return jax.local_device_count()
 
 
-def _watch_launcher(launcher: int, period: float = 0.5) -> None:
+def _watch_launcher(watch) -> None:
     """End this worker when its launcher dies (even by SIGKILL, which runs none of the
-    launcher's cleanup): the worker is re-parented, so ``getppid`` changes. ``os._exit``
+    launcher's cleanup). ``watch`` is the read end of a pipe whose only write end the
+    launcher holds: nothing is ever sent, so the read returns when that end closes, with
+    the launcher's death, whatever started this worker (a ``spawn`` or ``fork`` child's
+    parent is the launcher, a ``forkserver`` child's is the fork server). ``os._exit``
     works even while the main thread is blocked in a collective or a device call."""
-    while True:
-        time.sleep(period)
-        if os.getppid() != launcher:
-            sys.stderr.write("xlatorch: the launcher of this worker died; exiting\n")
-            sys.stderr.flush()
-            os._exit(1)
+    try:
+        watch.recv_bytes()
+    except (EOFError, OSError):
+        pass
+    sys.stderr.write("xlatorch: the launcher of this worker died; exiting\n")
+    sys.stderr.flush()
+    os._exit(1)
 
 
-def _worker(index: int, fn, args, env: dict, conn) -> None:
+def _adopt(environ: dict) -> None:
+    """Make this process's environment the launcher's at ``spawn`` plus the job's variables,
+    as a ``spawn`` child has it: a ``forkserver`` child starts with the fork server's, from
+    whenever that server started."""
+    for name in set(os.environ) - set(environ):
+        del os.environ[name]
+    os.environ.update(environ)
+
+
+def _worker(index: int, fn, args, env: dict, conn, watch, inherited: int | None) -> None:
     """The body of a spawned process: join the job, run ``fn``, report a failure to the parent."""
-    os.environ.update(env)
-    launcher = int(env.get("XLATORCH_LAUNCHER_PID", "0"))
-    if launcher:
-        threading.Thread(target=_watch_launcher, args=(launcher,), daemon=True, name="xlatorch-launcher-watch").start()
+    _adopt(env)
+    if inherited is not None:  # a ``fork`` child has the launcher's write end too: only the launcher keeps it
+        os.close(inherited)
+    threading.Thread(target=_watch_launcher, args=(watch,), daemon=True, name="xlatorch-launcher-watch").start()
     try:
         from xlatorch.runtime.base import topology as distributed
 
@@ -93,6 +106,9 @@ def _worker(index: int, fn, args, env: dict, conn) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # the job is over; skip teardown of the runtime's background threads
+
+
+_LAUNCHED: list = []  # the write ends of the jobs started with ``join=False``
 
 
 def _job_env(nprocs: int) -> list[dict]:
@@ -128,21 +144,28 @@ def spawn(fn, args=(), nprocs: int | None = None, join: bool = True, daemon: boo
     ctx = multiprocessing.get_context(start_method)
     procs, conns = [], []
     envs = _job_env(n)
+    watch, alive = ctx.Pipe(duplex=False)  # ``alive`` stays here: the workers exit when it closes
+    inherited = alive.fileno() if ctx.get_start_method() == "fork" else None
     for i, env in enumerate(envs):
-        env["XLATORCH_LAUNCHER_PID"] = str(os.getpid())  # workers exit when it dies
         recv, send = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_worker, args=(i, fn, args, env, send), daemon=daemon, name=f"xlatorch-worker-{i}")
+        p = ctx.Process(target=_worker, args=(i, fn, args, {**os.environ, **env}, send, watch, inherited),
+                        daemon=daemon, name=f"xlatorch-worker-{i}")  # fmt: skip
         p.start()
         send.close()
         procs.append(p)
         conns.append(recv)
+    watch.close()
     if not join:
+        _LAUNCHED.append(alive)  # for the life of this process, as the workers' parent would be
         return procs
     hosts = int(os.environ.get("XLATORCH_NUM_HOSTS", "1"))
     names = [f"xlatorch worker {i}" + (f" (process {e['XLATORCH_RANK']} of the job, host "
                                        f"{os.environ.get('XLATORCH_HOST_INDEX', '0')})" if hosts > 1 else "")
              for i, e in enumerate(envs)]  # fmt: skip
-    _join(procs, conns, names)
+    try:
+        _join(procs, conns, names)
+    finally:
+        alive.close()
     return None
 
 

@@ -183,7 +183,6 @@ VARS: dict[str, Var] = {
     "XLATORCH_LOCAL_WORLD_SIZE": Var(_whole(1), None, "a whole number >= 1"),
     "XLATORCH_NUM_HOSTS": Var(_whole(1), 1, "a whole number >= 1"),
     "XLATORCH_HOST_INDEX": Var(_whole(0), 0, "a whole number >= 0"),
-    "XLATORCH_LAUNCHER_PID": Var(_whole(0), 0, "a process id (set by xmp.spawn for its workers)"),
     "XLATORCH_INIT_TIMEOUT": Var(_whole(1), 120, "a whole number of seconds >= 1"),
     # a process of the job silent this long is lost: the others stop, naming it
     "XLATORCH_HEARTBEAT_TIMEOUT": Var(_whole(2), 60, "a whole number of seconds >= 2"),
