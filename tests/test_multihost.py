@@ -35,8 +35,10 @@ def _run_hosts(target: str, args=(), per_host: int = 1, env=None, timeout: float
     killed and reported as a hang."""
     port = _free_port()
     mod, fn = target.rsplit(".", 1)
+    # ``fork``: the launcher (a warm child: torch and JAX imported, no backend started) forks
+    # its worker, which so has them too; a ``spawn`` worker spends 5-6 s importing them.
     code = (f"import xlatorch.distributed.xla_multiprocessing as xmp, {mod}\n"
-            f"xmp.spawn({mod}.{fn}, args={tuple(args)!r}, nprocs={per_host})")  # fmt: skip
+            f"xmp.spawn({mod}.{fn}, args={tuple(args)!r}, nprocs={per_host}, start_method='fork')")  # fmt: skip
     procs, t0 = [], time.monotonic()
     for host in range(2):
         e = dict(os.environ, XLATORCH_NUM_HOSTS="2", XLATORCH_HOST_INDEX=str(host),
