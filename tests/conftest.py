@@ -31,9 +31,10 @@ from tests import warm  # noqa: E402
 # Jobs that tests start in this process (``xmp.spawn(..., start_method="forkserver")``) fork
 # their workers from one server per test process that has imported torch, Dynamo and JAX
 # (not xlatorch: its import reads the job's variables): a ``spawn`` worker spends 5-6 s of
-# CPU importing them, a job's two at once. The guide's own program (test_distributed's
-# ``test_guide_mnist_with_two_processes[spawn]``), the launchers run as programs
-# (test_multihost, test_faults, test_compat) keep ``spawn``, the default.
+# CPU importing them, a job's two at once. ``spawn``, the default, stays in the guide's own
+# program (test_distributed's ``test_guide_mnist_with_two_processes[spawn]``), the guides'
+# snippets (test_compat) and test_faults' killed launcher (which tries all three methods);
+# test_multihost's launchers, warm children with no backend started, ``fork`` theirs.
 multiprocessing.set_forkserver_preload(list(warm.PRELOAD))
 
 # ``torch.manual_seed`` queues a seed for CUDA, XPU and MTIA until they start, formatting the

@@ -13,6 +13,8 @@ import textwrap
 import pytest
 import torch
 
+from tests import warm
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Trains a small MLP on one fixed batch (so the state after m applied steps is the
@@ -489,9 +491,9 @@ def test_workers_die_with_a_killed_launcher(tmp_path, start_method):
 
     script = tmp_path / "launch.py"
     script.write_text(_LAUNCHER)
-    launcher = subprocess.Popen([sys.executable, str(script), str(tmp_path), start_method],
-                                env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)  # fmt: skip
+    launcher = warm.Popen([sys.executable, str(script), str(tmp_path), start_method],
+                          env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)  # fmt: skip
     try:
         deadline = time.time() + 120
         while not all((tmp_path / f"worker{i}").exists() for i in range(2)):

@@ -15,6 +15,7 @@ import torch
 
 import xlatorch.core.xla_model as xm
 import xlatorch.utils.serialization as xser
+from tests import warm
 from xlatorch.runtime.execute.serialization import replay
 
 DEV = xm.xla_device()
@@ -215,7 +216,7 @@ def test_killed_mid_save_leaves_previous_checkpoint(tmp_path, kind, previous):
         save(old, path)
         before = open(path, "rb").read()
     old_gens = _generations(path)
-    child = subprocess.Popen([sys.executable, "-c", _CHILD, kind, path], stdout=subprocess.PIPE)
+    child = warm.Popen([sys.executable, "-c", _CHILD, kind, path], stdout=subprocess.PIPE)
     try:
         assert child.stdout.readline() == b"ready\n"
         deadline = time.monotonic() + 30
