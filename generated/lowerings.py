@@ -156,15 +156,15 @@ def expand(out, self, size, implicit):
 
 
 def normal_(out, self, mean, std, generator, seed):
-    return mean + std * jax.random.normal(jax.random.key(seed), out.shape, out.dtype)
+    return mean + std * jax.random.normal(L.rng.key(seed), out.shape, out.dtype)
 
 
 def uniform_(out, self, from_, to, generator, seed):
-    return jax.random.uniform(jax.random.key(seed), out.shape, out.dtype, from_, to)
+    return jax.random.uniform(L.rng.key(seed), out.shape, out.dtype, from_, to)
 
 
 def bernoulli__float(out, self, p, generator, seed):
-    return jax.random.bernoulli(jax.random.key(seed), p, out.shape)
+    return jax.random.bernoulli(L.rng.key(seed), p, out.shape)
 
 
 def native_dropout(out, input, p, train, seed):
@@ -176,19 +176,19 @@ def native_dropout_backward(out, grad_output, mask, scale):
 
 
 def rand(out, size, dtype, layout, device, pin_memory, seed):
-    return jax.random.uniform(jax.random.key(seed), out.shape, out.dtype)
+    return jax.random.uniform(L.rng.key(seed), out.shape, out.dtype)
 
 
 def randn(out, size, dtype, layout, device, pin_memory, seed):
-    return jax.random.normal(jax.random.key(seed), out.shape, out.dtype)
+    return jax.random.normal(L.rng.key(seed), out.shape, out.dtype)
 
 
 def rand_like(out, self, dtype, layout, device, pin_memory, memory_format, seed):
-    return jax.random.uniform(jax.random.key(seed), out.shape, out.dtype)
+    return jax.random.uniform(L.rng.key(seed), out.shape, out.dtype)
 
 
 def randn_like(out, self, dtype, layout, device, pin_memory, memory_format, seed):
-    return jax.random.normal(jax.random.key(seed), out.shape, out.dtype)
+    return jax.random.normal(L.rng.key(seed), out.shape, out.dtype)
 
 
 def randint(out, high, size, dtype, layout, device, pin_memory, seed):
@@ -220,43 +220,43 @@ def random__from(out, self, from_, to, generator, seed):
 
 
 def randperm(out, n, dtype, layout, device, pin_memory, seed):
-    return jax.random.permutation(jax.random.key(seed), n).astype(out.dtype)
+    return jax.random.permutation(L.rng.key(seed), n).astype(out.dtype)
 
 
 def randperm_generator(out, n, generator, dtype, layout, device, pin_memory, seed):
-    return jax.random.permutation(jax.random.key(seed), n).astype(out.dtype)
+    return jax.random.permutation(L.rng.key(seed), n).astype(out.dtype)
 
 
 def exponential_(out, self, lambd, generator, seed):
-    return jax.random.exponential(jax.random.key(seed), out.shape, out.dtype) / lambd.astype(out.dtype)
+    return jax.random.exponential(L.rng.key(seed), out.shape, out.dtype) / lambd.astype(out.dtype)
 
 
 def geometric_(out, self, p, generator, seed):
-    return jnp.ceil(jnp.log(jax.random.uniform(jax.random.key(seed), out.shape, jnp.float32, jnp.finfo(jnp.float32).tiny, 1)) / jnp.log1p(-p.astype(jnp.float32)))
+    return jnp.ceil(jnp.log(jax.random.uniform(L.rng.key(seed), out.shape, jnp.float32, jnp.finfo(jnp.float32).tiny, 1)) / jnp.log1p(-p.astype(jnp.float32)))
 
 
 def log_normal_(out, self, mean, std, generator, seed):
-    return jnp.exp(mean.astype(out.dtype) + std.astype(out.dtype) * jax.random.normal(jax.random.key(seed), out.shape, out.dtype))
+    return jnp.exp(mean.astype(out.dtype) + std.astype(out.dtype) * jax.random.normal(L.rng.key(seed), out.shape, out.dtype))
 
 
 def cauchy_(out, self, median, sigma, generator, seed):
-    return median.astype(out.dtype) + sigma.astype(out.dtype) * jax.random.cauchy(jax.random.key(seed), out.shape, out.dtype)
+    return median.astype(out.dtype) + sigma.astype(out.dtype) * jax.random.cauchy(L.rng.key(seed), out.shape, out.dtype)
 
 
 def bernoulli(out, self, generator, seed):
-    return jax.random.bernoulli(jax.random.key(seed), self if jnp.issubdtype(self.dtype, jnp.floating) else jnp.real(self).astype(jnp.float32), out.shape)
+    return jax.random.bernoulli(L.rng.key(seed), self if jnp.issubdtype(self.dtype, jnp.floating) else jnp.real(self).astype(jnp.float32), out.shape)
 
 
 def normal_Tensor_float(out, mean, std, generator, seed):
-    return mean + std.astype(out.dtype) * jax.random.normal(jax.random.key(seed), out.shape, out.dtype)
+    return mean + std.astype(out.dtype) * jax.random.normal(L.rng.key(seed), out.shape, out.dtype)
 
 
 def normal_float_Tensor(out, mean, std, generator, seed):
-    return mean.astype(out.dtype) + std * jax.random.normal(jax.random.key(seed), out.shape, out.dtype)
+    return mean.astype(out.dtype) + std * jax.random.normal(L.rng.key(seed), out.shape, out.dtype)
 
 
 def normal_Tensor_Tensor(out, mean, std, generator, seed):
-    return mean + std * jax.random.normal(jax.random.key(seed), out.shape, out.dtype)
+    return mean + std * jax.random.normal(L.rng.key(seed), out.shape, out.dtype)
 
 
 def multinomial(out, self, num_samples, replacement, generator, seed):

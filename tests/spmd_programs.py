@@ -267,7 +267,28 @@ def main(out):
     res["misc"] = shards_and_dumps(out)
     res["uneven"] = uneven()
     res["put"] = replicated_put()
+    res["random"] = random_over_shardings()
     torch.save(res, os.path.join(out, "spmd.pt"))
+
+
+def random_over_shardings():
+    """The same draws (dropout, rand, randn) from the same seed, as a lone device's value and
+    sharded over the mesh two ways: ``{sharding: values}``."""
+    import xlatorch.core.xla_model as xm
+    import xlatorch.distributed.spmd as xs
+
+    d = xm.xla_device()
+    mesh = xs.Mesh(np.arange(8), (4, 2), ("data", "model"))
+    res = {}
+    for name, spec in (("none", None), ("rows", ("data", None)), ("both", ("data", "model"))):
+        xm.set_rng_state(1234)
+        x = torch.ones(16, 32, device=d)
+        if spec is not None:
+            xs.mark_sharding(x, mesh, spec)
+        drawn = (torch.nn.functional.dropout(x, 0.5, training=True), torch.rand_like(x), torch.randn_like(x))
+        xm.mark_step()
+        res[name] = [t.cpu() for t in drawn]
+    return res
 
 
 def replicated_put():

@@ -49,6 +49,17 @@ def test_put_onto_a_replicated_sharding_gives_what_jax_device_put_gives(spmd):
     assert got and all(v == (True, True) for v in got.values()), got
 
 
+def test_random_numbers_from_a_seed_are_the_same_whatever_the_sharding(spmd):
+    # lowering/rng.py: the bits come from XLA's RngBitGenerator, which generates the whole
+    # tensor and gives each device its part (a per-device draw would repeat or shift them).
+    got = spmd["random"]
+    lone = got.pop("none")
+    assert 0.3 < (lone[0] == 0).float().mean() < 0.7  # dropout at p=0.5 did drop about half
+    for name, drawn in got.items():
+        for want, have in zip(lone, drawn):
+            assert torch.equal(want, have), name
+
+
 def test_one_virtual_device_spans_every_device(spmd):
     assert spmd["devices"] == 8
     assert spmd["xla_devices"] == ["xla:0"]

@@ -22,6 +22,7 @@ from xlatorch.lowering import (  # noqa: F401
     pool,
     pool_fractional,
     reduce,
+    rng,
     rnn,
     sample,
     segment,

@@ -27,6 +27,8 @@ import numpy as np
 import torch
 from jax import lax
 
+from xlatorch.lowering import rng
+
 _F64 = jnp.float64
 _DBL_MIN = float(np.finfo(np.float64).tiny)
 
@@ -44,14 +46,14 @@ def _below_one(dtype):
 def standard_gamma(out, self, generator, seed):
     """``aten::_standard_gamma``: Gamma(self, 1) samples; CPU raises each below the dtype's
     smallest normal number to it (an underflowed sample, or concentration 0, gives ``tiny``)."""
-    g = jax.random.gamma(jax.random.key(seed), self.astype(_F64), dtype=_F64)
+    g = jax.random.gamma(rng.key(seed), self.astype(_F64), dtype=_F64)
     return jnp.maximum(g.astype(out.dtype), jnp.finfo(out.dtype).tiny)
 
 
 def sample_dirichlet(out, self, generator, seed):
     """``aten::_sample_dirichlet``: float64 gammas, each at least float64's smallest normal
     number, normalised along the last dim, then clamped to [tiny, nextafter(1, 0)]."""
-    g = jnp.maximum(jax.random.gamma(jax.random.key(seed), self.astype(_F64), dtype=_F64), _DBL_MIN)
+    g = jnp.maximum(jax.random.gamma(rng.key(seed), self.astype(_F64), dtype=_F64), _DBL_MIN)
     r = g / (g.sum(-1, keepdims=True) if g.ndim else g)
     return jnp.clip(r.astype(out.dtype), jnp.finfo(out.dtype).tiny, _below_one(out.dtype))
 
@@ -61,7 +63,7 @@ def poisson(out, self, generator, seed):
     float64 (negative and NaN rates raise: ``poisson_rate``). JAX's own sampler is not used:
     its transformed rejection gives a variance 1.3 times the rate at rate 1e10."""
     lam = jnp.where(self >= 0, self, 0).astype(_F64)
-    return _poisson_f64(jax.random.key(seed), lam).astype(out.dtype)
+    return _poisson_f64(rng.key(seed), lam).astype(out.dtype)
 
 
 def _poisson_f64(key, lam):
@@ -125,7 +127,7 @@ def binomial(out, count, prob, generator, seed):
     drawn = (n > 0) & (p > 0) & (p < 1) & (n < jnp.inf)
     flip = p > 0.5
     q = jnp.where(drawn, jnp.where(flip, 1 - p, p), 0.5)
-    s = _binomial_f64(jax.random.key(seed), jnp.where(drawn, n, 1), q)
+    s = _binomial_f64(rng.key(seed), jnp.where(drawn, n, 1), q)
     s = jnp.where(flip, n - s, s)
     s = jnp.where((n == jnp.inf) | jnp.isnan(n), jnp.nan, s)
     s = jnp.where(jnp.isnan(p), jnp.nan, s)

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from xlatorch.lowering import rng
 from xlatorch.lowering.pointwise import HALF, rounded
 from xlatorch.lowering.pointwise import wide as _wide
 
@@ -258,7 +259,7 @@ def embedding_dense_backward(out, grad_output, indices, num_weights, padding_idx
 def native_dropout(out, input, p, train, seed):
     if train is False:
         return input, jnp.ones(input.shape, jnp.bool_)
-    keep = jax.random.bernoulli(jax.random.key(seed), 1.0 - p, input.shape)
+    keep = jax.random.bernoulli(rng.key(seed), 1.0 - p, input.shape)
     scale = jnp.where(p < 1, 1.0 / (1.0 - p), 0.0).astype(input.dtype)
     return jnp.where(keep, input * scale, 0).astype(input.dtype), keep
 

@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from xlatorch.lowering import rng
+
 
 def _is_float(x) -> bool:
     return jnp.issubdtype(x.dtype, jnp.inexact)
@@ -375,12 +377,12 @@ def random_int(out, seed, low, high):
             high = int(jnp.iinfo(dt).max) + 1
     # int64 cannot hold 2**63: the top value then has probability 0 instead of 2**-63.
     high = min(high, int(jnp.iinfo(jnp.int64).max))
-    return jax.random.randint(jax.random.key(seed), out.shape, low, high, jnp.int64).astype(dt)
+    return jax.random.randint(rng.key(seed), out.shape, low, high, jnp.int64).astype(dt)
 
 
 def multinomial(seed, self, num_samples, replacement):
     """``multinomial``: categorical draws with replacement, Gumbel top-k without."""
-    key = jax.random.key(seed)
+    key = rng.key(seed)
     logits = jnp.log(self.astype(jnp.promote_types(self.dtype, jnp.float32)))
     if replacement:
         draws = jax.random.categorical(key, logits, axis=-1, shape=(num_samples,) + self.shape[:-1])
