@@ -11,11 +11,15 @@ alternate xlatorch, eager, xlatorch, eager ... to spread machine noise; figures 
 
 Needs ``transformers`` (``pip install -e .[bench]``); without it every model is skipped.
 
+``--dropout P`` trains with dropout at ``P`` (HF's default is 0.1; resnet has none): the
+losses then differ from eager's by the random masks, and the figures show what random ops
+cost a first step.
+
 ``--variant NAME=VALUE`` also runs xlatorch with that environment variable, interleaved with
 the others (e.g. ``XLATORCH_HOIST_BIRTHS=0``: without computing optimizer state apart), and
 prints its row as ``program+``.
 
-Usage: python -m bench.first_steps [--rounds R] [--programs bert,t5,vit,resnet] [--variant NAME=VALUE]
+Usage: python -m bench.first_steps [--rounds R] [--programs bert,t5,vit,resnet] [--dropout P] [--variant NAME=VALUE]
 """
 
 from __future__ import annotations
@@ -34,30 +38,30 @@ PROGRAMS = ("bert", "t5", "vit", "resnet")
 BATCH = 8
 
 
-def _model_and_batch(name: str, gen):
-    """A small randomly initialised model (dropout off, so losses compare with eager) and one
-    batch of its inputs, as keyword arguments of its forward (labels included)."""
+def _model_and_batch(name: str, gen, dropout: float = 0.0):
+    """A small randomly initialised model (dropout off by default, so losses compare with eager)
+    and one batch of its inputs, as keyword arguments of its forward (labels included)."""
     import torch
     import transformers as T
 
     if name == "bert":
         cfg = T.BertConfig(vocab_size=1000, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
                            intermediate_size=256, max_position_embeddings=128, num_labels=2,
-                           hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # fmt: skip
+                           hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)  # fmt: skip
         model = T.BertForSequenceClassification(cfg)
         batch = dict(input_ids=torch.randint(0, 1000, (BATCH, 64), generator=gen),
                      attention_mask=torch.ones(BATCH, 64, dtype=torch.long),
                      labels=torch.randint(0, 2, (BATCH,), generator=gen))  # fmt: skip
     elif name == "t5":
         cfg = T.T5Config(vocab_size=1000, d_model=128, d_kv=32, d_ff=256, num_layers=2, num_decoder_layers=2,
-                         num_heads=4, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)  # fmt: skip
+                         num_heads=4, dropout_rate=dropout, decoder_start_token_id=0, pad_token_id=0)  # fmt: skip
         model = T.T5ForConditionalGeneration(cfg)
         batch = dict(input_ids=torch.randint(1, 1000, (BATCH, 32), generator=gen),
                      labels=torch.randint(1, 1000, (BATCH, 16), generator=gen))  # fmt: skip
     elif name == "vit":
         cfg = T.ViTConfig(image_size=32, patch_size=4, num_channels=3, hidden_size=128, num_hidden_layers=2,
                           num_attention_heads=2, intermediate_size=256, num_labels=10,
-                          hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # fmt: skip
+                          hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)  # fmt: skip
         model = T.ViTForImageClassification(cfg)
         batch = dict(pixel_values=torch.randn(BATCH, 3, 32, 32, generator=gen),
                      labels=torch.randint(0, 10, (BATCH,), generator=gen))  # fmt: skip
@@ -72,12 +76,12 @@ def _model_and_batch(name: str, gen):
     return model, batch
 
 
-def _child(name: str, device: str, steps: int) -> dict:
+def _child(name: str, device: str, steps: int, dropout: float = 0.0) -> dict:
     """One program's first ``steps`` steps in this (fresh) process."""
     import torch
 
     torch.manual_seed(0)
-    model, batch = _model_and_batch(name, torch.Generator().manual_seed(1))
+    model, batch = _model_and_batch(name, torch.Generator().manual_seed(1), dropout)
     model.train()
     xla = device == "xla"
     if xla:
@@ -122,12 +126,13 @@ def _child(name: str, device: str, steps: int) -> dict:
     return out
 
 
-def _run(name: str, device: str, steps: int, variant: str = "") -> dict:
+def _run(name: str, device: str, steps: int, variant: str = "", dropout: float = 0.0) -> dict:
     env = dict(os.environ, XLATORCH_CACHE_DIR="")
     if variant:
         k, _, v = variant.partition("=")
         env[k] = v
-    cmd = [sys.executable, "-m", "bench.first_steps", "--child", name, "--device", device, "--steps", str(steps)]
+    cmd = [sys.executable, "-m", "bench.first_steps", "--child", name, "--device", device, "--steps", str(steps),
+           "--dropout", str(dropout)]  # fmt: skip
     p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
     if p.returncode != 0:
         raise RuntimeError(f"{name} on {device} failed:\n{p.stderr[-4000:]}")
@@ -140,13 +145,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="steps per run (the first two are reported)")
     ap.add_argument("--programs", default=",".join(PROGRAMS))
     ap.add_argument("--label", default="", help="a note stored with each row (e.g. before/after)")
+    ap.add_argument("--dropout", type=float, default=0.0, help="dropout probability of the models (default 0)")
     ap.add_argument("--variant", default="", help="NAME=VALUE: also run xlatorch with this environment variable")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results.jsonl"))
     ap.add_argument("--child")
     ap.add_argument("--device", default="xla")
     a = ap.parse_args()
     if a.child:
-        print(json.dumps(_child(a.child, a.device, a.steps)))
+        print(json.dumps(_child(a.child, a.device, a.steps, a.dropout)))
         return
     if importlib.util.find_spec("transformers") is None:
         print("bench.first_steps: transformers is not installed (pip install -e .[bench]); skipping every model")
@@ -157,10 +163,10 @@ def main() -> None:
     for name in a.programs.split(","):
         xs, vs, es = [], [], []
         for _ in range(a.rounds):
-            xs.append(_run(name, "xla", a.steps))
+            xs.append(_run(name, "xla", a.steps, dropout=a.dropout))
             if a.variant:
-                vs.append(_run(name, "xla", a.steps, a.variant))
-            es.append(_run(name, "cpu", a.steps))
+                vs.append(_run(name, "xla", a.steps, a.variant, a.dropout))
+            es.append(_run(name, "cpu", a.steps, dropout=a.dropout))
         _report(name, xs, es, a, "")
         if vs:
             _report(name, vs, es, a, a.variant)
@@ -174,8 +180,9 @@ def _report(name: str, xs: list, es: list, a, variant: str) -> None:
     x = [med(xs, i) for i in range(n)]
     e = [med(es, i) for i in range(n)]
     cs = [med(xs, i, "compile_s") for i in range(n)]
-    row = dict(program=name, label=a.label, variant=variant, rounds=a.rounds, first_step_s=x[0], second_step_s=x[1],
-               third_step_s=x[2] if n > 2 else None, eager_first_step_s=e[0], eager_second_step_s=e[1],
+    row = dict(program=name, label=a.label, variant=variant, dropout=a.dropout, rounds=a.rounds, first_step_s=x[0],
+               second_step_s=x[1], third_step_s=x[2] if n > 2 else None, eager_first_step_s=e[0],
+               eager_second_step_s=e[1],
                ratio_first=x[0] / e[0], ratio_second=x[1] / e[1], compiles=xs[0]["compiles"],
                compile_s=cs, graph_nodes=xs[0]["nodes"], setup_s=statistics.median(r["setup_s"] for r in xs),
                loss=xs[0]["loss"], eager_loss=es[0]["loss"], fallbacks=xs[0].get("fallbacks", []),
