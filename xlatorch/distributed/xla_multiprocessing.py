@@ -136,6 +136,12 @@ def spawn(fn, args=(), nprocs: int | None = None, join: bool = True, daemon: boo
     ``nprocs=None`` uses ``$CPU_NUM_DEVICES`` on CPU, else the local device count.
     Raises ``WorkerError`` (index, traceback) as soon as any worker fails; the
     others are terminated, so nothing hangs and no process is left behind.
+
+    ``start_method``: ``"spawn"`` (a fresh interpreter per worker), ``"forkserver"`` (forks of
+    a server process, fast once ``multiprocessing.set_forkserver_preload`` names torch and
+    JAX) or ``"fork"`` (only from a launcher that has not started a device yet). Whichever,
+    a worker has the launcher's environment as it is at this call, and ends when the
+    launcher dies.
     """
     n = nprocs or default_nprocs()
     if n == 1 and int(os.environ.get("XLATORCH_NUM_HOSTS", "1")) == 1:
